@@ -1,0 +1,179 @@
+"""The shared benchmark harness: timing, peak memory, and one markdown table per run.
+
+Every benchmark measures its peers in the same run and prints ratios beside absolute figures::
+
+    from benchmarks.harness import Bench
+    bench = Bench("sharded_embedding", dtype="fp32", sizes={"V": 262144, "d": 4096})
+    bench.measure("ours", step_fn, warmup=3, repeat=10)
+    bench.measure("nn.Embedding + AdamW", dense_fn)
+    bench.report(baseline="nn.Embedding + AdamW")   # prints the table, writes CSV under bench_out/
+
+On GPU, time is taken with CUDA events and peak memory with ``torch.cuda.max_memory_allocated``;
+on CPU with ``time.perf_counter`` and the process's peak RSS delta (``ru_maxrss``).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import gc
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+OUT_DIR = Path(os.environ.get("MAXIMUS_BENCH_OUT", Path(__file__).resolve().parent.parent / "bench_out"))
+GIB = float(1 << 30)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:
+        return os.environ.get("MAXIMUS_COMMIT", "unknown")
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    ms: Optional[float]             # median ms per call; None when it failed (OOM, ...)
+    peak_gib: Optional[float]       # peak memory during the timed calls
+    extra: Dict[str, object] = dataclasses.field(default_factory=dict)
+    error: str = ""
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_fn(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> List[float]:
+    """Milliseconds of each of ``repeat`` calls of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    if torch.cuda.is_available():
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+class Bench:
+    """One benchmark run: a title, its conditions, and the measured providers."""
+
+    def __init__(self, feature: str, dtype: str = "", sizes: Optional[Dict[str, object]] = None, notes: str = ""):
+        self.feature = feature
+        self.dtype = dtype
+        self.sizes = sizes or {}
+        self.notes = notes
+        self.results: List[Result] = []
+
+    def measure(self, name: str, fn: Callable[[], object], warmup: int = 3, repeat: int = 10,
+                setup: Optional[Callable[[], object]] = None, **extra) -> Result:
+        """Time ``fn``; an exception (OOM included) is recorded, not raised."""
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            if setup is not None:
+                setup()
+            times = time_fn(fn, warmup, repeat)
+            ms = statistics.median(times)
+            if torch.cuda.is_available():
+                peak = torch.cuda.max_memory_allocated() / GIB
+            else:
+                peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024 / GIB
+            res = Result(name, ms, peak, dict(extra))
+        except torch.cuda.OutOfMemoryError as e:
+            res = Result(name, None, None, dict(extra), error="OOM")
+            del e
+        except Exception as e:  # a peer that cannot run here is a row, not a crash
+            res = Result(name, None, None, dict(extra), error=f"{type(e).__name__}: {str(e)[:80]}")
+        if torch.cuda.is_available():
+            res.extra.setdefault("base_gib", round(base / GIB, 3))
+        self.results.append(res)
+        return res
+
+    def add(self, name: str, ms: Optional[float], peak_gib: Optional[float] = None, error: str = "", **extra):
+        """Record a figure measured elsewhere (a subprocess, a training loop)."""
+        res = Result(name, ms, peak_gib, dict(extra), error)
+        self.results.append(res)
+        return res
+
+    def table(self, baseline: Optional[str] = None) -> str:
+        base = next((r for r in self.results if r.name == baseline and r.ms), None)
+        extra_keys: List[str] = []
+        for r in self.results:
+            for k in r.extra:
+                if k not in extra_keys and k != "base_gib":
+                    extra_keys.append(k)
+        sizes = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
+        lines = [f"### {self.feature}",
+                 f"device: {device_name()} | dtype: {self.dtype} | {sizes} | commit: {git_commit()} | "
+                 f"torch {torch.__version__}"]
+        if self.notes:
+            lines.append(self.notes)
+        lines.append("")
+        head = ["provider", "ms", "peak GiB"] + ([f"speed-up vs {baseline}"] if base else []) + extra_keys
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for r in self.results:
+            cells = [r.name, f"{r.ms:.2f}" if r.ms else (r.error or "-"),
+                     f"{r.peak_gib:.2f}" if r.peak_gib is not None else "-"]
+            if base:
+                cells.append(f"{base.ms / r.ms:.2f}x" if r.ms else "-")
+            cells += [_fmt(r.extra.get(k, "")) for k in extra_keys]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def report(self, baseline: Optional[str] = None) -> str:
+        text = self.table(baseline)
+        print(text, flush=True)
+        self.write_csv()
+        return text
+
+    def write_csv(self, out_dir: Optional[Path] = None) -> Path:
+        out_dir = Path(out_dir or OUT_DIR)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{self.feature}.csv"
+        keys = sorted({k for r in self.results for k in r.extra})
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["feature", "provider", "ms", "peak_gib", "error", "device", "dtype", "sizes", "commit", *keys])
+            for r in self.results:
+                w.writerow([self.feature, r.name, r.ms, r.peak_gib, r.error, device_name(), self.dtype,
+                            ";".join(f"{k}={v}" for k, v in self.sizes.items()), git_commit(),
+                            *[r.extra.get(k, "") for k in keys]])
+        return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)

@@ -1,0 +1,164 @@
+"""Eviction bookkeeping of a partition cache, as tensors so a 65K-slot row cache stays on the GPU.
+
+The cache knows nothing about what a partition is (a vocab row, an expert): it maps integer ids
+in ``[0, num_ids)`` to slots in ``[0, num_slots)`` and decides which slots to give up.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ds_maximus.config import CachePolicy
+from ds_maximus.errors import CapacityError
+
+
+@dataclasses.dataclass
+class CacheCounters:
+    """Cumulative counters (entries, not bytes)."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def delta(self, earlier: "CacheCounters") -> "CacheCounters":
+        return CacheCounters(*(getattr(self, f.name) - getattr(earlier, f.name)
+                               for f in dataclasses.fields(self)))
+
+
+@dataclasses.dataclass
+class Assignment:
+    """Result of :meth:`SlotMap.assign` for a batch of unique ids.
+
+    ``slots[i]`` is the slot of ``ids[i]``; ``miss_ids`` must be filled into ``miss_slots``;
+    ``evicted_ids`` were in ``evicted_slots`` (the same slots as the misses that replaced them) and
+    must be written back first if dirty.
+    """
+
+    slots: torch.Tensor
+    miss_ids: torch.Tensor
+    miss_slots: torch.Tensor
+    evicted_ids: torch.Tensor
+    evicted_slots: torch.Tensor
+
+
+class SlotMap:
+    """id -> slot map with LRU or LFU eviction and pinning.
+
+    >>> m = SlotMap(num_slots=2, num_ids=10, policy=CachePolicy.LRU)
+    >>> a = m.assign(torch.tensor([3, 5])); a.miss_ids.tolist()
+    [3, 5]
+    >>> a = m.assign(torch.tensor([3])); a.miss_ids.tolist()   # hit
+    []
+    >>> a = m.assign(torch.tensor([7])); a.evicted_ids.tolist() # 5 is least recently used
+    [5]
+    """
+
+    def __init__(self, num_slots: int, num_ids: int, policy: CachePolicy = CachePolicy.LRU,
+                 device: torch.device | str = "cpu"):
+        if num_slots < 1:
+            raise CapacityError(f"a partition cache needs at least one slot, got {num_slots}")
+        self.num_slots = int(num_slots)
+        self.num_ids = int(num_ids)
+        self.policy = CachePolicy(policy)
+        self.device = torch.device(device)
+        self.id_to_slot = torch.full((num_ids,), -1, dtype=torch.long, device=self.device)
+        self.slot_to_id = torch.full((num_slots,), -1, dtype=torch.long, device=self.device)
+        self.last_use = torch.zeros(num_slots, dtype=torch.float64, device=self.device)
+        self.id_freq = torch.zeros(num_ids if self.policy == CachePolicy.LFU else 0, dtype=torch.float64,
+                                   device=self.device)
+        self.pin_count = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
+        self.clock = 0
+        self.counters = CacheCounters()
+
+    # -- queries ---------------------------------------------------------------------------
+    def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots of ``ids`` (-1 where not resident)."""
+        return self.id_to_slot[ids]
+
+    def resident_ids(self) -> torch.Tensor:
+        return self.slot_to_id[self.slot_to_id >= 0]
+
+    # -- pinning ---------------------------------------------------------------------------
+    def pin(self, slots: torch.Tensor) -> None:
+        """Protect slots (in use or in flight) from eviction until :meth:`unpin`."""
+        self.pin_count.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+
+    def unpin(self, slots: torch.Tensor) -> None:
+        self.pin_count.index_add_(0, slots, -torch.ones_like(slots, dtype=torch.int32))
+        assert int(self.pin_count.min()) >= 0, "unpin without pin"
+
+    # -- the one operation ------------------------------------------------------------------
+    def assign(self, ids: torch.Tensor, count: bool = True) -> Assignment:
+        """Give every id of ``ids`` (unique) a slot, evicting unpinned entries not in ``ids``."""
+        ids = ids.to(self.device, torch.long)
+        slots = self.id_to_slot[ids]
+        hit = slots >= 0
+        miss_ids = ids[~hit]
+        n_miss = miss_ids.numel()
+        empty = ids.new_empty(0)
+        evicted_ids, victims = empty, empty
+        if n_miss:
+            score = self._score()
+            score[self.slot_to_id < 0] = -1.0  # free slots first
+            score[self.pin_count > 0] = float("inf")
+            score[slots[hit]] = float("inf")
+            if n_miss > self.num_slots:
+                raise CapacityError(
+                    f"a batch needs {ids.numel()} distinct entries but the cache has {self.num_slots} slots; "
+                    "raise gpu_cache_rows (or gpu_experts_per_layer), or use smaller batches")
+            victims = torch.topk(score, n_miss, largest=False, sorted=False).indices
+            if bool(torch.isinf(score[victims]).any()):
+                pinned = int((self.pin_count > 0).sum())
+                raise CapacityError(
+                    f"cache of {self.num_slots} slots cannot take {n_miss} new entries: {pinned} slots are "
+                    f"pinned (in use or in flight) and {int(hit.sum())} hold this batch; raise the cache size")
+            old = self.slot_to_id[victims]
+            was = old >= 0
+            evicted_ids = old[was]
+            self.id_to_slot[evicted_ids] = -1
+            self.slot_to_id[victims] = miss_ids
+            self.id_to_slot[miss_ids] = victims
+            slots = slots.clone()
+            slots[~hit] = victims
+            if count:
+                self.counters.evictions += int(evicted_ids.numel())
+            evicted_slots = victims[was]
+        else:
+            evicted_slots = empty
+        self.touch(ids, slots)
+        if count:
+            self.counters.lookups += int(ids.numel())
+            self.counters.misses += n_miss
+            self.counters.hits += int(ids.numel()) - n_miss
+        return Assignment(slots, miss_ids, victims, evicted_ids, evicted_slots)
+
+    def touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Record a use of ``ids`` (already resident in ``slots``)."""
+        self.clock += 1
+        self.last_use[slots] = float(self.clock)
+        if self.policy == CachePolicy.LFU:
+            self.id_freq[ids] += 1.0
+
+    def evict(self, ids: torch.Tensor) -> torch.Tensor:
+        """Drop ``ids`` from the map (for explicit flushes); returns their former slots."""
+        ids = ids.to(self.device, torch.long)
+        slots = self.id_to_slot[ids]
+        slots = slots[slots >= 0]
+        self.id_to_slot[self.slot_to_id[slots]] = -1
+        self.slot_to_id[slots] = -1
+        return slots
+
+    def _score(self) -> torch.Tensor:
+        if self.policy == CachePolicy.LRU:
+            return self.last_use.clone()
+        freq = torch.zeros(self.num_slots, dtype=torch.float64, device=self.device)
+        used = self.slot_to_id >= 0
+        freq[used] = self.id_freq[self.slot_to_id[used]]
+        # least frequent first, least recent among equals
+        return freq * 1e9 + self.last_use

@@ -1,0 +1,273 @@
+"""``MaximusConfig``: the ``"maximus"`` section of a DeepSpeed ds_config, as one pydantic model.
+
+Every field has a default, a unit in its name where it has one, and a docstring. Unknown keys,
+wrong types and out-of-range values raise :class:`ds_maximus.errors.ConfigError` naming the full
+key path, what is allowed and the closest valid key.
+
+Example::
+
+    >>> from ds_maximus.config import MaximusConfig
+    >>> cfg = MaximusConfig.from_ds_config({"maximus": {"embedding": {"gpu_cache_rows": 4096}}})
+    >>> cfg.enabled, cfg.embedding.gpu_cache_rows, cfg.embedding.cache_policy.value
+    (True, 4096, 'lfu')
+"""
+from __future__ import annotations
+
+import difflib
+import enum
+import json
+import os
+from typing import Any, List, Mapping, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ds_maximus.errors import ConfigError
+
+SECTION = "maximus"
+
+
+class CachePolicy(str, enum.Enum):
+    """Eviction policy of a partition cache."""
+
+    LRU = "lru"
+    LFU = "lfu"
+
+
+class OptimizerType(str, enum.Enum):
+    ADAMW = "adamw"
+    ADAGRAD = "adagrad"
+
+
+class SparseMode(str, enum.Enum):
+    """``exact`` replays skipped steps' decay so results equal dense AdamW; ``lazy`` is SparseAdam."""
+
+    EXACT = "exact"
+    LAZY = "lazy"
+
+
+class OffloadDevice(str, enum.Enum):
+    """Where the full table (or the experts) lives: pinned CPU memory, or NVMe with a CPU cache."""
+
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class HeadPlacement(str, enum.Enum):
+    """Where the LM head's weight lives: on the GPU, or in the CPU tier streamed chunk by chunk."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+class ShardMode(str, enum.Enum):
+    REPLICATED = "replicated"
+    PARTITIONED = "partitioned"
+    BROADCAST = "broadcast"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_enum_values=False, validate_assignment=True,
+                              use_attribute_docstrings=True)
+
+
+class OffloadConfig(_Section):
+    device: OffloadDevice = OffloadDevice.CPU
+    """Tier that holds the full table: ``cpu`` (pinned RAM) or ``nvme`` (shard store, CPU tier as cache)."""
+    nvme_path: Optional[str] = None
+    """Folder of the shard store when ``device`` is ``nvme``. Required then."""
+    cpu_cache_shards: int = Field(8, ge=1)
+    """With ``device: nvme``: how many shards the CPU tier keeps (a bounded cache)."""
+    pin_memory: bool = True
+    """Pin the CPU tier (page-locked) so copies to the GPU are asynchronous."""
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self):
+        if self.device == OffloadDevice.NVME and not self.nvme_path:
+            raise ValueError("offload.device is 'nvme' but offload.nvme_path is not set; "
+                             "set nvme_path to a folder on a fast local disk, or use device 'cpu'")
+        return self
+
+
+class EmbeddingOptimizerConfig(_Section):
+    type: OptimizerType = OptimizerType.ADAMW
+    """Sparse optimizer of the table's rows: ``adamw`` or ``adagrad``."""
+    mode: SparseMode = SparseMode.EXACT
+    """``exact`` (equals dense AdamW) or ``lazy`` (equals torch.optim.SparseAdam)."""
+    lr: Optional[float] = Field(None, gt=0)
+    """Learning rate; ``None`` follows the DeepSpeed optimizer's (and its scheduler's) lr."""
+    betas: List[float] = Field(default_factory=lambda: [0.9, 0.999], min_length=2, max_length=2)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    weight_decay: Optional[float] = Field(None, ge=0)
+    """Decoupled weight decay; ``None`` follows the DeepSpeed optimizer's."""
+
+
+class EmbeddingConfig(_Section):
+    enabled: bool = True
+    """Swap qualifying ``nn.Embedding`` modules for ``ShardedEmbedding``."""
+    modules: List[str] = Field(default_factory=list)
+    """Module names to swap (``model.embed_tokens``); empty means by size (``min_rows``)."""
+    min_rows: int = Field(32768, ge=1)
+    """With ``modules`` empty: swap every embedding with at least this many rows."""
+    token_map_dir: Optional[str] = None
+    """Folder written by ``maximus-tokenizer build`` (frequency-ordered ids); optional."""
+    gpu_cache_rows: int = Field(65536, ge=1)
+    """Rows (with optimizer state) the GPU row cache holds."""
+    cache_policy: CachePolicy = CachePolicy.LFU
+    """Eviction policy of the row cache."""
+    rows_per_shard: int = Field(32768, ge=1)
+    """Rows per shard file (the unit of NVMe I/O and of the CPU tier)."""
+    prefetch: bool = True
+    """Stage the next batch's rows while this batch trains."""
+    optimizer: EmbeddingOptimizerConfig = Field(default_factory=EmbeddingOptimizerConfig)
+    """Sparse optimizer of the rows."""
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    """Where the full table lives."""
+
+
+class LMHeadConfig(_Section):
+    enabled: bool = False
+    """Compute the causal-LM loss with ``ShardedLMHead`` (no full logits)."""
+    chunk_rows: int = Field(16384, ge=1)
+    """Vocabulary rows per chunk of the streamed cross-entropy."""
+    placement: HeadPlacement = HeadPlacement.GPU
+    """Where the head's weight lives (``gpu`` resident, or ``cpu`` streamed chunk by chunk)."""
+
+
+class MoEConfig(_Section):
+    enabled: bool = False
+    """Offload MoE experts into the partition cache."""
+    gpu_experts_per_layer: int = Field(2, ge=1)
+    """GPU expert-cache slots per MoE layer."""
+    gpu_expert_bytes: Optional[int] = Field(None, ge=1)
+    """Alternative budget per layer in bytes; overrides ``gpu_experts_per_layer`` when set."""
+    cache_policy: CachePolicy = CachePolicy.LRU
+    """Eviction policy of the expert cache."""
+    speculative_prefetch: bool = True
+    """Apply the next layer's router to the current hidden state and load its likely experts early."""
+    prefetch_top_k: Optional[int] = Field(None, ge=1)
+    """Experts to prefetch per layer; ``None`` means the model's top-k."""
+    train: bool = False
+    """Train experts as swappable partitions (under ``ds_maximus.initialize``)."""
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    """Where the experts live."""
+
+
+class IOConfig(_Section):
+    threads: int = Field(8, ge=1, le=256)
+    """Worker threads of the async NVMe loader."""
+    block_bytes: int = Field(1 << 20, ge=4096)
+    """Bytes per I/O request; a multiple of 4096 for O_DIRECT."""
+    queue_depth: int = Field(32, ge=1)
+    """Requests in flight at once."""
+    o_direct: bool = True
+    """Bypass the page cache (falls back to buffered I/O, logged, where refused)."""
+
+    @model_validator(mode="after")
+    def _aligned(self):
+        if self.block_bytes % 4096:
+            raise ValueError(f"io.block_bytes={self.block_bytes} is not a multiple of 4096; "
+                             f"use {max(4096, self.block_bytes // 4096 * 4096)}")
+        return self
+
+
+class DistributedConfig(_Section):
+    shard_mode: ShardMode = ShardMode.REPLICATED
+    """``replicated`` (each rank the whole table), ``partitioned`` (rows owned by ranks) or ``broadcast``."""
+    master_rank: int = Field(0, ge=0)
+    """Rank that reads the store in ``broadcast`` mode."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Seconds a maximus collective may wait before failing with an error naming it."""
+
+
+class LoggingConfig(_Section):
+    interval_steps: int = Field(100, ge=1)
+    """Optimizer steps between maximus stats lines (and monitor events)."""
+
+
+class MaximusConfig(_Section):
+    """The whole ``"maximus"`` section. A missing section, or ``enabled: false``, means off."""
+
+    enabled: bool = True
+    """Master switch (a section that is present is on unless this is false)."""
+    embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+    lm_head: LMHeadConfig = Field(default_factory=LMHeadConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    io: IOConfig = Field(default_factory=IOConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any]) -> "MaximusConfig":
+        """Validate the contents of a ``"maximus"`` section (the dict under the key)."""
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"'{SECTION}' must be a JSON object, got {type(section).__name__}", SECTION)
+        try:
+            return cls.model_validate(dict(section))
+        except ValidationError as e:
+            raise _to_config_error(e) from None
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Union[None, str, os.PathLike, Mapping[str, Any]]) -> "MaximusConfig":
+        """Read the ``"maximus"`` section of a ds_config (a dict or a JSON file path)."""
+        if ds_config is None:
+            return cls(enabled=False)
+        if isinstance(ds_config, (str, os.PathLike)):
+            try:
+                with open(ds_config) as f:
+                    ds_config = json.load(f)
+            except FileNotFoundError:
+                raise ConfigError(f"ds_config file not found: {ds_config}") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"ds_config {ds_config} is not valid JSON: {e}") from None
+        if not isinstance(ds_config, Mapping):
+            # DeepSpeed also accepts a DeepSpeedConfig-like object; read its raw dict when present
+            raw = getattr(ds_config, "_param_dict", None)
+            if raw is None:
+                raise ConfigError(f"ds_config must be a dict or a JSON path, got {type(ds_config).__name__}")
+            ds_config = raw
+        if SECTION not in ds_config:
+            return cls(enabled=False)
+        return cls.from_dict(ds_config[SECTION])
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def _allowed_keys(model: type, loc: tuple) -> List[str]:
+    """Field names of the sub-model that ``loc`` (up to its last part) points into."""
+    cur = model
+    for part in loc[:-1]:
+        field = cur.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cur = ann
+        else:
+            return []
+    return list(cur.model_fields)
+
+
+def _to_config_error(e: ValidationError) -> ConfigError:
+    lines = []
+    first_path = None
+    for err in e.errors():
+        loc = tuple(p for p in err["loc"])
+        path = ".".join([SECTION] + [str(p) for p in loc])
+        first_path = first_path or path
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            allowed = _allowed_keys(MaximusConfig, loc)
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.5)
+            hint = f"; did you mean \"{close[0]}\"?" if close else ""
+            lines.append(f"unknown key \"{path}\"{hint} (allowed: {', '.join(allowed)})")
+        elif kind == "enum":
+            expected = err.get("ctx", {}).get("expected", "")
+            lines.append(f"\"{path}\" = {err.get('input')!r} is not allowed; allowed values: {expected}")
+        elif kind == "value_error":
+            lines.append(f"\"{path or SECTION}\": {err['msg'].removeprefix('Value error, ')}")
+        else:
+            lines.append(f"\"{path}\" = {err.get('input')!r}: {err['msg']}")
+    return ConfigError("invalid maximus config: " + "; ".join(lines), first_path)

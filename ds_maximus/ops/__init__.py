@@ -1,0 +1,30 @@
+"""Thin Python wrappers that load each maximus op once and own its handle."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def op_builder_module():
+    """``ds_maximus.op_builder``: installed by ``pip install -e .``, or found next to the package
+    when the repository is only on ``PYTHONPATH`` (as on the GPU machine)."""
+    try:
+        return importlib.import_module("ds_maximus.op_builder")
+    except ImportError:
+        root = Path(__file__).resolve().parents[2] / "op_builder"
+        spec = importlib.util.spec_from_file_location("ds_maximus.op_builder", root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        if spec is None:
+            raise
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+
+def builder(module: str, cls: str):
+    """Instantiate builder ``cls`` from ``ds_maximus.op_builder.<module>``."""
+    op_builder_module()
+    return getattr(importlib.import_module(f"ds_maximus.op_builder.{module}"), cls)()

@@ -1,0 +1,148 @@
+"""Base classes of our op builders, on top of DeepSpeed's.
+
+A builder is declarative (``NAME``, ``BUILD_VAR``, ``sources()``, ``include_paths()``,
+``is_compatible()``); these bases add what an external extension needs from DeepSpeed 0.19.8:
+
+* absolute source paths (DeepSpeed resolves relative ones against its own package),
+* ``maximus_`` op names and ``DS_BUILD_MAXIMUS_<OP>`` build variables,
+* a sanitised ``TORCH_CUDA_ARCH_LIST`` (``9.0a`` crashes DeepSpeed's parser),
+* a JIT cache folder inside the checkout's ignored ``build/`` unless ``TORCH_EXTENSIONS_DIR`` is set,
+* :class:`ds_maximus.errors.OpBuildError` with the compiler log and the fix when a build fails.
+
+Ops load once per process (DeepSpeed's ``_loaded_ops``) and are reused between processes
+through torch's JIT cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import sys
+from pathlib import Path
+
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
+from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CSRC = REPO_ROOT / "csrc"
+DEFAULT_EXTENSIONS_DIR = REPO_ROOT / "build" / "torch_extensions"
+
+
+def sanitize_cuda_arch_list(value: str | None) -> str | None:
+    """Drop arch-specific suffixes DeepSpeed cannot parse: ``"9.0a;8.0"`` -> ``"9.0;8.0"``.
+
+    >>> sanitize_cuda_arch_list("9.0a 10.0f+PTX")
+    '9.0;10.0+PTX'
+    """
+    if value is None:
+        return None
+    out = []
+    for cc in re.split(r"[;\s]+", value.strip()):
+        if not cc:
+            continue
+        m = re.fullmatch(r"(\d+)\.(\d+)[a-zA-Z]*(\+PTX)?", cc)
+        if m is None:
+            continue  # names such as "Hopper" are not understood by DeepSpeed's builder either
+        out.append(f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}")
+    return ";".join(dict.fromkeys(out)) or None
+
+
+class _MaximusBuilderMixin:
+    """Shared behaviour of the CPU and CUDA bases. Subclasses set ``NAME`` (without prefix)."""
+
+    NAME = ""
+    BUILD_VAR = ""
+
+    def __init__(self):
+        if not self.NAME:
+            raise TypeError(f"{type(self).__name__} must set NAME")
+        self.BUILD_VAR = self.BUILD_VAR or f"DS_BUILD_MAXIMUS_{self.NAME.upper()}"
+        super().__init__(name=f"maximus_{self.NAME}")
+
+    def absolute_name(self):
+        return f"ds_maximus.ops.{self.name}_op"
+
+    @staticmethod
+    def csrc(*parts: str) -> str:
+        """Absolute path of a file under ``csrc/``."""
+        return str(CSRC.joinpath(*parts))
+
+    def include_paths(self):
+        return [str(CSRC)]
+
+    def is_compatible(self, verbose=False):
+        return super().is_compatible(verbose)
+
+    def load(self, verbose=False):
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        fixed = sanitize_cuda_arch_list(arch)
+        if arch is not None and fixed != arch:
+            if fixed:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
+            else:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST")
+        if not self.is_compatible(verbose):
+            from ds_maximus.errors import OpBuildError
+            raise OpBuildError(self.name, "not compatible with this machine", fix=self.error_log or "")
+        log = io.StringIO()
+        try:
+            # torch prints the compiler output on failure; keep it for the error as well
+            with contextlib.redirect_stdout(_Tee(sys.stdout, log)):
+                return super().load(verbose=verbose)
+        except Exception as e:  # compiler or linker failure, missing ninja, ...
+            from ds_maximus.errors import OpBuildError
+            text = f"{log.getvalue()}\n{e}"
+            raise OpBuildError(self.name, type(e).__name__ + ": " + str(e).splitlines()[0] if str(e) else "",
+                               log=text, fix=_fix_for(text)) from e
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, s):
+        for st in self.streams:
+            st.write(s)
+        return len(s)
+
+    def flush(self):
+        for st in self.streams:
+            st.flush()
+
+
+def _fix_for(log: str) -> str:
+    if "ninja" in log.lower() and "not" in log.lower():
+        return "pip install ninja"
+    if "Python.h" in log:
+        return "install the Python development headers (apt-get install python3-dev)"
+    if "nvcc" in log and ("not found" in log or "No such file" in log):
+        return "install the CUDA toolkit matching torch.version.cuda, or set CUDA_HOME"
+    if "invalid literal for int()" in log:
+        return "set TORCH_CUDA_ARCH_LIST to plain numbers, e.g. 9.0"
+    return (f"read the compiler log above; remove {DEFAULT_EXTENSIONS_DIR} (or $TORCH_EXTENSIONS_DIR) "
+            "to force a clean rebuild")
+
+
+class MaximusOpBuilder(_MaximusBuilderMixin, CPUOpBuilder):
+    """CPU (C++/OpenMP) op builder on DeepSpeed's ``CPUOpBuilder``."""
+
+    def cxx_args(self):
+        args = super().cxx_args()
+        return [a for a in args if a] + ["-std=c++17"]
+
+
+class MaximusCUDAOpBuilder(_MaximusBuilderMixin, CUDAOpBuilder):
+    """CUDA op builder on DeepSpeed's ``CUDAOpBuilder``."""
+
+    def is_compatible(self, verbose=False):
+        import torch
+        if torch.version.cuda is None:
+            self.warning(f"{self.name} needs a CUDA build of torch (this torch is {torch.__version__}); "
+                         "use the CPU twin of this op, or install a CUDA torch")
+            return False
+        return super().is_compatible(verbose)
+
+    def nvcc_args(self):
+        return super().nvcc_args() + ["-lineinfo"]
