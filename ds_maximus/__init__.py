@@ -17,9 +17,9 @@ from ds_maximus.errors import CapacityError, ConfigError, OpBuildError, ShardSto
 __version__ = "0.1.0"
 
 _LAZY = {
-    "initialize": "ds_maximus.zero.initialize",
-    "enable": "ds_maximus.zero.initialize",
-    "stats": "ds_maximus.stats",
+    "initialize": "ds_maximus.zero",
+    "enable": "ds_maximus.zero",
+    "stats": "ds_maximus.observability",
     "ShardedEmbedding": "ds_maximus.embedding",
     "ShardedLMHead": "ds_maximus.embedding",
     "linear_cross_entropy": "ds_maximus.embedding",

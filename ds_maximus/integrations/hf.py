@@ -1,0 +1,116 @@
+"""Hugging Face integration: ``maximize(model, config)`` and ``MaximusDataCollator``.
+
+Example::
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=262144, ...))
+    maximize(model, "ds_configs/zero2_cpu_tier.json")        # embedding (and head) become sharded
+    trainer = Trainer(model=model, args=TrainingArguments(..., deepspeed="ds_configs/zero2_cpu_tier.json"),
+                      data_collator=MaximusDataCollator(DataCollatorForLanguageModeling(tok, mlm=False), model))
+
+With ``ds_maximus.enable()`` called first, the Trainer's ``deepspeed.initialize`` goes through
+``ds_maximus.initialize``, which does the same swap itself: ``maximize`` is then optional.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Optional, Union
+
+import torch
+from torch import nn
+
+from ds_maximus.config import MaximusConfig
+
+
+def _cfg(config) -> MaximusConfig:
+    if isinstance(config, MaximusConfig):
+        return config
+    return MaximusConfig.from_ds_config(config)
+
+
+def sharded_modules(model: nn.Module) -> List[nn.Module]:
+    """Every module of ``model`` that has row prefetch (sharded embeddings)."""
+    from ds_maximus.embedding import ShardedEmbedding
+    return [m for m in model.modules() if isinstance(m, ShardedEmbedding)]
+
+
+def attach_lm_head(model: nn.Module, cfg: MaximusConfig):
+    """Route an HF causal LM's ``labels=`` loss through ``ShardedLMHead`` (no full logits)."""
+    from ds_maximus.integrations.hf_lm_head import patch_causal_lm_loss
+    return patch_causal_lm_loss(model, config=cfg.lm_head)
+
+
+def maximize(model: nn.Module, config: Union[str, dict, MaximusConfig], inference: bool = False) -> nn.Module:
+    """Swap ``model``'s large embeddings for ``ShardedEmbedding`` (and its loss for the streamed LM head).
+
+    ``inference=True`` keeps the table in the CPU tier with the GPU row cache for ``generate()``.
+    Returns the same model object.
+    """
+    from ds_maximus.zero.swap import swap_embeddings
+    cfg = _cfg(config)
+    if not cfg.enabled:
+        return model
+    swap_embeddings(model, cfg)
+    if cfg.lm_head.enabled:
+        attach_lm_head(model, cfg)
+    if inference:
+        model.eval()
+    return model
+
+
+def _unique_ids(batch: Any) -> Optional[torch.Tensor]:
+    ids = batch.get("input_ids") if isinstance(batch, dict) else getattr(batch, "input_ids", None)
+    if ids is None and isinstance(batch, (tuple, list)) and batch and torch.is_tensor(batch[0]):
+        ids = batch[0]
+    if ids is None or not torch.is_tensor(ids):
+        return None
+    return torch.unique(ids.reshape(-1))
+
+
+class MaximusDataCollator:
+    """Wraps a collator; each collated batch's unique ids are prefetched into the row caches.
+
+    Loaders that run one batch ahead (accelerate's, or :func:`lookahead`) thereby stage batch t+1's
+    rows while batch t trains. In a DataLoader worker process the modules are not reachable, so there
+    the collator only collates (use ``num_workers=0`` or :func:`lookahead` in the main process).
+    """
+
+    def __init__(self, base_collator, model_or_modules: Union[nn.Module, Iterable[nn.Module], None] = None):
+        self.base = base_collator
+        self._source = model_or_modules
+        self.prefetches = 0
+
+    def _modules(self) -> List[nn.Module]:
+        src = self._source
+        if src is None:
+            return []
+        if isinstance(src, nn.Module):
+            return sharded_modules(src)
+        return list(src)
+
+    def __call__(self, features):
+        batch = self.base(features)
+        if torch.utils.data.get_worker_info() is None:
+            ids = _unique_ids(batch)
+            if ids is not None:
+                for m in self._modules():
+                    if ids.numel() and int(ids.max()) < m.num_embeddings:
+                        m.prefetch(ids)
+                        self.prefetches += 1
+        return batch
+
+
+def lookahead(loader: Iterable, model_or_modules) -> Iterable:
+    """Iterate ``loader`` one batch ahead, prefetching the next batch's rows before yielding this one."""
+    modules = sharded_modules(model_or_modules) if isinstance(model_or_modules, nn.Module) else list(model_or_modules)
+    it = iter(loader)
+    try:
+        cur = next(it)
+    except StopIteration:
+        return
+    for nxt in it:
+        ids = _unique_ids(nxt)
+        if ids is not None:
+            for m in modules:
+                m.prefetch(ids)
+        yield cur
+        cur = nxt
+    yield cur

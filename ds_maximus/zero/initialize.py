@@ -1,0 +1,126 @@
+"""``ds_maximus.initialize``: a drop-in for ``deepspeed.initialize`` that honours the ``"maximus"`` section.
+
+Example::
+
+    engine, optimizer, _, scheduler = ds_maximus.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_configs/zero2_cpu_tier.json")
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()          # dense step by DeepSpeed, sparse step by maximus
+
+``ds_maximus.enable()`` makes every later ``deepspeed.initialize`` call (HF Trainer through accelerate
+included) go through here.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any, Optional
+
+import deepspeed
+import torch
+
+from ds_maximus.config import MaximusConfig, SECTION
+from ds_maximus.zero.swap import remove_params_from_optimizer, swap_embeddings
+
+logger = logging.getLogger("ds_maximus")
+_DEEPSPEED_INITIALIZE = deepspeed.initialize
+
+
+def _load_config(args, config, config_params):
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config
+    if isinstance(config, str):
+        with open(config) as f:
+            config = json.load(f)
+    return config
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
+               config=None, config_params=None, **kwargs):
+    """Same arguments and return tuple as ``deepspeed.initialize``."""
+    ds_config = _load_config(args, config, config_params)
+    cfg = MaximusConfig.from_ds_config(ds_config)
+    if not cfg.enabled or model is None:
+        return _DEEPSPEED_INITIALIZE(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                     config=ds_config, **kwargs)
+    plan = swap_embeddings(model, cfg)
+    modules = dict(plan.swapped)
+    if cfg.lm_head.enabled:
+        from ds_maximus.integrations.hf import attach_lm_head
+        head = attach_lm_head(model, cfg)
+        if head is not None and hasattr(head, "sparse_step") and getattr(head, "owns_weights", False):
+            modules["lm_head"] = head
+    if isinstance(optimizer, torch.optim.Optimizer) and plan.removed_params:
+        remove_params_from_optimizer(optimizer, plan.removed_params)
+    # parameters that left the model must not reach DeepSpeed either
+    if model_parameters is not None:
+        gone = {id(p) for p in plan.removed_params}
+        model_parameters = _filter_params(model_parameters, gone)
+    runtime = None
+    if modules:
+        from ds_maximus.zero.runtime import MaximusRuntime
+        from ds_maximus.zero.norm_carrier import attach_carrier
+        runtime = MaximusRuntime(None, modules, cfg)
+        # the embedding runs last in backward: it carries the norm of every module's sparse grads
+        carrier = attach_carrier(next(iter(plan.swapped.values())) if plan.swapped else next(iter(modules.values())),
+                                 runtime)
+        if model_parameters is not None:
+            model_parameters = _add_param(model_parameters, carrier)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.add_param_group({**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
+                                       "params": [carrier]})
+    ds_config = {k: v for k, v in ds_config.items() if k != SECTION}
+    engine, opt, loader, sched = _DEEPSPEED_INITIALIZE(args=_strip_args(args), model=model, optimizer=optimizer,
+                                                       model_parameters=model_parameters, config=ds_config, **kwargs)
+    if runtime is not None:
+        runtime.engine = engine
+        for m in modules.values():
+            _configure_from_engine(m, engine, cfg)
+        runtime.install()
+    return engine, opt, loader, sched
+
+
+def _strip_args(args):
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    return args
+
+
+def _filter_params(params, gone):
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [{**g, "params": [p for p in g["params"] if id(p) not in gone]} for g in params]
+    return [p for p in params if id(p) not in gone]
+
+
+def _add_param(params, carrier):
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params + [{"params": [carrier]}]
+    return params + [carrier]
+
+
+def _configure_from_engine(module, engine, cfg: MaximusConfig) -> None:
+    """Sparse optimizer hyper-parameters default to the DeepSpeed optimizer's (exact equality)."""
+    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    groups = getattr(opt, "param_groups", None)
+    if not groups or not hasattr(module, "configure_optimizer"):
+        return
+    g = groups[0]
+    oc = cfg.embedding.optimizer
+    module.configure_optimizer(betas=tuple(oc.betas) if "betas" in oc.model_fields_set else tuple(g.get("betas", oc.betas)),
+                               eps=oc.eps if "eps" in oc.model_fields_set else g.get("eps", oc.eps))
+
+
+def enable() -> None:
+    """Route every later ``deepspeed.initialize`` through ``ds_maximus.initialize`` (HF Trainer, accelerate)."""
+    deepspeed.initialize = initialize
+
+
+def disable() -> None:
+    deepspeed.initialize = _DEEPSPEED_INITIALIZE

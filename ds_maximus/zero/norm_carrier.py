@@ -1,0 +1,56 @@
+"""Carry the norm of row-sparse gradients into DeepSpeed's own global-norm computation.
+
+DeepSpeed computes the global gradient norm (for clipping and the fp16 overflow check) inside a
+different optimizer class for each ZeRO stage and precision. Rather than patch each of them, the
+sharded modules hand DeepSpeed one small ordinary parameter, the *carrier*, whose gradient has the
+same 2-norm as the accumulated sparse gradients. DeepSpeed then clips and overflow-checks the union
+of dense and sparse gradients through its normal code path, in every stage.
+
+How the carrier gets its gradient: the sharded embedding's autograd function takes a zero scalar
+"anchor" produced by ``_Carrier`` from the carrier parameter. Autograd runs ``_Carrier.backward``
+after the embedding's backward (it is upstream), when this micro-batch's sparse rows are already
+accumulated. It returns the *increment* of the sparse norm since the last micro-batch, so that
+DeepSpeed's own accumulation of the carrier gradient telescopes to exactly the norm at the
+accumulation boundary. At the boundary the sparse gradients are first combined across data-parallel
+ranks, so every rank sends the same total and DeepSpeed's averaging keeps it.
+
+The norm is spread over ``CARRIER_ELEMENTS`` elements (each ``norm / sqrt(n)``) so that a
+loss-scaled fp16 norm does not overflow a single fp16 element.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+CARRIER_ELEMENTS = 4096
+CARRIER_NAME = "maximus_norm_carrier"
+
+
+class _Carrier(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, carrier, runtime):
+        ctx.runtime = runtime
+        ctx.shape = carrier.shape
+        ctx.dtype = carrier.dtype
+        return torch.zeros((), dtype=torch.float32, device=carrier.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inc = ctx.runtime.on_sparse_backward_done()
+        value = inc / math.sqrt(ctx.shape.numel())
+        g = torch.full(ctx.shape, value, dtype=ctx.dtype, device=grad.device)
+        return g, None
+
+
+def attach_carrier(module: nn.Module, runtime) -> nn.Parameter:
+    """Register the carrier on ``module`` (a sharded module) and route its grad anchor through it."""
+    param = nn.Parameter(torch.zeros(CARRIER_ELEMENTS))
+    module.register_parameter(CARRIER_NAME, param)
+
+    def anchor():
+        return _Carrier.apply(getattr(module, CARRIER_NAME), runtime)
+
+    module.set_grad_anchor(anchor)
+    return param

@@ -1,0 +1,191 @@
+"""``MaximusRuntime``: hooks a DeepSpeed engine so its backward/step/checkpoint also drive the
+sharded modules' sparse update.
+
+* ``engine.backward``: records whether this micro-batch ends a gradient-accumulation window.
+* the carrier (see ``norm_carrier.py``): at the window's last backward, sparse grads are combined
+  across data-parallel ranks and their norm joins DeepSpeed's global norm.
+* ``engine.step``: at the boundary, DeepSpeed steps first; if it skipped (fp16 overflow, sparse
+  included) the sparse grads are dropped; otherwise they are unscaled, clipped with the same global
+  norm and coefficient DeepSpeed used, and the sparse optimizer runs with the engine's current lr.
+* ``engine.save_checkpoint`` / ``load_checkpoint``: also save/restore every module's maximus state.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from ds_maximus.config import MaximusConfig, ShardMode
+from ds_maximus.distributed.sparse_grads import allreduce_sparse_rows
+
+logger = logging.getLogger("ds_maximus")
+STATE_FILE = "maximus_states.pt"
+
+
+def _atomic_torch_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class MaximusRuntime:
+    """Owns the engine hooks. ``engine.maximus`` points at it."""
+
+    def __init__(self, engine, modules: Dict[str, nn.Module], cfg: MaximusConfig):
+        self.engine = engine
+        self.modules = modules
+        self.cfg = cfg
+        self._boundary = True
+        self._carrier_sent = 0.0
+        self.steps = 0
+        self.skipped_steps = 0
+        self.last_clip_coef = 1.0
+        self.last_step_ms = 0.0
+        self._orig = {}
+
+    # -- install ------------------------------------------------------------------------------
+    def install(self) -> None:
+        e = self.engine
+        for name in ("backward", "step", "save_checkpoint", "load_checkpoint"):
+            self._orig[name] = getattr(e, name)
+        e.backward = self._backward
+        e.step = self._step
+        e.save_checkpoint = self._save_checkpoint
+        e.load_checkpoint = self._load_checkpoint
+        e.maximus = self
+
+    # -- groups / scalars ---------------------------------------------------------------------
+    def _dp_group(self):
+        try:
+            from deepspeed.utils import groups
+            return groups._get_data_parallel_group()
+        except Exception:
+            return None
+
+    def _loss_scale(self) -> float:
+        if not self.engine.fp16_enabled():
+            return 1.0
+        opt = self.engine.optimizer
+        for attr in ("cur_scale", "loss_scale"):
+            v = getattr(opt, attr, None)
+            if v is not None:
+                return float(v)
+        return 1.0
+
+    def _param_group(self) -> dict:
+        opt = getattr(self.engine, "basic_optimizer", None) or self.engine.optimizer
+        groups = getattr(opt, "param_groups", None) or [{}]
+        return groups[0]
+
+    # -- the carrier's callback ----------------------------------------------------------------
+    def on_sparse_backward_done(self) -> float:
+        """Called at the end of the sharded modules' backward; returns the carrier increment."""
+        if self._boundary and self.cfg.distributed.shard_mode == ShardMode.REPLICATED:
+            group = self._dp_group()
+            for m in self.modules.values():
+                ids, rows = m.sparse_grads()
+                ids, rows = allreduce_sparse_rows(ids, rows, group=group)
+                m.set_sparse_grads_(ids, rows)
+        sq = sum(float(m.sparse_grad_norm_sq()) for m in self.modules.values())
+        norm = math.sqrt(sq) if math.isfinite(sq) else sq
+        inc = norm - self._carrier_sent
+        self._carrier_sent = norm
+        return inc
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _backward(self, loss, *args, **kwargs):
+        self._boundary = self.engine.is_gradient_accumulation_boundary()
+        return self._orig["backward"](loss, *args, **kwargs)
+
+    def _dense_norm_stage0_fp32(self) -> Optional[float]:
+        e = self.engine
+        if e.fp16_enabled() or e.bfloat16_enabled() or e.zero_optimization():
+            return None
+        sq = 0.0
+        for p in e.module.parameters():
+            if p.grad is not None:
+                sq += float(p.grad.detach().float().pow(2).sum())
+        return math.sqrt(sq)
+
+    def _step(self, lr_kwargs=None):
+        e = self.engine
+        if not e.is_gradient_accumulation_boundary():
+            return self._orig["step"](lr_kwargs)
+        lr = float(e.get_lr()[0]) if e.get_lr() else None
+        group = self._param_group()
+        wd = group.get("weight_decay")
+        scale = self._loss_scale()
+        stage0_norm = self._dense_norm_stage0_fp32() if e.gradient_clipping() > 0 else None
+        out = self._orig["step"](lr_kwargs)
+        t0 = time.perf_counter()
+        if not e.was_step_applied():
+            for m in self.modules.values():
+                m.zero_sparse_grads()
+            self.skipped_steps += 1
+        else:
+            total = stage0_norm if stage0_norm is not None else e.get_global_grad_norm()
+            coef = 1.0
+            clip = e.gradient_clipping()
+            if clip > 0 and total is not None and math.isfinite(float(total)):
+                coef = min(1.0, clip / (float(total) + 1e-6))
+            self.last_clip_coef = coef
+            for m in self.modules.values():
+                if coef / scale != 1.0:
+                    m.scale_sparse_grads_(coef / scale)
+                m.sparse_step(lr, wd)
+            self.steps += 1
+        self._carrier_sent = 0.0
+        self.last_step_ms = (time.perf_counter() - t0) * 1e3
+        from ds_maximus.observability import log_stats
+        log_stats(self)
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"modules": {n: m.maximus_state_dict() for n, m in self.modules.items()},
+                "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def _save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
+        e = self.engine
+        if tag is None:
+            tag = f"global_step{e.global_steps}"
+        for m in self.modules.values():
+            m.flush()
+        out = self._orig["save_checkpoint"](save_dir, tag=tag, client_state=client_state,
+                                            save_latest=save_latest, **kwargs)
+        folder = os.path.join(save_dir, str(tag))
+        os.makedirs(folder, exist_ok=True)
+        if e.global_rank == 0 or self.cfg.distributed.shard_mode == ShardMode.PARTITIONED:
+            name = STATE_FILE if self.cfg.distributed.shard_mode != ShardMode.PARTITIONED \
+                else f"maximus_states_rank{e.global_rank:05d}.pt"
+            _atomic_torch_save(self._state(), os.path.join(folder, name))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return out
+
+    def _load_checkpoint(self, load_dir, tag=None, **kwargs):
+        load_path, client_state = self._orig["load_checkpoint"](load_dir, tag=tag, **kwargs)
+        if load_path is None:
+            return load_path, client_state
+        if tag is None:
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        path = os.path.join(load_dir, str(tag), STATE_FILE)
+        if not os.path.exists(path):
+            from ds_maximus.errors import ShardStoreError
+            raise ShardStoreError(f"checkpoint {os.path.join(load_dir, str(tag))} has no {STATE_FILE}: it was not "
+                                  "saved by a maximus engine, or the file was removed", path)
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        for n, m in self.modules.items():
+            m.load_maximus_state_dict(state["modules"][n])
+        self.steps = state["steps"]
+        self.skipped_steps = state["skipped_steps"]
+        return load_path, client_state
