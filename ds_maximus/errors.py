@@ -17,6 +17,7 @@ class ErrorCategory(str, enum.Enum):
     OP_BUILD = "op_build"
     IO = "io"
     DISTRIBUTED = "distributed"
+    TOKEN_MAP = "token_map"
 
 
 class MaximusError(Exception):
@@ -49,6 +50,12 @@ class ShardStoreError(MaximusError, OSError):
 
     def __str__(self) -> str:  # OSError's __str__ would drop our message when errno is unset
         return self.args[0] if self.args else ""
+
+
+class TokenMapError(MaximusError, ValueError):
+    """A token map, its corpus, its tokenizer or a checkpoint it is applied to is wrong or inconsistent."""
+
+    category = ErrorCategory.TOKEN_MAP
 
 
 class CapacityError(MaximusError, RuntimeError):
