@@ -1,0 +1,142 @@
+"""Train a Llama-architecture model (random init) with a large vocabulary under the deepspeed launcher.
+
+    deepspeed --num_gpus 1 examples/train_llama.py --deepspeed_config ds_configs/zero2_cpu_tier.json
+    deepspeed --num_gpus 1 examples/train_llama.py --deepspeed_config ds_configs/zero2_cpu_tier.json --plain
+
+With ``--plain`` the same script runs plain ``deepspeed.initialize`` (the "maximus" section is dropped),
+for comparison. Data: Zipf-distributed ids over a frequency-ordered vocabulary, or real text
+(``pydoc_data.topics``) through a tokenizer folder written by ``maximus-tokenizer build`` (``--tokenizer``).
+Prints the loss, tokens/s and the maximus stats line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    import deepspeed
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=65536, help="vocabulary size (ignored with --tokenizer)")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=None, help="intermediate size (default 4x hidden rounded)")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    ap.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
+    ap.add_argument("--plain", action="store_true", help="plain deepspeed.initialize (no maximus) for comparison")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (maximus-tokenizer build output)")
+    ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of synthetic ids")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grad-checkpointing", action="store_true")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--json-out", default=None, help="write losses and figures to this JSON file (rank 0)")
+    ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.add_config_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def make_model(args, vocab: int, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    ffn = args.ffn or max(64, int(args.hidden * 8 / 3) // 64 * 64)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=ffn,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.heads, max_position_embeddings=max(args.seq, 128),
+                      tie_word_embeddings=args.tie, attn_implementation="sdpa")
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(cfg)
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def zipf_stream(vocab: int, batch: int, seq: int, s: float, seed: int, rank: int):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    p = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64) ** s
+    p /= p.sum()
+    cdf = torch.cumsum(p, 0)
+    while True:
+        u = torch.rand(batch * seq, generator=g, dtype=torch.float64)
+        yield torch.searchsorted(cdf, u).clamp_(max=vocab - 1).view(batch, seq)
+
+
+def text_stream(tok_dir: str, batch: int, seq: int, rank: int, world: int):
+    from pydoc_data.topics import topics
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    ids = []
+    for text in topics.values():
+        ids.extend(tok(text)["input_ids"])
+    ids = torch.tensor(ids)
+    n = (ids.numel() // (batch * seq)) * batch * seq
+    chunks = ids[:n].view(-1, batch, seq)
+    i = rank
+    while True:
+        yield chunks[i % chunks.shape[0]]
+        i += world
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import deepspeed
+    import ds_maximus
+    with open(args.deepspeed_config) as f:
+        ds_cfg = json.load(f)
+    if args.plain:
+        ds_cfg.pop("maximus", None)
+    deepspeed.init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    vocab = args.vocab
+    if args.tokenizer:
+        from transformers import PreTrainedTokenizerFast
+        vocab = len(PreTrainedTokenizerFast.from_pretrained(args.tokenizer))
+    model = make_model(args, vocab)
+    args.deepspeed_config = None
+    engine, _, _, _ = ds_maximus.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                            config=ds_cfg)
+    micro = engine.train_micro_batch_size_per_gpu()
+    gas = engine.gradient_accumulation_steps()
+    data = (text_stream(args.tokenizer, micro, args.seq, rank, world) if args.tokenizer
+            else zipf_stream(vocab, micro, args.seq, args.zipf, args.seed, rank))
+    from ds_maximus.integrations.hf import lookahead
+    if not args.plain:
+        data = lookahead(data, engine.module)
+    losses, t_start, tokens = [], None, 0
+    for step in range(args.steps):
+        if step == 2:  # skip warm-up (op JIT, allocator) in the throughput figure
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t_start, tokens = time.perf_counter(), 0
+        for _ in range(gas):
+            ids = next(data).to(engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            tokens += ids.numel() * world
+        losses.append(float(loss.detach().float()))
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"step {step:4d} loss {losses[-1]:.4f}", flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    tps = tokens / elapsed if t_start else float("nan")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    if rank == 0:
+        print(f"done: {args.steps} steps, {tps:,.0f} tokens/s, peak GPU memory {peak:.2f} GiB, "
+              f"{'plain DeepSpeed' if args.plain else 'maximus'}", flush=True)
+        if not args.plain and getattr(engine, "maximus", None) is not None:
+            from ds_maximus.observability import format_line
+            print(format_line(ds_maximus.stats(engine)), flush=True)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"losses": losses, "tokens_per_s": tps, "peak_gib": peak}, f)
+    return losses
+
+
+if __name__ == "__main__":
+    main()
