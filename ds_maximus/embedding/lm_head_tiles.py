@@ -1,0 +1,119 @@
+"""Element-wise math of one ``[tokens, vocab rows]`` logits tile of the streamed cross-entropy.
+
+A tile holds ``z = hidden_block @ weight_chunk.T`` in the compute dtype (bf16/fp16/fp32). Two
+functions work on it, always in fp32 internally:
+
+* :func:`tile_stats` -> per token ``(max, sum exp(s - max), s[label], sum_j s_j)`` of the tile, where
+  ``s = softcap(z)``; tiles combine with :func:`merge_lse` (online log-sum-exp).
+* :func:`tile_grad_` overwrites the tile with ``d loss / d z`` times a per-token weight, given the
+  token's final log-sum-exp.
+
+With label smoothing ``eps`` over ``V`` classes the per-token loss is
+``lse - (1 - eps) * s[y] - eps / V * sum_j s_j`` (what ``F.cross_entropy`` computes) and its gradient
+is ``softmax(s) - (1 - eps) * onehot(y) - eps / V``, times ``1 - tanh(z / c)^2`` under a softcap ``c``.
+
+On CUDA both functions are compiled with ``torch.compile`` (one fused read of the tile for the
+statistics, one read + one write for the gradient) when Triton is importable; set
+``DS_MAXIMUS_LCE_COMPILE=0`` to force the eager versions (which need two ``[T, R]`` fp32
+temporaries). A compile failure falls back to eager once, with a warning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _softcapped(z: torch.Tensor, cap: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    s = z if z.dtype == torch.float64 else z.float()
+    if cap is None:
+        return s, None
+    t = torch.tanh(s / cap)
+    return t * cap, t
+
+
+def tile_stats(z: torch.Tensor, labels_local: torch.Tensor, cap: Optional[float], need_sum: bool):
+    """Statistics of one tile: ``(max [T], sumexp [T], target [T], rowsum [T] or None)``, fp32.
+
+    ``labels_local`` are the labels minus the chunk's first row (out-of-range: not in this chunk).
+    """
+    s, _ = _softcapped(z, cap)
+    rows = s.shape[1]
+    m = s.amax(dim=1)
+    l = torch.exp(s - m[:, None]).sum(dim=1)
+    inside = (labels_local >= 0) & (labels_local < rows)
+    idx = labels_local.clamp(0, rows - 1)[:, None]
+    tgt = torch.where(inside, s.gather(1, idx).squeeze(1), torch.zeros((), dtype=s.dtype, device=s.device))
+    ssum = s.sum(dim=1) if need_sum else None
+    return m, l, tgt, ssum
+
+
+def tile_grad_(z: torch.Tensor, labels_local: torch.Tensor, lse: torch.Tensor, row_weight: torch.Tensor,
+               cap: Optional[float], smooth_over_v: float, one_minus_eps: float) -> torch.Tensor:
+    """Overwrite the tile ``z`` with ``row_weight[:, None] * d loss / d z`` (in z's dtype); returns z."""
+    s, t = _softcapped(z, cap)
+    rows = s.shape[1]
+    g = torch.exp(s - lse[:, None])
+    if smooth_over_v:
+        g = g - smooth_over_v
+    inside = (labels_local >= 0) & (labels_local < rows)
+    idx = labels_local.clamp(0, rows - 1)[:, None]
+    hit = (-one_minus_eps) * inside.to(g.dtype)[:, None]
+    g = g.scatter_add(1, idx, hit)
+    if t is not None:
+        g = g * (1.0 - t * t)
+    g = g * row_weight[:, None]
+    z.copy_(g)
+    return z
+
+
+def merge_lse(m: torch.Tensor, l: torch.Tensor, m_c: torch.Tensor, l_c: torch.Tensor):
+    """Online log-sum-exp: combine running ``(max, sumexp)`` with a tile's; updates in place."""
+    m_new = torch.maximum(m, m_c)
+    l.mul_(torch.exp(m - m_new)).add_(l_c * torch.exp(m_c - m_new))
+    m.copy_(m_new)
+
+
+class _Kernels:
+    """The tile functions for one device type: compiled on CUDA when possible, eager otherwise."""
+
+    def __init__(self):
+        self._compiled = {}
+        self._broken = False
+
+    def _want_compile(self, device: torch.device) -> bool:
+        if device.type != "cuda" or self._broken or os.environ.get("DS_MAXIMUS_LCE_COMPILE", "1") == "0":
+            return False
+        try:
+            import triton  # noqa: F401
+        except Exception:
+            return False
+        return True
+
+    def _call(self, name: str, fn: Callable, device: torch.device, *args):
+        if self._want_compile(device):
+            try:
+                if name not in self._compiled:
+                    import torch._dynamo
+                    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                    self._compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
+                return self._compiled[name](*args)
+            except Exception as e:  # a broken toolchain must not break training: fall back once
+                log.warning("ds_maximus: torch.compile of the LM-head tile math failed (%s: %s); "
+                            "using eager kernels (slower, more temporary memory)", type(e).__name__, e)
+                self._broken = True
+        return fn(*args)
+
+    def stats(self, z, labels_local, cap, need_sum):
+        return self._call("stats", tile_stats, z.device, z, labels_local, cap, need_sum)
+
+    def grad_(self, z, labels_local, lse, row_weight, cap, smooth_over_v, one_minus_eps):
+        return self._call("grad", tile_grad_, z.device, z, labels_local, lse, row_weight, cap,
+                          smooth_over_v, one_minus_eps)
+
+
+KERNELS = _Kernels()
