@@ -23,6 +23,7 @@ setup(
         "accelerate",  # HF Trainer's DeepSpeed path goes through accelerate
         "pydantic>=2",
         "tqdm",
+        "matplotlib",  # benchmarks.plot draws the README charts
         "ninja",
         "pytest",
     ],
