@@ -146,8 +146,8 @@ def reduce_loss(loss_tok, n_total: int, valid_idx, labels_shape, opts: LCEOption
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with an fp32 result, without fp32 copies of the inputs where cuBLAS allows."""
-    if a.dtype == torch.float32:
+    """``a @ b`` with an fp32 (fp64 for fp64) result, without fp32 copies of the inputs where cuBLAS allows."""
+    if a.dtype in (torch.float32, torch.float64):
         return torch.mm(a, b)
     if a.is_cuda and _OUT_DTYPE_OK.get(a.device.type, True):
         try:

@@ -1,0 +1,211 @@
+"""``PartitionCache``: fixed slots on the compute device over a backing :class:`~ds_maximus.cache.tier.Tier`.
+
+The cache knows nothing about what an entry is. It maps ids to slots (:class:`SlotMap`, on the
+host so no device sync is needed to decide), fills misses and writes dirty evictions back:
+
+* CUDA: copies run on a side stream through pinned staging buffers; the compute stream waits on
+  the fill event (``wait_fills``), never the host. A write-back is finished on the host lazily
+  (when the copy's event has completed, or when the same id is read again).
+* CPU (CI machines): the same code path with plain copies, synchronous.
+
+Entries in use or in flight are pinned (never evicted) until unpinned.
+
+>>> import torch
+>>> from ds_maximus.cache.tier import TensorTier
+>>> tier = TensorTier({"w": torch.arange(10.).view(5, 2)})
+>>> cache = PartitionCache(2, tier, device="cpu")
+>>> slots = cache.acquire(torch.tensor([3, 1]))
+>>> cache.storage["w"][slots].tolist()
+[[6.0, 7.0], [2.0, 3.0]]
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ds_maximus.cache.policy import CacheCounters, SlotMap
+from ds_maximus.cache.tier import Tier
+from ds_maximus.config import CachePolicy
+
+
+@dataclasses.dataclass
+class TrafficCounters:
+    """Cumulative traffic of a cache (entries and bytes; ``stall_ms`` is time the consumer waited)."""
+
+    rows_fetched: int = 0
+    rows_evicted: int = 0
+    rows_written_back: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    stall_ms: float = 0.0
+
+
+class PartitionCache:
+    """Fixed-slot cache of tier entries on ``device`` (see the module docstring)."""
+
+    def __init__(self, num_slots: int, tier: Tier, device="cpu", policy: CachePolicy = CachePolicy.LRU,
+                 names: Optional[Tuple[str, ...]] = None):
+        self.tier = tier
+        self.device = torch.device(device)
+        self.names = tuple(names or tier.names)
+        self.num_slots = int(num_slots)
+        self.map = SlotMap(self.num_slots, tier.num_ids, policy, device="cpu")
+        self.storage: Dict[str, Tensor] = {
+            n: torch.zeros((self.num_slots, *tier.entry_shape(n)), dtype=tier.dtype(n), device=self.device)
+            for n in self.names}
+        self.entry_bytes = sum(s[0].numel() * s.element_size() for s in self.storage.values())
+        self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
+        self.traffic = TrafficCounters()
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._fill_event = None
+        self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
+        self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
+        self._stall_events: List[Tuple[object, object]] = []
+
+    # -- the main operations -----------------------------------------------------------------------
+    def acquire(self, ids: Tensor, *, pin: bool = False, wait: bool = True, count: bool = True) -> Tensor:
+        """Make unique ``ids`` (CPU LongTensor) resident; returns their slots (CPU LongTensor).
+
+        ``pin`` keeps them resident until :meth:`unpin`; ``wait`` makes the compute stream wait
+        for the fills (set it False for a prefetch). Raises ``CapacityError`` when they cannot fit.
+        """
+        ids = ids.to("cpu", torch.long)
+        t0 = time.perf_counter()
+        a = self.map.assign(ids, count=count)
+        if a.evicted_ids.numel():
+            self.traffic.rows_evicted += int(a.evicted_ids.numel())
+            self._write_back(a.evicted_ids, a.evicted_slots)
+        if a.miss_ids.numel():
+            self._fill(a.miss_ids, a.miss_slots)
+        if pin:
+            self.map.pin(a.slots)
+        if wait:
+            self.wait_fills()
+        if not self.cuda:
+            self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
+        self._finish_write_backs(block=False)
+        return a.slots
+
+    def wait_fills(self) -> None:
+        """Order the compute stream after every fill issued so far (no host wait)."""
+        if self.cuda and self._fill_event is not None:
+            cur = torch.cuda.current_stream(self.device)
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(cur)
+            cur.wait_event(self._fill_event)
+            self._stall_events.append((before, self._fill_event))
+            self._fill_event = None
+
+    def unpin(self, slots: Tensor) -> None:
+        self.map.unpin(slots.to("cpu", torch.long))
+
+    def mark_dirty(self, slots: Tensor) -> None:
+        self.dirty[slots.to("cpu", torch.long)] = True
+
+    def slots_of(self, ids: Tensor) -> Tensor:
+        """Slots of ``ids`` (-1 where not resident), without touching the policy."""
+        return self.map.slots_of(ids.to("cpu", torch.long))
+
+    def flush(self) -> None:
+        """Write every dirty resident entry back (entries stay resident, now clean); sync."""
+        slots = torch.nonzero(self.dirty).flatten()
+        if slots.numel():
+            self._write_back(self.map.slot_to_id[slots], slots)
+        self._finish_write_backs(block=True)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.tier.flush()
+
+    def clear(self) -> None:
+        """Flush, then forget every entry (pins included)."""
+        self.flush()
+        self.map.evict(self.map.resident_ids())
+        self.map.pin_count.zero_()
+
+    @property
+    def counters(self) -> CacheCounters:
+        return self.map.counters
+
+    def resolve_stalls(self) -> None:
+        """Add the measured GPU-side waits of completed fills to ``traffic.stall_ms``."""
+        keep = []
+        for before, after in self._stall_events:
+            if after.query() and before.query():
+                self.traffic.stall_ms += max(0.0, before.elapsed_time(after))
+            else:
+                keep.append((before, after))
+        self._stall_events = keep[-1024:]
+
+    # -- copies -------------------------------------------------------------------------------------
+    def _staging(self, n: int) -> Dict[str, Tensor]:
+        pin = self.cuda and torch.cuda.is_available()
+        return {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=pin) for k, v in self.storage.items()}
+
+    def _write_back(self, ids: Tensor, slots: Tensor) -> None:
+        dirty = self.dirty[slots]
+        self.dirty[slots] = False
+        ids, slots = ids[dirty], slots[dirty]
+        n = int(ids.numel())
+        if not n:
+            return
+        self.traffic.rows_written_back += n
+        self.traffic.bytes_d2h += n * self.entry_bytes
+        staging = self._staging(n)
+        if not self.cuda:
+            for k, v in self.storage.items():
+                torch.index_select(v, 0, slots.to(self.device), out=staging[k])
+            self.tier.write(ids, staging)
+            return
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)  # the compute stream's last writes to these slots come first
+        with torch.cuda.stream(self.stream):
+            dslots = slots.pin_memory().to(self.device, non_blocking=True)
+            for k, v in self.storage.items():
+                staging[k].copy_(v.index_select(0, dslots), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self._pending.append((ids, staging, ev))
+        self._pending_mask[ids] = True
+
+    def _finish_write_backs(self, block: bool) -> None:
+        keep = []
+        for i, (ids, staging, ev) in enumerate(self._pending):
+            if block or ev.query():
+                if block and not ev.query():
+                    t0 = time.perf_counter()
+                    ev.synchronize()
+                    self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
+                self.tier.write(ids, staging)
+                self._pending_mask[ids] = False
+            else:
+                keep.extend(self._pending[i:])  # finish in order
+                break
+        self._pending = keep
+
+    def _fill(self, ids: Tensor, slots: Tensor) -> None:
+        n = int(ids.numel())
+        self.traffic.rows_fetched += n
+        if self._pending and bool(self._pending_mask[ids].any()):
+            self._finish_write_backs(block=True)  # an id coming back before its write-back landed
+        staging = self._staging(n)
+        self.tier.read(ids, staging)
+        self.traffic.bytes_h2d += n * self.entry_bytes
+        if not self.cuda:
+            dslots = slots.to(self.device)
+            for k, v in self.storage.items():
+                v.index_copy_(0, dslots, staging[k])
+            return
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)  # earlier readers of these slots (a gather in flight) come first
+        with torch.cuda.stream(self.stream):
+            dslots = slots.pin_memory().to(self.device, non_blocking=True)
+            for k, v in self.storage.items():
+                v.index_copy_(0, dslots, staging[k].to(self.device, non_blocking=True))
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream)
+        self._fill_event = ev

@@ -1,0 +1,5 @@
+"""Vocabulary-sized layers as swappable partitions: ``ShardedEmbedding`` (row cache + sparse backward).
+
+>>> from ds_maximus.embedding import ShardedEmbedding
+"""
+from ds_maximus.embedding.sharded_embedding import ShardedEmbedding  # noqa: F401

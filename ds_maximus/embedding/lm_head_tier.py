@@ -1,0 +1,245 @@
+"""The CPU tier of a ``placement: cpu`` LM head, and the chunk sources of streamed heads.
+
+:class:`HeadTier` keeps the head's fp32 master rows, its AdamW moments and its accumulated gradient
+in (pinned) CPU memory, plus a pinned copy of the rows in the compute dtype (bf16 halves the bytes
+crossing PCIe), refreshed chunk by chunk after each optimizer step. As a :class:`ChunkSource` it
+copies a chunk to the GPU on a side stream (the compute stream waits on an event, never on the
+host); the next chunk's copy is issued while the current one computes, so two chunks are in flight
+at most. Gradient chunks go back the same way (device-to-host on the side stream), added on the GPU
+to what earlier micro-batches accumulated.
+
+:class:`TiedSource` reads rows from, and gives gradients to, a ``ShardedEmbedding``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ds_maximus.config import EmbeddingOptimizerConfig
+
+
+def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if pin and torch.cuda.is_available() and not t.is_pinned():
+        return t.pin_memory()
+    return t
+
+
+class HeadTier:
+    """fp32 master rows, AdamW state and gradient of a CPU-placed head; a streaming ChunkSource."""
+
+    def __init__(self, weight: torch.Tensor, chunk_rows: int, optimizer: Optional[EmbeddingOptimizerConfig] = None,
+                 pin_memory: bool = True):
+        w = weight.detach().to("cpu", torch.float32).contiguous()
+        self.vocab_size, self.dim = w.shape
+        self.chunk_rows = int(chunk_rows)
+        self.pin = pin_memory
+        self.weight = _pin(w.clone() if w.data_ptr() == weight.data_ptr() else w, pin_memory)
+        self.opt = optimizer or EmbeddingOptimizerConfig()
+        self.exp_avg: Optional[torch.Tensor] = None
+        self.exp_avg_sq: Optional[torch.Tensor] = None
+        self.grad: Optional[torch.Tensor] = None
+        self.grad_rows = torch.zeros(self.vocab_size, dtype=torch.bool)   # rows holding a gradient
+        self.step = 0
+        self.lr_history: List[float] = []
+        self._mirrors: Dict[torch.dtype, torch.Tensor] = {}
+        self._streams: Dict[int, torch.cuda.Stream] = {}
+        self._staged: Dict[Tuple, Tuple[torch.Tensor, torch.cuda.Event]] = {}
+        self._pending: List[torch.cuda.Event] = []
+        self.counters = {"rows_fetched": 0, "bytes_h2d": 0, "bytes_d2h": 0, "stall_ms": 0.0}
+
+    # -- rows out ------------------------------------------------------------------------------
+    def host_rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.float32:
+            return self.weight[lo:hi]
+        if dtype not in self._mirrors:
+            self._mirrors[dtype] = _pin(self.weight.to(dtype), self.pin)
+        return self._mirrors[dtype][lo:hi]
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = torch.cuda.Stream(device=idx)
+        return self._streams[idx]
+
+    def prefetch(self, lo: int, hi: int, device: torch.device, dtype: torch.dtype) -> None:
+        device = torch.device(device)
+        key = (lo, hi, dtype, device)
+        if device.type != "cuda" or key in self._staged:
+            return
+        host = self.host_rows(lo, hi, dtype)
+        side = self._stream(device)
+        with torch.cuda.stream(side):
+            t = torch.empty(host.shape, dtype=dtype, device=device)
+            t.copy_(host, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        self._staged[key] = (t, ev)
+        self.counters["rows_fetched"] += hi - lo
+        self.counters["bytes_h2d"] += host.numel() * host.element_size()
+
+    def fetch(self, lo: int, hi: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        device = torch.device(device)
+        if device.type != "cuda":
+            self.counters["rows_fetched"] += hi - lo
+            return self.host_rows(lo, hi, dtype).to(device)
+        key = (lo, hi, dtype, device)
+        if key not in self._staged:
+            self.prefetch(lo, hi, device, dtype)
+        t, ev = self._staged.pop(key)
+        torch.cuda.current_stream(device).wait_event(ev)
+        t.record_stream(torch.cuda.current_stream(device))
+        return t
+
+    # -- gradients in --------------------------------------------------------------------------
+    def _grad_buffer(self) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = _pin(torch.zeros(self.vocab_size, self.dim, dtype=torch.float32), self.pin)
+        return self.grad
+
+    def add_grad_(self, lo: int, hi: int, grad: torch.Tensor) -> None:
+        buf = self._grad_buffer()
+        have = self.grad_rows[lo:hi]
+        fresh = not bool(have.any())
+        if not fresh and not bool(have.all()):
+            buf[lo:hi][~have] = 0
+        self.grad_rows[lo:hi] = True
+        if grad.device.type != "cuda":
+            if fresh:
+                buf[lo:hi].copy_(grad)
+            else:
+                buf[lo:hi].add_(grad.to(torch.float32))
+            return
+        side = self._stream(grad.device)
+        side.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(side):
+            g = grad.to(torch.float32)
+            if not fresh:
+                prev = torch.empty_like(g)
+                prev.copy_(buf[lo:hi], non_blocking=True)
+                g = prev.add_(g)
+                self.counters["bytes_h2d"] += g.numel() * 4
+            buf[lo:hi].copy_(g, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        grad.record_stream(side)
+        g.record_stream(side)
+        self._pending.append(ev)
+        self.counters["bytes_d2h"] += g.numel() * 4
+
+    def sync(self) -> None:
+        """Wait for every gradient copy in flight (before the host reads ``grad``)."""
+        if self._pending:
+            t0 = time.perf_counter()
+            for ev in self._pending:
+                ev.synchronize()
+            self.counters["stall_ms"] += (time.perf_counter() - t0) * 1e3
+            self._pending.clear()
+        for s in self._streams.values():
+            s.synchronize()
+        self._staged.clear()
+
+    # -- optimizer -----------------------------------------------------------------------------
+    def has_grads(self) -> bool:
+        return self.grad is not None and bool(self.grad_rows.any())
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        self.sync()
+        if not self.has_grads():
+            return torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float64)
+        for lo in range(0, self.vocab_size, self.chunk_rows):
+            g = self.grad[lo:lo + self.chunk_rows][self.grad_rows[lo:lo + self.chunk_rows]]
+            total += g.double().pow(2).sum()
+        return total.float()
+
+    def scale_grads_(self, factor: float) -> None:
+        self.sync()
+        if self.grad is not None:
+            self.grad.mul_(factor)
+
+    def grads_finite(self) -> bool:
+        self.sync()
+        return not self.has_grads() or bool(torch.isfinite(self.grad[self.grad_rows]).all())
+
+    def zero_grads(self) -> None:
+        self.sync()
+        self.grad_rows.zero_()
+
+    def step_(self, lr: Optional[float], weight_decay: Optional[float]) -> bool:
+        """One AdamW step over every row (rows without a gradient take a zero-gradient step)."""
+        from ds_maximus.optim.sparse_adamw import adamw_rows_
+        from ds_maximus.errors import ConfigError
+        self.sync()
+        if not self.has_grads():
+            return False
+        lr = self.opt.lr if lr is None else lr
+        if lr is None:
+            raise ConfigError("no learning rate for the CPU-placed LM head: pass sparse_step(lr=...) or set "
+                              "maximus.embedding.optimizer.lr", "maximus.embedding.optimizer.lr")
+        wd = self.opt.weight_decay if weight_decay is None else weight_decay
+        wd = float(wd or 0.0)
+        b1, b2 = (float(b) for b in self.opt.betas)
+        if self.exp_avg is None:
+            self.exp_avg = torch.zeros_like(self.weight, device="cpu")
+            self.exp_avg_sq = torch.zeros_like(self.weight, device="cpu")
+        self.step += 1
+        for lo in range(0, self.vocab_size, self.chunk_rows):
+            hi = min(self.vocab_size, lo + self.chunk_rows)
+            have = self.grad_rows[lo:hi]
+            g = self.grad[lo:hi]
+            if not bool(have.all()):
+                g = g.clone()
+                g[~have] = 0
+            adamw_rows_(self.weight[lo:hi], g, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step=self.step,
+                        lr=float(lr), beta1=b1, beta2=b2, eps=float(self.opt.eps), weight_decay=wd)
+            for mirror in self._mirrors.values():
+                mirror[lo:hi].copy_(self.weight[lo:hi])
+        self.lr_history.append(float(lr))
+        self.grad_rows.zero_()
+        return True
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self.sync()
+        return {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
+                "step": self.step, "lr_history": list(self.lr_history)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.sync()
+        if tuple(d["weight"].shape) != (self.vocab_size, self.dim):
+            raise ValueError(f"state has weight {tuple(d['weight'].shape)}, the head is "
+                             f"({self.vocab_size}, {self.dim})")
+        self.weight.copy_(d["weight"])
+        for name in ("exp_avg", "exp_avg_sq"):
+            v = d.get(name)
+            if v is None:
+                setattr(self, name, None)
+            else:
+                if getattr(self, name) is None:
+                    setattr(self, name, torch.zeros_like(self.weight, device="cpu"))
+                getattr(self, name).copy_(v)
+        self.step = int(d["step"])
+        self.lr_history = list(d.get("lr_history", []))
+        for dtype, mirror in self._mirrors.items():
+            mirror.copy_(self.weight)
+        self.grad_rows.zero_()
+
+
+class TiedSource:
+    """Rows of a ``ShardedEmbedding`` as a ChunkSource (``rows_for_compute`` / ``add_dense_row_grad_``)."""
+
+    def __init__(self, emb):
+        self.emb = emb
+        self.vocab_size = int(emb.num_embeddings)
+        self.dim = int(emb.embedding_dim)
+
+    def fetch(self, lo, hi, device, dtype):
+        return self.emb.rows_for_compute(lo, hi, device, dtype)
+
+    def prefetch(self, lo, hi, device, dtype):
+        return None
+
+    def add_grad_(self, lo, hi, grad):
+        self.emb.add_dense_row_grad_(lo, hi, grad)

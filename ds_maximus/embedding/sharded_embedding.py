@@ -1,0 +1,361 @@
+"""``ShardedEmbedding``: an ``nn.Embedding`` whose table lives in the CPU tier (or on NVMe) and whose
+rows, with their optimizer state, are cached on the compute device and updated sparsely.
+
+No ``nn.Parameter`` and no buffer holds the table, so DeepSpeed/ZeRO never see or cast it. The
+engine drives it through the "maximus module protocol" (``sparse_step`` and friends below).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ds_maximus.cache import PartitionCache, TensorTier
+from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
+from ds_maximus.embedding.stats import EmbeddingStats, format_line
+from ds_maximus.optim import RowOptimizer, SparseRowGrad
+
+logger = logging.getLogger("ds_maximus")
+
+
+class ShardedEmbedding(nn.Module):
+    """Embedding table with a row cache on the compute device and a row-sparse optimizer.
+
+    Example::
+
+        >>> import torch
+        >>> from ds_maximus.config import EmbeddingConfig
+        >>> emb = ShardedEmbedding(100, 8, config=EmbeddingConfig(gpu_cache_rows=16,
+        ...                        optimizer={"lr": 0.1, "weight_decay": 0.0}))
+        >>> out = emb(torch.tensor([[1, 2, 2]]))
+        >>> out.shape
+        torch.Size([1, 3, 8])
+        >>> out.sum().backward(); emb.sparse_step()     # updates rows 1 and 2 only
+        >>> emb.full_weight().shape
+        torch.Size([100, 8])
+
+    ``config`` is an ``EmbeddingConfig`` (or a whole ``MaximusConfig``, whose logging interval is
+    then used too). ``device``/``dtype`` are the compute device and output dtype; the master rows
+    are fp32 always. ``_weight`` gives the initial table (copied).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 config: Union[EmbeddingConfig, MaximusConfig, None] = None, device=None, dtype=None,
+                 _weight: Optional[Tensor] = None, log_interval_steps: Optional[int] = None):
+        super().__init__()
+        if isinstance(config, MaximusConfig):
+            log_interval_steps = log_interval_steps or config.logging.interval_steps
+            config = config.embedding
+        self.config = config or EmbeddingConfig()
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        if padding_idx is not None:
+            if not -self.num_embeddings <= padding_idx < self.num_embeddings:
+                raise IndexError(f"padding_idx {padding_idx} out of range for a vocabulary of {num_embeddings}")
+            padding_idx %= self.num_embeddings
+        self.padding_idx = padding_idx
+        self.log_interval_steps = int(log_interval_steps or 100)
+        self.compute_device = torch.device(device) if device is not None else torch.device("cpu")
+        self.out_dtype = dtype or torch.get_default_dtype()
+        self.optimizer = RowOptimizer(self.config.optimizer, self.num_embeddings, frozen_row=padding_idx)
+        self.tier = self._make_tier(_weight)
+        self.cache = self._make_cache(self.compute_device)
+        self.grad = SparseRowGrad()
+        self.stats_tracker = EmbeddingStats(self.num_embeddings)
+        self._step_pins: list = []
+        self._prefetched: collections.deque = collections.deque()
+        self._anchor = torch.zeros((), requires_grad=True)  # not a Parameter: autograd reaches backward through it
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, config: Union[EmbeddingConfig, MaximusConfig, None] = None,
+                       **kwargs) -> "ShardedEmbedding":
+        """A ``ShardedEmbedding`` with ``embedding``'s table, padding row, device and dtype."""
+        w = embedding.weight
+        if w.device.type == "meta":
+            raise ValueError("from_embedding needs a materialised weight, not one on the meta device")
+        kwargs.setdefault("device", w.device)
+        kwargs.setdefault("dtype", w.dtype)
+        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, config,
+                   _weight=w.detach(), **kwargs)
+
+    # -- construction helpers ------------------------------------------------------------------------
+    def _initial_rows(self, weight: Optional[Tensor], lo: int, hi: int) -> Tensor:
+        if weight is not None:
+            return weight[lo:hi].detach().to("cpu", torch.float32, copy=True)
+        rows = torch.empty(hi - lo, self.embedding_dim).normal_()
+        if self.padding_idx is not None and lo <= self.padding_idx < hi:
+            rows[self.padding_idx - lo].zero_()
+        return rows
+
+    def _make_tier(self, weight: Optional[Tensor]):
+        if weight is not None and tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"_weight has shape {tuple(weight.shape)}, expected "
+                             f"({self.num_embeddings}, {self.embedding_dim})")
+        names = self.optimizer.state_names
+        off = self.config.offload
+        if off.device == OffloadDevice.NVME:
+            from ds_maximus.cache.store_tier import ShardStoreTier
+            return ShardStoreTier.for_table(off.nvme_path, self.num_embeddings, self.embedding_dim, names,
+                                            self.config.rows_per_shard, off.cpu_cache_shards,
+                                            init=lambda lo, hi: self._initial_rows(weight, lo, hi),
+                                            pin_memory=off.pin_memory)
+        tensors = {"weight": self._initial_rows(weight, 0, self.num_embeddings)}
+        for n in names:
+            tensors[n] = torch.zeros(self.num_embeddings, self.embedding_dim)
+        return TensorTier(tensors, pin_memory=off.pin_memory)
+
+    def _make_cache(self, device) -> PartitionCache:
+        rows = min(int(self.config.gpu_cache_rows), self.num_embeddings)
+        return PartitionCache(rows, self.tier, device=device, policy=self.config.cache_policy,
+                              names=("weight", *self.optimizer.state_names))
+
+    def _tables(self):
+        st = self.cache.storage
+        return st["weight"], [st[n] for n in self.optimizer.state_names]
+
+    # -- nn.Module plumbing -----------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """``.to()/.cuda()/.half()/.bfloat16()`` move the cache and set the output dtype; the fp32 table stays."""
+        probe = fn(torch.zeros(1, dtype=self.out_dtype, device=self.compute_device))
+        if probe.is_floating_point():
+            self.out_dtype = probe.dtype
+        if probe.device != self.compute_device:
+            self.cache.clear()
+            self._step_pins.clear()
+            self._prefetched.clear()
+            if self.grad:
+                self.grad.rows = self.grad.rows.to(probe.device)
+            self.compute_device = probe.device
+            self.cache = self._make_cache(probe.device)
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        s = (f"{self.num_embeddings}, {self.embedding_dim}, cache_rows={self.cache.num_slots}, "
+             f"tier={self.config.offload.device.value}, optimizer={self.config.optimizer.type.value}/"
+             f"{self.config.optimizer.mode.value}, device={self.compute_device}, dtype={self.out_dtype}")
+        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def forward(self, input: Tensor) -> Tensor:
+        from ds_maximus.embedding.function import ShardedEmbeddingFunction, lookup
+        if input.dtype not in (torch.long, torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"ShardedEmbedding expects integer token ids, got {input.dtype}")
+        track = torch.is_grad_enabled()
+        out, uniq_cpu, inverse = lookup(self, input, pin=track)
+        if track:
+            out = ShardedEmbeddingFunction.apply(self._anchor, out, self, uniq_cpu, inverse)
+        return out.view(*input.shape, self.embedding_dim)
+
+    def _resident(self, uniq_cpu: Tensor, pin: bool, wait: bool = True) -> Tensor:
+        """Make rows ``uniq_cpu`` resident and current (exact-mode catch-up); returns their slots."""
+        slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
+        if pin:
+            self._step_pins.append(slots)
+        w, states = self._tables()
+        changed = self.optimizer.catch_up(w, states, slots, uniq_cpu)
+        if bool(changed.any()):
+            self.cache.mark_dirty(slots[changed])
+        return slots
+
+    def prefetch(self, ids: Tensor) -> None:
+        """Stage the rows of an upcoming batch asynchronously (pinned until the next forward uses them)."""
+        uniq = torch.unique(ids.detach().reshape(-1).to("cpu", torch.long))
+        from ds_maximus.embedding.function import check_range
+        check_range(uniq, self.num_embeddings)
+        from ds_maximus.errors import CapacityError
+        while len(self._prefetched) >= 2:
+            self.cache.unpin(self._prefetched.popleft())
+        try:
+            slots = self.cache.acquire(uniq, pin=True, wait=False, count=False)
+        except CapacityError:
+            logger.debug("prefetch of %d rows skipped: the cache cannot hold them beside the rows in use",
+                         uniq.numel())
+            return
+        self._prefetched.append(slots)
+
+    def _release_prefetch(self) -> None:
+        if self._prefetched:
+            self.cache.unpin(self._prefetched.popleft())
+
+    def _accumulate(self, ids: Tensor, rows: Tensor) -> None:
+        self.grad.add(ids, rows)
+
+    # -- the maximus module protocol ---------------------------------------------------------------------
+    def sparse_grad_norm_sq(self) -> Tensor:
+        """Sum of squares of the accumulated sparse gradient (fp32 scalar on the compute device)."""
+        return self.grad.norm_sq(self.compute_device)
+
+    def scale_sparse_grads_(self, factor: float) -> None:
+        self.grad.scale_(factor)
+
+    def sparse_grads_finite(self) -> bool:
+        return self.grad.finite()
+
+    def zero_sparse_grads(self) -> None:
+        self.grad.clear()
+        self._unpin_step()
+
+    def _unpin_step(self) -> None:
+        for s in self._step_pins:
+            self.cache.unpin(s)
+        self._step_pins.clear()
+
+    def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
+        """Apply the sparse optimizer to the accumulated gradient, advance the step, clear the gradient."""
+        self.optimizer.begin_step(lr, weight_decay)
+        touched = 0
+        if self.grad:
+            ids, rows = self.grad.ids, self.grad.rows
+            touched = ids.numel()
+            slots = self.cache.slots_of(ids)
+            res = slots >= 0
+            w, states = self._tables()
+            if bool(res.all()):
+                self.optimizer.update(w, states, slots, rows, ids)
+                self.cache.mark_dirty(slots)
+            else:
+                res_d = res.to(rows.device)
+                self.optimizer.update(w, states, slots[res], rows[res_d], ids[res])
+                self.cache.mark_dirty(slots[res])
+                self._tier_update(ids[~res], rows[~res_d])
+        self.grad.clear()
+        self._unpin_step()
+        self.stats_tracker.end_step(self.cache, touched)
+        step = self.optimizer.step
+        if step % self.log_interval_steps == 0:
+            logger.info(format_line(f"ShardedEmbedding({self.num_embeddings}x{self.embedding_dim})", step,
+                                    self.stats()))
+
+    def _tier_update(self, ids: Tensor, rows: Tensor) -> None:
+        """Step rows that are not in the cache where they live (the CPU tier)."""
+        self.cache._finish_write_backs(block=True)
+        names = ("weight", *self.optimizer.state_names)
+        buf = {n: torch.empty(ids.numel(), self.embedding_dim) for n in names}
+        self.tier.read(ids, buf)
+        local = torch.arange(ids.numel())
+        self.optimizer.update(buf["weight"], [buf[n] for n in names[1:]], local, rows.to("cpu"), ids)
+        self.tier.write(ids, buf)
+
+    def _catch_up_all(self) -> None:
+        """Exact mode: bring every row to the current step (cache rows first, then the tier's)."""
+        if self.optimizer.lazy or self.optimizer.step == 0:
+            return
+        resident = self.cache.map.resident_ids()
+        if resident.numel():
+            self._resident_catch_up(resident)
+        self.cache.flush()
+        names = self.optimizer.state_names
+        for lo, hi, t in self.tier.blocks():
+            ids = torch.arange(lo, hi)
+            changed = self.optimizer.catch_up(t["weight"], [t[n] for n in names], ids - lo, ids)
+            if bool(changed.any()) and hasattr(self.tier, "mark_dirty_range"):
+                self.tier.mark_dirty_range(lo, hi)
+
+    def _resident_catch_up(self, ids: Tensor) -> None:
+        slots = self.cache.slots_of(ids)
+        w, states = self._tables()
+        changed = self.optimizer.catch_up(w, states, slots, ids)
+        if bool(changed.any()):
+            self.cache.mark_dirty(slots[changed])
+
+    def flush(self) -> None:
+        """Write every dirty cached row back to the tier (and the tier to disk)."""
+        self.cache.flush()
+
+    def full_weight(self) -> Tensor:
+        """The whole table on CPU in fp32, exact-mode catch-up applied."""
+        self._catch_up_all()
+        self.cache.flush()
+        return self.tier.materialize("weight")
+
+    def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
+        """Rows ``[lo, hi)`` as they are now (catch-up applied), on ``device`` in ``dtype`` (tied heads)."""
+        device = torch.device(device) if device is not None else self.compute_device
+        dtype = dtype or self.out_dtype
+        ids = torch.arange(lo, hi)
+        slots = self.cache.slots_of(ids)
+        res = slots >= 0
+        out = torch.empty(hi - lo, self.embedding_dim, dtype=dtype, device=device)
+        if bool(res.any()):
+            self._resident_catch_up(ids[res])
+            w, _ = self._tables()
+            self.cache.wait_fills()
+            out[res.to(device)] = w.index_select(0, slots[res].to(w.device)).to(device, dtype)
+        if not bool(res.all()):
+            cold = ids[~res]
+            self.cache._finish_write_backs(block=True)
+            names = ("weight", *self.optimizer.state_names)
+            buf = {n: torch.empty(cold.numel(), self.embedding_dim) for n in names}
+            self.tier.read(cold, buf)
+            changed = self.optimizer.catch_up(buf["weight"], [buf[n] for n in names[1:]],
+                                              torch.arange(cold.numel()), cold)
+            if bool(changed.any()):
+                self.tier.write(cold, buf)
+            out[(~res).to(device)] = buf["weight"].to(device, dtype)
+        return out
+
+    def add_dense_row_grad_(self, lo: int, hi: int, grad: Tensor) -> None:
+        """Add a gradient for the contiguous rows ``[lo, hi)`` to the accumulated sparse gradient."""
+        if tuple(grad.shape) != (hi - lo, self.embedding_dim):
+            raise ValueError(f"grad has shape {tuple(grad.shape)}, expected ({hi - lo}, {self.embedding_dim})")
+        ids = torch.arange(lo, hi)
+        if self.padding_idx is not None and lo <= self.padding_idx < hi:
+            keep = ids != self.padding_idx
+            ids, grad = ids[keep], grad[keep.to(grad.device)]
+        self.grad.add(ids, grad.detach().to(self.compute_device, torch.float32))
+
+    def stats(self) -> dict:
+        """Cumulative figures, and ``"last_step"``: the same for the last optimizer step."""
+        return self.stats_tracker.as_dict(self.cache)
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def maximus_state_dict(self) -> dict:
+        """Table + optimizer state + step counters + lr history (exact catch-up applied, cache flushed)."""
+        self._catch_up_all()
+        self.cache.flush()
+        names = ("weight", *self.optimizer.state_names)
+        return {"format_version": 1, "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
+                "padding_idx": self.padding_idx, "tensors": {n: self.tier.materialize(n) for n in names},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_maximus_state_dict(self, d: dict) -> None:
+        from ds_maximus.errors import ConfigError
+        if (d["num_embeddings"], d["embedding_dim"]) != (self.num_embeddings, self.embedding_dim):
+            raise ConfigError(f"checkpoint table is {d['num_embeddings']}x{d['embedding_dim']}, this module is "
+                              f"{self.num_embeddings}x{self.embedding_dim}; load it into a module of that shape")
+        names = ("weight", *self.optimizer.state_names)
+        missing = [n for n in names if n not in d["tensors"]]
+        if missing:
+            raise ConfigError(f"checkpoint lacks optimizer tensors {missing} (it holds {sorted(d['tensors'])}); "
+                              "was it saved with another optimizer type?")
+        self.cache.clear()
+        self._step_pins.clear()
+        self._prefetched.clear()
+        self.grad.clear()
+        self.tier.load({n: d["tensors"][n] for n in names})
+        self.optimizer.load_state_dict(d["optimizer"])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.full_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        if key in state_dict:
+            w = state_dict[key]
+            if tuple(w.shape) != (self.num_embeddings, self.embedding_dim):
+                error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(w.shape)}, module "
+                                  f"({self.num_embeddings}, {self.embedding_dim})")
+            else:
+                self._catch_up_all()
+                self.cache.clear()
+                self.tier.load({"weight": w.detach().to("cpu", torch.float32)})
+                self.optimizer.last_step.fill_(self.optimizer.step)
+        elif strict:
+            missing_keys.append(key)
+        local = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(local, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

@@ -1,0 +1,105 @@
+"""Python face of the ``maximus_sharded_embedding`` ops (CPU C++/OpenMP and CUDA).
+
+Each op is built (JIT, cached) and loaded once per process. Calls pick the CUDA op for CUDA
+tensors and the CPU op otherwise; when an op cannot be built here, the plain-PyTorch reference
+(:mod:`ds_maximus.embedding.reference`) runs instead and a warning is logged once.
+
+>>> import torch
+>>> from ds_maximus.ops import sharded_embedding as ops
+>>> ops.gather(torch.eye(3), torch.tensor([2]), torch.tensor([0, 0]), torch.float32).tolist()
+[[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from ds_maximus.embedding import reference as ref
+
+logger = logging.getLogger("ds_maximus")
+
+_ops = {}
+_lock = threading.Lock()
+_DISABLE_ENV = "MAXIMUS_SHARDED_EMBEDDING_REFERENCE"  # "1": always use the PyTorch reference
+
+
+def load_op(kind: str = "cpu"):
+    """The loaded op for ``kind`` ("cpu" or "cuda"), or ``None`` when it cannot be built (warned once)."""
+    if os.environ.get(_DISABLE_ENV) == "1":
+        return None
+    with _lock:
+        if kind not in _ops:
+            _ops[kind] = _build(kind)
+        return _ops[kind]
+
+
+def _build(kind: str):
+    from ds_maximus.ops import builder
+    cls = "ShardedEmbeddingCUDABuilder" if kind == "cuda" else "ShardedEmbeddingBuilder"
+    try:
+        return builder("sharded_embedding", cls).load(verbose=False)
+    except Exception as e:  # OpBuildError, missing compiler, ...
+        logger.warning("maximus_sharded_embedding%s op unavailable (%s); using the PyTorch reference, "
+                       "which is slower. Fix: %s", "_cuda" if kind == "cuda" else "",
+                       str(e).splitlines()[0][:300], getattr(e, "fix", "see the build log"))
+        return None
+
+
+def op_for(t: Tensor):
+    return load_op("cuda" if t.is_cuda else "cpu")
+
+
+def gather(table: Tensor, slots: Tensor, inverse: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``out[n] = table[slots[inverse[n]]]`` in ``out_dtype`` (one fused kernel)."""
+    op = op_for(table)
+    if op is None or table.dtype != torch.float32:
+        return ref.gather_ref(table, slots, inverse, out_dtype)
+    out = torch.empty(inverse.numel(), table.shape[1], dtype=out_dtype, device=table.device)
+    op.gather(table, slots, inverse, out)
+    return out
+
+
+def segment_reduce(grad: Tensor, inverse: Tensor, num_unique: int) -> Tensor:
+    """Sum ``grad`` rows per unique id (token order within an id) into fp32 ``[num_unique, d]``."""
+    op = op_for(grad)
+    if op is None:
+        return ref.segment_reduce_ref(grad, inverse, num_unique)
+    grad = grad.contiguous()
+    out = torch.empty(num_unique, grad.shape[1], dtype=torch.float32, device=grad.device)
+    if grad.is_cuda:
+        order = torch.argsort(inverse, stable=True)
+        sorted_inv = inverse.index_select(0, order)
+        counts = torch.bincount(inverse, minlength=num_unique)
+        offsets = torch.zeros(num_unique + 1, dtype=torch.long, device=grad.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        op.segment_reduce(grad, order, offsets, out)
+        del sorted_inv
+    else:
+        op.segment_reduce_cpu(grad, inverse, out)
+    return out
+
+
+def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optional[Tensor],
+               last_step: Optional[Tensor], *, step: int, lr_hist: Optional[Tensor], wd_hist: Optional[Tensor],
+               lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
+               optimizer: int = ref.ADAMW, lazy: bool = False) -> None:
+    """Fused exact-replay + optimizer step on rows ``slots`` (see :func:`reference.row_update_ref`)."""
+    op = op_for(weight)
+    if op is None or slots.numel() == 0:
+        return ref.row_update_ref(weight, states, slots, grads, last_step, step=step, lr_hist=lr_hist,
+                                  wd_hist=wd_hist, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+                                  eps=eps, optimizer=optimizer, lazy=lazy)
+    dev = weight.device
+    empty_f = torch.empty(0, dtype=torch.float32, device=dev)
+    empty_d = torch.empty(0, dtype=torch.float64, device=dev)
+    s1 = states[1] if len(states) > 1 else empty_f
+    op.row_update(weight, states[0], s1, slots.to(dev), grads.float().contiguous() if grads is not None else empty_f,
+                  last_step.to(dev) if last_step is not None else torch.empty(0, dtype=torch.long, device=dev),
+                  lr_hist if lr_hist is not None else empty_d, wd_hist if wd_hist is not None else empty_d,
+                  int(step), float(lr), float(weight_decay), float(beta1), float(beta2), float(eps),
+                  int(optimizer), bool(lazy), grads is not None)

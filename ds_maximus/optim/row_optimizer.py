@@ -1,0 +1,140 @@
+"""``RowOptimizer``: the sparse optimizer of a row table (AdamW or Adagrad, ``exact`` or ``lazy``).
+
+It owns what is global to the table: the hyper-parameters, the step counter, the lr and weight
+decay of every step (``exact`` mode replays them) and, per row, the last step the row is current
+at. The rows themselves live wherever the caller keeps them (cache slots, CPU tier blocks); the
+update runs through the fused ``maximus_sharded_embedding`` kernel on those tensors.
+
+>>> import torch
+>>> from ds_maximus.config import EmbeddingOptimizerConfig
+>>> opt = RowOptimizer(EmbeddingOptimizerConfig(lr=0.1), num_rows=4)
+>>> w, m, v = torch.ones(4, 2), torch.zeros(4, 2), torch.zeros(4, 2)
+>>> t = opt.begin_step(None, 0.0)
+>>> opt.update(w, [m, v], torch.tensor([1]), torch.ones(1, 2), torch.tensor([1]))
+>>> [round(x, 3) for x in w[:, 0].tolist()]
+[1.0, 0.9, 1.0, 1.0]
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ds_maximus.config import EmbeddingOptimizerConfig, OptimizerType, SparseMode
+from ds_maximus.optim.sparse_adamw import ADAGRAD, ADAMW
+from ds_maximus.errors import ConfigError
+
+
+class RowOptimizer:
+    """Hyper-parameters, step counter, lr history and per-row last steps of a sparse row optimizer."""
+
+    def __init__(self, config: Optional[EmbeddingOptimizerConfig], num_rows: int,
+                 frozen_row: Optional[int] = None):
+        cfg = config or EmbeddingOptimizerConfig()
+        self.config = cfg
+        self.kind = ADAMW if cfg.type == OptimizerType.ADAMW else ADAGRAD
+        self.lazy = cfg.mode == SparseMode.LAZY
+        self.beta1, self.beta2 = (float(b) for b in cfg.betas)
+        self.eps = float(cfg.eps)
+        self.num_rows = int(num_rows)
+        self.frozen_row = frozen_row
+        self.step = 0
+        self.lr_hist: List[float] = [0.0]   # [k] = lr of step k (index 0 unused)
+        self.wd_hist: List[float] = [0.0]
+        self.last_step = torch.zeros(self.num_rows, dtype=torch.long)  # per row id, host
+        self._dev_hist: Dict[torch.device, Tuple[Tensor, Tensor, int]] = {}
+
+    @property
+    def state_names(self) -> Tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") if self.kind == ADAMW else ("sum",)
+
+    # -- per step --------------------------------------------------------------------------------
+    def resolve(self, lr: Optional[float], weight_decay: Optional[float]) -> Tuple[float, float]:
+        lr = self.config.lr if lr is None else lr
+        if lr is None:
+            raise ConfigError("no learning rate for the sparse row optimizer: pass sparse_step(lr=...) or set "
+                              "maximus.embedding.optimizer.lr", "maximus.embedding.optimizer.lr")
+        wd = self.config.weight_decay if weight_decay is None else weight_decay
+        return float(lr), float(wd or 0.0)
+
+    def begin_step(self, lr: Optional[float], weight_decay: Optional[float]) -> int:
+        """Record step ``step+1``'s lr and weight decay; returns the new step number."""
+        lr, wd = self.resolve(lr, weight_decay)
+        self.step += 1
+        self.lr_hist.append(lr)
+        self.wd_hist.append(wd)
+        return self.step
+
+    def history(self, device: torch.device) -> Tuple[Tensor, Tensor]:
+        """lr and weight-decay history on ``device`` (float64, index k = step k), grown incrementally."""
+        device = torch.device(device)
+        need = len(self.lr_hist)
+        lr_t, wd_t, filled = self._dev_hist.get(device, (None, None, 0))
+        if lr_t is None or lr_t.numel() < need:
+            cap = max(1024, 2 * need)
+            new_lr = torch.zeros(cap, dtype=torch.float64, device=device)
+            new_wd = torch.zeros(cap, dtype=torch.float64, device=device)
+            if lr_t is not None:
+                new_lr[:filled].copy_(lr_t[:filled])
+                new_wd[:filled].copy_(wd_t[:filled])
+            lr_t, wd_t = new_lr, new_wd
+        if filled < need:
+            lr_t[filled:need].copy_(torch.tensor(self.lr_hist[filled:need], dtype=torch.float64), non_blocking=True)
+            wd_t[filled:need].copy_(torch.tensor(self.wd_hist[filled:need], dtype=torch.float64), non_blocking=True)
+        self._dev_hist[device] = (lr_t, wd_t, need)
+        return lr_t, wd_t
+
+    # -- row updates -----------------------------------------------------------------------------
+    def update(self, weight: Tensor, states: List[Tensor], slots: Tensor, grads: Tensor, ids: Tensor) -> None:
+        """Apply step ``self.step`` with ``grads`` to rows ``slots`` (ids ``ids``, CPU) of the given tensors.
+
+        In ``exact`` mode the rows' skipped steps are replayed first (fused in the same kernel).
+        """
+        from ds_maximus.ops import sharded_embedding as ops
+        if ids.numel() == 0:
+            return
+        lr_h, wd_h = self.history(weight.device)
+        ops.row_update(weight, states, slots.to(weight.device), grads, self.last_step[ids],
+                       step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=self.lr_hist[self.step],
+                       weight_decay=self.wd_hist[self.step], beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                       optimizer=self.kind, lazy=self.lazy)
+        self.last_step[ids] = self.step
+
+    def lagging(self, ids: Tensor) -> Tensor:
+        """Mask of ``ids`` (CPU) whose rows miss replayed steps (always empty in ``lazy`` mode)."""
+        if self.lazy or self.step == 0:
+            return torch.zeros(ids.numel(), dtype=torch.bool)
+        lag = self.last_step[ids] < self.step
+        if self.frozen_row is not None:
+            lag &= ids != self.frozen_row
+        return lag
+
+    def catch_up(self, weight: Tensor, states: List[Tensor], slots: Tensor, ids: Tensor) -> Tensor:
+        """Replay the skipped steps of rows ``ids`` (in ``slots``); returns the mask of rows changed."""
+        from ds_maximus.ops import sharded_embedding as ops
+        lag = self.lagging(ids)
+        if bool(lag.any()):
+            ids_l = ids[lag]
+            lr_h, wd_h = self.history(weight.device)
+            ops.row_update(weight, states, slots[lag].to(weight.device), None, self.last_step[ids_l],
+                           step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=0.0, weight_decay=0.0,
+                           beta1=self.beta1, beta2=self.beta2, eps=self.eps, optimizer=self.kind, lazy=False)
+            self.last_step[ids_l] = self.step
+        return lag
+
+    # -- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "lr_history": torch.tensor(self.lr_hist, dtype=torch.float64),
+                "wd_history": torch.tensor(self.wd_hist, dtype=torch.float64),
+                "last_step": self.last_step.clone(), "type": self.config.type.value, "mode": self.config.mode.value}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d["last_step"].shape != self.last_step.shape:
+            raise ConfigError(f"optimizer state is for {d['last_step'].numel()} rows, this table has "
+                              f"{self.num_rows}; load a checkpoint of the same vocabulary size")
+        self.step = int(d["step"])
+        self.lr_hist = [float(x) for x in d["lr_history"].tolist()]
+        self.wd_hist = [float(x) for x in d["wd_history"].tolist()]
+        self.last_step = d["last_step"].clone().to(torch.long)
+        self._dev_hist.clear()

@@ -1,0 +1,135 @@
+"""ShardedEmbedding against nn.Embedding + torch optimizers (CPU; the same code path as the GPU cache)."""
+import pytest
+import torch
+from torch import nn
+
+from ds_maximus.embedding import ShardedEmbedding
+from ds_maximus.errors import CapacityError
+from emb_helpers import make_config, train_pair, zipf_batch
+
+
+@pytest.mark.parametrize("dim", [1, 3, 129])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_equals_nn_embedding(dim, dtype):
+    torch.manual_seed(0)
+    ref = nn.Embedding(50, dim)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=20))
+    ref = ref.to(dtype)
+    emb = emb.to(dtype)
+    ids = torch.randint(0, 50, (3, 5))
+    with torch.no_grad():
+        assert torch.equal(emb(ids), ref(ids))
+        assert emb(ids).dtype == dtype
+
+
+@pytest.mark.parametrize("dim", [1, 129])
+def test_backward_equals_dense_gradient_on_touched_rows(dim):
+    torch.manual_seed(1)
+    ref = nn.Embedding(40, dim)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=40))
+    ids = torch.randint(0, 40, (4, 9))
+    w = torch.randn(4, 9, dim)
+    (ref(ids) * w).sum().backward()
+    (emb(ids) * w).sum().backward()
+    touched = torch.unique(ids)
+    assert torch.equal(emb.grad.ids, touched)
+    assert torch.equal(emb.grad.rows, ref.weight.grad[touched])
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[touched] = False
+    assert ref.weight.grad[untouched].abs().sum() == 0
+    assert torch.allclose(emb.sparse_grad_norm_sq(), ref.weight.grad.pow(2).sum())
+
+
+@pytest.mark.parametrize("cache_rows", [12, 64], ids=["heavy-eviction", "roomy"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("dim", [3, 129])
+def test_exact_adamw_equals_dense_adamw(cache_rows, policy, dim):
+    g = torch.Generator().manual_seed(7)
+    vocab, steps = 64, 50
+    ref = nn.Embedding(vocab, dim)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=cache_rows, policy=policy))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    batches = [zipf_batch(g, vocab, 10).view(2, 5) for _ in range(steps)]
+    lrs = [1e-2 * (0.5 + 0.5 * torch.rand((), generator=g).item()) for _ in range(steps)]
+    train_pair(emb, ref, opt, batches, lrs, wd=0.1)
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    if cache_rows == 12:
+        assert emb.stats()["rows_evicted"] > 50
+    st = emb.maximus_state_dict()["tensors"]
+    torch.testing.assert_close(st["exp_avg"], opt.state[ref.weight]["exp_avg"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(st["exp_avg_sq"], opt.state[ref.weight]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_gradient_accumulation_over_micro_batches():
+    g = torch.Generator().manual_seed(3)
+    ref = nn.Embedding(32, 5)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=32))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    batches = [torch.randint(0, 32, (4, 3), generator=g) for _ in range(6)]
+    train_pair(emb, ref, opt, batches, [1e-2] * 6, wd=0.01, micro=2)
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_lazy_equals_sparse_adam():
+    g = torch.Generator().manual_seed(5)
+    ref = nn.Embedding(48, 7, sparse=True)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=10, mode="lazy"))
+    opt = torch.optim.SparseAdam(ref.parameters(), lr=3e-2)
+    batches = [zipf_batch(g, 48, 8).view(2, 4) for _ in range(30)]
+    train_pair(emb, ref, opt, batches, [3e-2] * 30, wd=0.0)
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_adagrad_equals_torch_adagrad():
+    g = torch.Generator().manual_seed(6)
+    ref = nn.Embedding(30, 4)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=8, opt="adagrad"))
+    opt = torch.optim.Adagrad(ref.parameters(), lr=5e-2, weight_decay=0.05, eps=1e-8, foreach=False)
+    batches = [torch.randint(0, 30, (6,), generator=g) for _ in range(20)]
+    train_pair(emb, ref, opt, batches, [5e-2] * 20, wd=0.05)
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_padding_row_never_changes():
+    g = torch.Generator().manual_seed(8)
+    ref = nn.Embedding(20, 6, padding_idx=3)
+    with torch.no_grad():
+        ref.weight[3] = 0.25  # a non-zero padding row must stay exactly as it is
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=8))
+    before = emb.full_weight()[3].clone()
+    for _ in range(10):
+        ids = torch.randint(0, 20, (5,), generator=g)
+        ids[0] = 3
+        emb(ids).pow(2).sum().backward()
+        emb.sparse_step(lr=0.1, weight_decay=0.5)
+    w = emb.full_weight()
+    assert torch.equal(w[3], before)
+    assert not torch.equal(w[4:], ref.weight.detach()[4:])
+
+
+@pytest.mark.parametrize("bad", [20, 1000, -1])
+def test_out_of_range_id_raises_index_error(bad):
+    emb = ShardedEmbedding(20, 4, config=make_config(cache_rows=8))
+    with pytest.raises(IndexError, match=rf"{bad}.*20|20.*{bad}"):
+        emb(torch.tensor([1, bad, 2]))
+    with pytest.raises(IndexError):
+        emb.prefetch(torch.tensor([bad]))
+
+
+def test_batch_larger_than_cache_raises_capacity_error():
+    emb = ShardedEmbedding(50, 4, config=make_config(cache_rows=4))
+    with pytest.raises(CapacityError, match="gpu_cache_rows"):
+        emb(torch.arange(10))
+
+
+def test_prefetch_then_forward_hits():
+    emb = ShardedEmbedding(100, 4, config=make_config(cache_rows=32))
+    ids = torch.tensor([5, 7, 9, 7])
+    emb.prefetch(ids)
+    fetched = emb.cache.traffic.rows_fetched
+    with torch.no_grad():
+        out = emb(ids)
+    assert emb.cache.traffic.rows_fetched == fetched == 3
+    assert emb.cache.counters.hits == 3
+    torch.testing.assert_close(out, emb.full_weight()[ids])
+    assert int(emb.cache.map.pin_count.sum()) == 0
