@@ -1,0 +1,163 @@
+"""Expert math on cached slots, op for op the same as the HF experts implementations.
+
+``transformers`` 5.x computes fused experts (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F])
+with one of ``eager`` (a loop over hit experts, ``index_add_``), ``grouped_mm`` (rows sorted by
+expert, one grouped GEMM per projection, a reshape-sum over top-k) or ``batched_mm`` (one bmm over
+per-pair gathered weights). Each function below repeats the same ops in the same order on the
+slot buffers of :class:`ExpertCache`, so logits equal the un-offloaded model's: the only change is
+*where* an expert's weight is read from. When a layer needs more experts than it has slots, experts
+are processed in rounds (ascending expert id) of at most ``slots_per_layer``; every row's GEMM
+and every reduction is still the original one.
+
+    >>> # used by OffloadedExperts.forward; see tests/moe/test_compute.py for a standalone run
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import torch
+import torch.nn.functional as F
+
+try:  # the same dispatch (native grouped_mm or its fallback) as the original forward
+    from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
+except ImportError:  # pragma: no cover - older/newer transformers
+    _hf_grouped_linear = None
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if _hf_grouped_linear is not None:
+        return _hf_grouped_linear(x, w, offs)
+    return F.grouped_mm(x.to(w.dtype), w.transpose(-2, -1), offs=offs)
+
+
+def rounds(experts: Sequence[int], size: int) -> List[List[int]]:
+    """Split ascending expert ids into chunks of at most ``size``."""
+    return [list(experts[i:i + size]) for i in range(0, len(experts), size)]
+
+
+class ExpertComputeContext:
+    """What the compute functions need: the cache, the layer's group, the layout and the gate fn."""
+
+    def __init__(self, cache, group: int, apply_gate: Callable[[torch.Tensor], torch.Tensor], num_experts: int):
+        self.cache = cache
+        self.group = group
+        self.layout = cache.layout
+        self.apply_gate = apply_gate
+        self.num_experts = num_experts
+
+    on_first_acquire: Callable[[], None] | None = None
+
+    def acquire(self, chunk: Sequence[int]) -> List[int]:
+        """``cache.acquire`` and, after the first one (demand loads queued first), the layer's prefetch."""
+        slots = self.cache.acquire(self.group, chunk)
+        hook, self.on_first_acquire = self.on_first_acquire, None
+        if hook is not None:
+            hook()
+        return slots
+
+    def stacked(self, name: str) -> torch.Tensor:
+        return self.layout.stacked_view(self.cache.slot_buffer(self.group), name)
+
+    def flat(self, slot: int) -> torch.Tensor:
+        return self.cache.slot(self.group, slot)
+
+
+def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, used: Sequence[int]) -> torch.Tensor:
+    """The ``eager`` loop: experts in ascending id, ``index_add_`` into a zero tensor."""
+    final = torch.zeros_like(hidden)
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=ctx.num_experts + 1).permute(2, 1, 0)
+    lay = ctx.layout
+    for chunk in rounds(used, ctx.cache.slots_per_group):
+        slots = ctx.acquire(chunk)
+        try:
+            for e, s in zip(chunk, slots):
+                top_k_pos, token_idx = torch.where(mask[e])
+                cur = hidden[token_idx]
+                flat = ctx.flat(s)
+                h = ctx.apply_gate(F.linear(cur, lay.view(flat, "gate_up_proj")))
+                h = F.linear(h, lay.view(flat, "down_proj"))
+                h = h * top_k_weights[token_idx, top_k_pos, None]
+                final.index_add_(0, token_idx, h.to(final.dtype))
+        finally:
+            ctx.cache.release(ctx.group, slots)
+    return final
+
+
+def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, used: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+    """The ``grouped_mm`` path: rows sorted by expert, grouped GEMMs over the slot stack, reshape-sum."""
+    device = hidden.device
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden.shape
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids = top_k_index.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    x_g = hidden[perm // num_top_k]
+    w_g = sample_weights[perm]
+    starts = [0] * (ctx.num_experts + 1)
+    for e in range(ctx.num_experts):
+        starts[e + 1] = starts[e] + counts[e]
+    n_slots = ctx.cache.slots_per_group
+    gate_up, down = ctx.stacked("gate_up_proj"), ctx.stacked("down_proj")
+    proj_out = None
+    for chunk in rounds(used, n_slots):
+        slots = ctx.acquire(chunk)
+        try:
+            per_slot = [0] * n_slots
+            by_slot = sorted(zip(slots, chunk))
+            for s, e in by_slot:
+                per_slot[s] = counts[e]
+            lo, hi = starts[chunk[0]], starts[chunk[-1] + 1]
+            in_order = [e for _, e in by_slot] == list(chunk)
+            if in_order:
+                rows = slice(lo, hi)
+            else:
+                rows = torch.cat([torch.arange(starts[e], starts[e + 1]) for _, e in by_slot]).to(device)
+            offs = torch.tensor(per_slot, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+            h = _grouped_linear(x_g[rows], gate_up, offs)
+            h = ctx.apply_gate(h)
+            h = _grouped_linear(h, down, offs)
+            if proj_out is None:
+                proj_out = h.new_empty((x_g.shape[0], h.shape[1]))
+            proj_out[rows] = h
+        finally:
+            ctx.cache.release(ctx.group, slots)
+    weighted_out = proj_out * w_g.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=device)
+    weighted_out = weighted_out[inv_perm]
+    final = weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return final.to(hidden.dtype)
+
+
+def batched_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, used: Sequence[int]) -> torch.Tensor:
+    """The ``batched_mm`` path: per-pair gathered weights and bmm, reshape-sum over top-k."""
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden.shape
+    x = hidden.repeat_interleave(num_top_k, dim=0)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids = top_k_index.reshape(-1)
+    gate_up, down = ctx.stacked("gate_up_proj"), ctx.stacked("down_proj")
+    proj_out = None
+    for chunk in rounds(used, ctx.cache.slots_per_group):
+        slots = ctx.acquire(chunk)
+        try:
+            slot_of = torch.full((ctx.num_experts,), -1, dtype=torch.long)
+            slot_of[torch.tensor(chunk)] = torch.tensor(slots)
+            pair_slot = slot_of.to(hidden.device)[expert_ids]
+            rows = (pair_slot >= 0).nonzero().flatten()
+            sel = pair_slot[rows]
+            h = torch.bmm(gate_up[sel], x[rows].unsqueeze(-1)).squeeze(-1)
+            h = ctx.apply_gate(h)
+            h = torch.bmm(down[sel], h.unsqueeze(-1)).squeeze(-1)
+            if proj_out is None:
+                proj_out = h.new_empty((x.shape[0], h.shape[1]))
+            proj_out[rows] = h
+        finally:
+            ctx.cache.release(ctx.group, slots)
+    weighted_out = proj_out * sample_weights.unsqueeze(-1)
+    final = weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return final.to(hidden.dtype)

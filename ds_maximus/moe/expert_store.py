@@ -1,0 +1,144 @@
+"""The slow tiers of the expert cache: pinned CPU memory, or a file on NVMe.
+
+An expert is addressed by a *uid* (``layer * num_experts + expert``) and stored as one flat buffer
+of ``layout.numel`` elements (see :mod:`ds_maximus.moe.layout`), so bringing it to the GPU is one
+``copy_(..., non_blocking=True)``.
+
+    >>> import torch
+    >>> from ds_maximus.moe.layout import ExpertLayout
+    >>> lay = ExpertLayout.from_stacked({"w": torch.zeros(2, 4, 4)}, num_experts=2)
+    >>> store = CpuExpertStore(lay, num_uids=2, pin_memory=False)
+    >>> store.write(1, {"w": torch.ones(4, 4)})
+    >>> float(lay.view(store.host_view(1), "w").sum())
+    16.0
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+import torch
+
+from ds_maximus.errors import ConfigError, NVMeIOError
+from ds_maximus.moe.layout import ExpertLayout
+
+FILE_ALIGN_BYTES = 4096  # O_DIRECT alignment of every expert record in the file tier
+
+
+class ExpertStore:
+    """Base of the tiers. ``host_view(uid)`` is a CPU flat tensor to copy from, or ``None`` when the
+    expert must first be read (``read_into``)."""
+
+    layout: ExpertLayout
+    num_uids: int
+    tier: str = "?"
+
+    def host_view(self, uid: int) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def read_into(self, uid: int, dst: torch.Tensor) -> None:
+        src = self.host_view(uid)
+        assert src is not None
+        dst.copy_(src)
+
+    def write(self, uid: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def read(self, uid: int) -> torch.Tensor:
+        """One expert's flat buffer, as a new CPU tensor (for tests and checkpoints)."""
+        out = torch.empty(self.layout.numel, dtype=self.layout.dtype)
+        self.read_into(uid, out)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _can_pin() -> bool:
+    return torch.cuda.is_available()
+
+
+class CpuExpertStore(ExpertStore):
+    """Every expert in one page-locked CPU allocation ``[num_uids, numel]``; row ``uid`` is its buffer."""
+
+    tier = "cpu"
+
+    def __init__(self, layout: ExpertLayout, num_uids: int, pin_memory: bool = True):
+        self.layout = layout
+        self.num_uids = int(num_uids)
+        self.pinned = bool(pin_memory and _can_pin())
+        self.buffer = torch.empty((self.num_uids, layout.numel), dtype=layout.dtype, pin_memory=self.pinned)
+
+    def host_view(self, uid: int) -> torch.Tensor:
+        return self.buffer[uid]
+
+    def write(self, uid: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.layout.pack_(self.buffer[uid], tensors)
+
+
+class FileExpertStore(ExpertStore):
+    """Experts in one raw file, record ``uid`` at ``uid * record_bytes`` (4 KiB aligned, O_DIRECT-ready).
+
+    Reads go through :class:`ds_maximus.ops.nvme_loader.NVMeLoader` when that op is available, else
+    plain ``readinto``. ``host_view`` is ``None``: the cache reads each expert into a pinned staging
+    buffer (GPU) or straight into its slot (CPU compute).
+    """
+
+    tier = "nvme"
+
+    def __init__(self, layout: ExpertLayout, num_uids: int, path: str, loader=None):
+        self.layout = layout
+        self.num_uids = int(num_uids)
+        self.record_bytes = (layout.nbytes + FILE_ALIGN_BYTES - 1) // FILE_ALIGN_BYTES * FILE_ALIGN_BYTES
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"moe.offload.nvme_path folder {folder} does not exist; create it or point "
+                              "nvme_path at a folder on a local NVMe disk", "maximus.moe.offload.nvme_path")
+        self.path = path
+        with open(path, "wb") as f:
+            f.truncate(self.record_bytes * self.num_uids)
+        self.loader = loader
+        self._scratch = torch.empty(layout.numel, dtype=layout.dtype)
+
+    def host_view(self, uid: int) -> None:
+        return None
+
+    def write(self, uid: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.layout.pack_(self._scratch, tensors)
+        data = self._scratch.view(torch.uint8).numpy().tobytes()
+        with open(self.path, "r+b") as f:
+            f.seek(uid * self.record_bytes)
+            f.write(data)
+
+    def read_into(self, uid: int, dst: torch.Tensor) -> None:
+        assert dst.numel() == self.layout.numel and dst.is_contiguous() and dst.device.type == "cpu"
+        offset = uid * self.record_bytes
+        if self.loader is not None:
+            self.loader.read_into(self.path, offset, dst).wait()
+            return
+        view = dst.view(torch.uint8).numpy()
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(offset)
+            n = f.readinto(memoryview(view))
+        if n != self.layout.nbytes:
+            raise NVMeIOError(f"short read of expert {uid} from {self.path} at offset {offset}: {n} of "
+                              f"{self.layout.nbytes} bytes; the file is truncated, re-run offload_experts",
+                              self.path, offset)
+
+    def close(self) -> None:
+        if self.loader is not None and hasattr(self.loader, "close"):
+            self.loader.close()
+
+
+def make_loader(io_cfg):
+    """The async NVMe loader when its op is available here, else ``None`` (plain reads)."""
+    try:
+        from ds_maximus.ops.nvme_loader import NVMeLoader, nvme_loader_available
+    except ImportError:
+        return None
+    try:
+        if not nvme_loader_available():
+            return None
+        return NVMeLoader.from_config(io_cfg)
+    except Exception:
+        return None
