@@ -41,18 +41,20 @@ def attach_lm_head(model: nn.Module, cfg: MaximusConfig):
 def maximize(model: nn.Module, config: Union[str, dict, MaximusConfig], inference: bool = False) -> nn.Module:
     """Swap ``model``'s large embeddings for ``ShardedEmbedding`` (and its loss for the streamed LM head).
 
-    ``inference=True`` keeps the table in the CPU tier with the GPU row cache for ``generate()``.
+    ``inference=True`` keeps the table in the CPU tier with the GPU row cache for ``generate()`` (and,
+    with ``lm_head.placement: cpu``, the head too; see :mod:`ds_maximus.integrations.serving`).
     Returns the same model object.
     """
     from ds_maximus.zero.swap import swap_embeddings
     cfg = _cfg(config)
     if not cfg.enabled:
         return model
+    if inference:
+        from ds_maximus.integrations.serving import prepare_inference
+        return prepare_inference(model, cfg)
     swap_embeddings(model, cfg)
     if cfg.lm_head.enabled:
         attach_lm_head(model, cfg)
-    if inference:
-        model.eval()
     return model
 
 
