@@ -188,7 +188,7 @@ class ShardStore:
         path = os.path.join(self.path, info.file)
         data_offset = self._check_file(info, path)
         nbytes = info.bytes - data_offset
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = _read_buffer(nbytes, self._loader is not None)
         if self._loader is not None and nbytes:
             try:
                 self._loader.read_into(path, data_offset, buf).wait()
@@ -383,6 +383,18 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _read_buffer(nbytes: int, for_loader: bool) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes``; page-aligned (pinned with CUDA) for the loader, so O_DIRECT needs no
+    bounce buffer."""
+    if for_loader:
+        try:
+            from ds_maximus.ops.nvme_loader import aligned_empty
+            return aligned_empty(nbytes)
+        except ImportError:
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _pread_into(path: str, offset: int, buf: torch.Tensor) -> None:
