@@ -4,7 +4,7 @@ import copy
 import torch
 
 
-def tiny_model(kind: str, experts_impl: str = "grouped_mm", layers: int = 3, num_experts: int = 8,
+def tiny_model(kind: str, experts_impl: str = "grouped_mm", layers: int = 2, num_experts: int = 8,
                top_k: int = 2, dtype=torch.float32, seed: int = 0):
     from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)

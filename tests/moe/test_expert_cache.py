@@ -1,0 +1,116 @@
+"""The cache core on the CPU engine: hits, eviction, prefetch accounting, and safety under churn."""
+import random
+
+import pytest
+import torch
+
+from ds_maximus.config import CachePolicy
+from ds_maximus.errors import CapacityError
+from ds_maximus.moe.expert_cache import ExpertCache
+from ds_maximus.moe.expert_store import CpuExpertStore
+from ds_maximus.moe.layout import ExpertLayout
+from ds_maximus.moe.transfer import CpuTransfer
+
+G, E = 3, 6
+
+
+def make_cache(slots, policy=CachePolicy.LRU, delay_s=0.0):
+    lay = ExpertLayout.from_stacked({"w": torch.zeros(E, 8, 4)}, num_experts=E)
+    store = CpuExpertStore(lay, G * E, pin_memory=False)
+    for uid in range(G * E):
+        store.write(uid, {"w": torch.full((8, 4), float(uid))})
+    return ExpertCache(store, G, E, slots, "cpu", policy, transfer=CpuTransfer(delay_s=delay_s))
+
+
+def content(cache, g, s):
+    return cache.slot(g, s)[:32]
+
+
+def test_acquire_loads_then_hits_and_lru_evicts():
+    c = make_cache(2)
+    s = c.acquire(0, [1, 4]); c.release(0, s)
+    assert c.stats()["demand_misses"] == 2
+    s = c.acquire(0, [4]); c.release(0, s)
+    assert c.stats()["demand_hits"] == 1
+    s = c.acquire(0, [2]); c.release(0, s)        # evicts 1 (least recent), keeps 4
+    assert c.resident(0) == [2, 4]
+    assert torch.all(content(c, 0, s[0]) == 2.0)
+    assert c.stats()["bytes_demand"] == 3 * c.layout.nbytes
+
+
+def test_lfu_keeps_the_frequent_expert():
+    c = make_cache(2, CachePolicy.LFU)
+    for e in [0, 0, 0, 1, 2]:
+        s = c.acquire(0, [e]); c.release(0, s)
+    assert 0 in c.resident(0)
+
+
+def test_too_many_at_once_and_all_pinned_raise():
+    c = make_cache(2)
+    with pytest.raises(CapacityError, match="rounds"):
+        c.acquire(0, [0, 1, 2])
+    s = c.acquire(0, [0, 1])
+    with pytest.raises(CapacityError):
+        c.acquire(0, [2])          # both slots in use
+    c.release(0, s)
+    c.release(0, c.acquire(0, [2]))
+
+
+def test_prefetch_precision_recall():
+    c = make_cache(2, delay_s=0.01)
+    assert c.prefetch(1, [3, 5]) == 2
+    assert c.prefetch(1, [3]) == 0                 # already there (in flight)
+    s = c.acquire(1, [3]); c.release(1, s)        # useful prefetch, waits for the load in flight
+    assert torch.all(content(c, 1, s[0]) == float(E + 3))
+    s = c.acquire(1, [0]); c.release(1, s)        # a miss: evicts the unused prefetch of 5
+    st = c.stats()
+    assert st["prefetch_issued"] == 2 and st["prefetch_useful"] == 1
+    assert st["prefetch_precision"] == 0.5 and st["prefetch_recall"] == 0.5
+    assert st["bytes_prefetch"] == 2 * c.layout.nbytes
+
+
+def test_prefetch_never_takes_a_pinned_slot():
+    c = make_cache(1, delay_s=0.01)
+    s = c.acquire(0, [2])
+    assert c.prefetch(0, [4]) == 0                 # the only slot is in use
+    c.release(0, s)
+    assert c.prefetch(0, [4]) == 1                 # now in flight, pinned
+    s = c.acquire(0, [5])                          # demand drains the in-flight load, then evicts it
+    assert torch.all(content(c, 0, s[0]) == 5.0)
+    c.release(0, s)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_churn_never_evicts_in_use_or_in_flight(slots):
+    """Random demand and speculation on a slow copier: an acquired slot holds its expert from
+    acquire to release, and a slot with a load in flight is never handed to another expert."""
+    rng = random.Random(slots)
+    c = make_cache(slots, delay_s=0.0005)
+    for step in range(150):
+        g = rng.randrange(G)
+        want = sorted(rng.sample(range(E), rng.randint(1, slots)))
+        held = c.acquire(g, want)
+        for e, s in zip(want, held):
+            assert torch.all(content(c, g, s) == float(g * E + e)), (step, g, e, s)
+        # speculation on another group (and on this one: must skip the held slots)
+        c.prefetch((g + 1) % G, rng.sample(range(E), rng.randint(1, E)))
+        c.prefetch(g, rng.sample(range(E), rng.randint(1, E)))
+        grp = c.groups[g]
+        for s in held:
+            assert grp.map.pin_count[s] > 0
+            assert int(grp.map.slot_to_id[s]) in want
+        for s, ev in list(grp.inflight.items()):
+            assert grp.map.pin_count[s] > 0
+        for e, s in zip(want, held):   # still intact after the speculation
+            assert torch.all(content(c, g, s) == float(g * E + e)), (step, g, e, s)
+        c.release(g, held)
+    c.synchronize()
+    for g in range(G):   # whatever is resident is what the map says
+        for s in range(c.slots_per_group):
+            e = int(c.groups[g].map.slot_to_id[s])
+            if e >= 0:
+                assert torch.all(content(c, g, s) == float(g * E + e))
+    st = c.stats()
+    assert st["demand_lookups"] == st["demand_hits"] + st["demand_misses"]
+    assert 0.0 <= st["prefetch_precision"] <= 1.0
+    c.close()
