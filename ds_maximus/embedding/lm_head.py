@@ -148,7 +148,7 @@ class ShardedLMHead(nn.Module):
                 hi = min(self.vocab_size, lo + self.chunk_rows)
                 if hi < self.vocab_size:
                     self.source.prefetch(hi, min(self.vocab_size, hi + self.chunk_rows), hidden.device, dtype)
-                torch.mm(h, self.source.fetch(lo, hi, hidden.device, dtype).t(), out=out[:, lo:hi])
+                out[:, lo:hi] = h @ self.source.fetch(lo, hi, hidden.device, dtype).t()
         return out.view(*hidden.shape[:-1], self.vocab_size)
 
     # -- maximus module protocol (CPU-placed heads) ---------------------------------------------
