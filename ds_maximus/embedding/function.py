@@ -63,4 +63,5 @@ class ShardedEmbeddingFunction(torch.autograd.Function):
             if not bool(keep.all()):
                 uniq, rows = uniq[keep], rows[keep.to(rows.device)]
         module._accumulate(uniq, rows)
-        return None, None, None, None, None
+        # a zero (not None) anchor gradient, so an anchor's own backward (the norm carrier) still runs
+        return torch.zeros((), dtype=torch.float32, device=grad_out.device), None, None, None, None

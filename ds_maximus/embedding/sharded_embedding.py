@@ -67,6 +67,7 @@ class ShardedEmbedding(nn.Module):
         self._step_pins: list = []
         self._prefetched: collections.deque = collections.deque()
         self._anchor = torch.zeros((), requires_grad=True)  # not a Parameter: autograd reaches backward through it
+        self._anchor_fn = None  # set by the engine integration (ds_maximus/zero/norm_carrier.py)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, config: Union[EmbeddingConfig, MaximusConfig, None] = None,
@@ -145,7 +146,8 @@ class ShardedEmbedding(nn.Module):
         track = torch.is_grad_enabled()
         out, uniq_cpu, inverse = lookup(self, input, pin=track)
         if track:
-            out = ShardedEmbeddingFunction.apply(self._anchor, out, self, uniq_cpu, inverse)
+            anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
+            out = ShardedEmbeddingFunction.apply(anchor, out, self, uniq_cpu, inverse)
         return out.view(*input.shape, self.embedding_dim)
 
     def _resident(self, uniq_cpu: Tensor, pin: bool, wait: bool = True) -> Tensor:
@@ -183,6 +185,23 @@ class ShardedEmbedding(nn.Module):
         self.grad.add(ids, rows)
 
     # -- the maximus module protocol ---------------------------------------------------------------------
+    def set_grad_anchor(self, fn) -> None:
+        """Use ``fn()`` as the autograd anchor of each lookup (its backward runs after this module's)."""
+        self._anchor_fn = fn
+
+    def sparse_grads(self):
+        """The accumulated sparse gradient as ``(ids [U] CPU long, rows [U, d] fp32)`` (empty when none)."""
+        if not self.grad:
+            return (torch.zeros(0, dtype=torch.long),
+                    torch.zeros(0, self.embedding_dim, device=self.compute_device))
+        return self.grad.ids, self.grad.rows
+
+    def set_sparse_grads_(self, ids: Tensor, rows: Tensor) -> None:
+        """Replace the accumulated sparse gradient (unique ids), e.g. after combining across ranks."""
+        self.grad.clear()
+        if ids.numel():
+            self.grad.add(ids.to("cpu", torch.long), rows.to(self.compute_device, torch.float32))
+
     def sparse_grad_norm_sq(self) -> Tensor:
         """Sum of squares of the accumulated sparse gradient (fp32 scalar on the compute device)."""
         return self.grad.norm_sq(self.compute_device)

@@ -106,15 +106,18 @@ def _add_param(params, carrier):
 
 
 def _configure_from_engine(module, engine, cfg: MaximusConfig) -> None:
-    """Sparse optimizer hyper-parameters default to the DeepSpeed optimizer's (exact equality)."""
+    """Sparse optimizer betas/eps default to the DeepSpeed optimizer's (so exact mode equals it)."""
     opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
     groups = getattr(opt, "param_groups", None)
-    if not groups or not hasattr(module, "configure_optimizer"):
+    row_opt = getattr(module, "optimizer", None)
+    if not groups or row_opt is None or not hasattr(row_opt, "beta1"):
         return
     g = groups[0]
     oc = cfg.embedding.optimizer
-    module.configure_optimizer(betas=tuple(oc.betas) if "betas" in oc.model_fields_set else tuple(g.get("betas", oc.betas)),
-                               eps=oc.eps if "eps" in oc.model_fields_set else g.get("eps", oc.eps))
+    if "betas" not in oc.model_fields_set and "betas" in g:
+        row_opt.beta1, row_opt.beta2 = (float(b) for b in g["betas"])
+    if "eps" not in oc.model_fields_set and "eps" in g:
+        row_opt.eps = float(g["eps"])
 
 
 def enable() -> None:

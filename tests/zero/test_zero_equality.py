@@ -20,7 +20,7 @@ def test_matches_plain_deepspeed(stage, dtype):
     plain = build(stage, dtype, gas=GAS, clip=0.5)
     ref = train(plain, batches, GAS)
     ref_w = embedding_weight(plain)
-    ours = build(stage, dtype, gas=GAS, clip=0.5, maximus=maximus_section(cache_rows=48))
+    ours = build(stage, dtype, gas=GAS, clip=0.5, maximus=maximus_section(cache_rows=96))
     got = train(ours, batches, GAS)
     got_w = embedding_weight(ours)
     assert ours.maximus.steps == STEPS
