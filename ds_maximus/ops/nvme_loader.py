@@ -247,6 +247,13 @@ class NVMeLoader:
     def __exit__(self, *exc):
         self.close()
 
+    def __del__(self):
+        # stop the workers with the GIL released (close() releases it): a worker dropping the last
+        # reference to a tensor may need the GIL, which the C++ destructor would hold while joining
+        impl = getattr(self, "_impl", None)
+        if impl is not None and not impl.closed():
+            impl.close(cancel=False)
+
     def __repr__(self):
         return (f"NVMeLoader(threads={self.threads}, block_bytes={self.block_bytes}, "
                 f"queue_depth={self.queue_depth}, o_direct={self.o_direct})")

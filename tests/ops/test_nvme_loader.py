@@ -260,6 +260,25 @@ def test_error_enospc_on_tiny_tmpfs(loader, mounted):
     assert ei.value.err == errno.ENOSPC and ei.value.path == str(d / "full.bin") and "fix:" in str(ei.value)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_error_eio_from_a_failing_file_system(tmp_path, direct):
+    from _fuse_eio import eio_mount  # tests/ops is on sys.path (rootdir-style test imports)
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.skip("needs root and /dev/fuse to mount the EIO file system")
+    try:
+        cm = eio_mount(tmp_path / "eio")
+        path = cm.__enter__()
+    except OSError as e:
+        pytest.skip(str(e))
+    try:
+        with NVMeLoader(threads=2, block_bytes=BLOCK, o_direct=direct) as ld:
+            with pytest.raises(NVMeIOError) as ei:
+                ld.read_into(path, 4096 + 3, _misaligned(3 * BLOCK, 1)).wait()
+        assert ei.value.err == errno.EIO and ei.value.path == path and "dmesg" in str(ei.value)
+    finally:
+        cm.__exit__(None, None, None)
+
+
 def test_buffered_fallback_where_o_direct_is_refused(loader, mounted, caplog):
     d = mounted("ramfs")  # ramfs has no direct I/O: open(O_DIRECT) fails with EINVAL
     src = _rand_bytes(3 * BLOCK + 5, seed=8)
