@@ -1,0 +1,243 @@
+"""Hugging Face causal LMs compute their ``labels=`` loss with the streamed cross-entropy.
+
+``patch_causal_lm_loss(model)`` works on any ``XForCausalLM`` of transformers 5.x that has
+``.model``, ``.lm_head`` and ``forward(..., labels=None, logits_to_keep=0, **kwargs)`` computing
+``logits = self.lm_head(hidden)`` then ``self.loss_function(logits=logits, labels=labels, ...)``
+(Llama, Mistral, Qwen2, Mixtral, Gemma2 ...). How:
+
+* ``model.forward`` is wrapped: a call with ``labels`` (or ``shift_labels``) arms a one-shot loss request
+  holding the labels and the loss kwargs (``num_items_in_batch``, ``ignore_index``);
+* ``model.lm_head.forward`` is overridden on the instance: when armed, it returns the loss
+  ``linear_cross_entropy(hidden, lm_head.weight, shifted labels)`` instead of logits. Computing it
+  inside the head's own forward keeps ZeRO-3's gather hooks around the weight use;
+* ``model.loss_function`` passes that loss through, so the model's own code still adds its extras
+  (Mixtral's router aux loss); the output's ``logits`` is removed (``None``).
+
+Without labels nothing changes: generation gets the original logits (``logits_to_keep`` included).
+Gemma-style ``final_logit_softcapping`` is applied inside the streamed loss.
+
+Example::
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import torch
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+    ...                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4))
+    >>> _ = patch_causal_lm_loss(model)
+    >>> ids = torch.randint(0, 128, (2, 9))
+    >>> out = model(input_ids=ids, labels=ids)
+    >>> out.logits is None, out.loss.dim()
+    (True, 0)
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import threading
+import types
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ds_maximus.config import HeadPlacement, LMHeadConfig, MaximusConfig
+from ds_maximus.embedding.linear_cross_entropy import linear_cross_entropy
+from ds_maximus.errors import ConfigError
+
+_ATTR = "_maximus_lm_head_patch"
+
+
+class _LossRequest:
+    def __init__(self, labels, shift_labels, num_items_in_batch, ignore_index, softcap):
+        self.labels = labels
+        self.shift_labels = shift_labels
+        self.num_items_in_batch = num_items_in_batch
+        self.ignore_index = ignore_index
+        self.softcap = softcap
+
+
+class _Patch:
+    """What one patched model holds: its config, the head, and the armed request of the running call."""
+
+    def __init__(self, cfg: LMHeadConfig, head):
+        self.cfg = cfg
+        self.head = head
+        self.local = threading.local()
+        self.orig_forward = None
+        self.orig_head_forward = None
+        self.last_loss = None
+
+    @property
+    def request(self) -> Optional[_LossRequest]:
+        return getattr(self.local, "request", None)
+
+    @request.setter
+    def request(self, value):
+        self.local.request = value
+
+    def loss(self, head_module: nn.Module, hidden: torch.Tensor, req: _LossRequest) -> torch.Tensor:
+        labels = req.shift_labels
+        if labels is None:
+            labels = nn.functional.pad(req.labels, (0, 1), value=req.ignore_index)[..., 1:]
+        labels = labels.to(hidden.device)
+        if labels.shape != hidden.shape[:-1]:
+            raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape[:-1])}"
+                             "; with labels, call the model with logits_to_keep=0 (the default)")
+        reduction = "mean" if req.num_items_in_batch is None else "sum"
+        from ds_maximus.embedding.lm_head import ShardedLMHead
+        if isinstance(head_module, ShardedLMHead):
+            loss = head_module(hidden, labels, ignore_index=req.ignore_index, reduction=reduction,
+                               logit_softcap=req.softcap)
+        else:
+            loss = linear_cross_entropy(hidden, head_module.weight, labels, req.ignore_index, reduction,
+                                        logit_softcap=req.softcap, chunk_rows=self.cfg.chunk_rows)
+        if req.num_items_in_batch is not None:
+            n = req.num_items_in_batch
+            loss = loss / (n.to(loss.device) if torch.is_tensor(n) else n)
+        return loss
+
+
+def _lm_cfg(config) -> LMHeadConfig:
+    if config is None:
+        return LMHeadConfig(enabled=True)
+    if isinstance(config, MaximusConfig):
+        return config.lm_head
+    if isinstance(config, LMHeadConfig):
+        return config
+    if isinstance(config, dict):
+        return MaximusConfig.from_dict({"lm_head": config}).lm_head
+    raise ConfigError(f"config must be an LMHeadConfig, a MaximusConfig or a dict, got {type(config).__name__}",
+                      "maximus.lm_head")
+
+
+def _build_cpu_head(model: nn.Module, cfg: LMHeadConfig, config):
+    """A ``placement: cpu`` head replacing ``model.lm_head`` (tied to a ShardedEmbedding when the model ties)."""
+    from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
+    old = model.lm_head
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    if tie and isinstance(emb, ShardedEmbedding):
+        head = ShardedLMHead(tied_to=emb, config=config if isinstance(config, MaximusConfig) else cfg)
+    elif tie and emb is not None and getattr(emb, "weight", None) is getattr(old, "weight", None):
+        raise ConfigError("lm_head.placement is 'cpu' but the head is tied to an ordinary nn.Embedding; swap the "
+                          "embedding too (maximus.embedding) or use placement 'gpu'", "maximus.lm_head.placement")
+    else:
+        head = ShardedLMHead.from_linear(old, config if isinstance(config, MaximusConfig) else cfg)
+    head.removed_params = [p for p in old.parameters()]
+    model.lm_head = head
+    return head
+
+
+def patch_causal_lm_loss(model: nn.Module, head=None, config: Union[LMHeadConfig, MaximusConfig, dict, None] = None):
+    """Make ``model(..., labels=...)`` compute its loss with the streamed cross-entropy; no full logits.
+
+    ``head``: a ``ShardedLMHead`` to use instead of ``model.lm_head`` (it replaces it). With
+    ``config.placement == "cpu"`` and no head, one is built (tied to the model's ``ShardedEmbedding``
+    when the model ties its embeddings) and its replaced parameters are listed in
+    ``head.removed_params`` (drop them from the optimizer). Returns the ``ShardedLMHead`` in use, or
+    ``None`` when the model's own ``lm_head`` weight is used. Calling it again updates the patch.
+    """
+    cfg = _lm_cfg(config)
+    for attr in ("model", "lm_head"):
+        if not hasattr(model, attr):
+            raise TypeError(f"{type(model).__name__} has no .{attr}; patch_causal_lm_loss needs an HF XForCausalLM")
+    if head is not None:
+        model.lm_head = head
+    elif cfg.placement == HeadPlacement.CPU and not _is_sharded_head(model.lm_head):
+        head = _build_cpu_head(model, cfg, config)
+    elif _is_sharded_head(model.lm_head):
+        head = model.lm_head
+    lm_head = model.lm_head
+    if head is None and (getattr(lm_head, "bias", None) is not None or getattr(lm_head, "weight", None) is None):
+        raise TypeError("model.lm_head must be a bias-free linear layer with a .weight [V, d] (or pass head=)")
+
+    patch = getattr(model, _ATTR, None)
+    if patch is None:
+        patch = _Patch(cfg, head)
+        object.__setattr__(model, _ATTR, patch)
+        _wrap_model_forward(model, patch)
+        _wrap_loss_function(model, patch)
+    patch.cfg, patch.head = cfg, head
+    _override_head_forward(lm_head, patch)
+    return head
+
+
+def _is_sharded_head(m) -> bool:
+    from ds_maximus.embedding.lm_head import ShardedLMHead
+    return isinstance(m, ShardedLMHead)
+
+
+def _override_head_forward(lm_head: nn.Module, patch: _Patch) -> None:
+    if getattr(lm_head, "_maximus_orig_forward", None) is None:
+        lm_head._maximus_orig_forward = lm_head.forward   # the bound class forward
+    orig = lm_head._maximus_orig_forward
+
+    def forward(self, hidden, *args, **kwargs):
+        req = patch.request
+        if req is None:
+            return orig(hidden, *args, **kwargs)
+        patch.request = None                      # one shot: a second call is an ordinary one
+        loss = patch.loss(self, hidden, req)
+        patch.last_loss = loss
+        return loss
+
+    lm_head.forward = types.MethodType(forward, lm_head)
+
+
+def _wrap_loss_function(model: nn.Module, patch: _Patch) -> None:
+    orig = getattr(model, "loss_function", None)
+
+    def loss_function(logits, labels=None, vocab_size=None, **kwargs):
+        if patch.last_loss is not None and logits is patch.last_loss:
+            patch.last_loss = None
+            return logits
+        if orig is None:
+            raise RuntimeError("the patched model has no loss_function of its own")
+        return orig(logits, labels, vocab_size, **kwargs)
+
+    model.loss_function = loss_function
+
+
+def _wrap_model_forward(model: nn.Module, patch: _Patch) -> None:
+    orig = model.forward
+    patch.orig_forward = orig
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def forward(*args, **kwargs):
+        try:
+            bound = sig.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = kwargs
+        labels = bound.get("labels")
+        extra = bound.get("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
+        shift_labels = extra.get("shift_labels", kwargs.get("shift_labels"))
+        if labels is None and shift_labels is None:
+            return orig(*args, **kwargs)
+        cfg = getattr(model, "config", None)
+        softcap = getattr(cfg, "final_logit_softcapping", None)
+        patch.request = _LossRequest(labels, shift_labels, extra.get("num_items_in_batch", kwargs.get("num_items_in_batch")),
+                                     extra.get("ignore_index", kwargs.get("ignore_index", -100)), softcap)
+        if labels is None:   # the model computes a loss only when labels are given
+            kwargs["labels"] = shift_labels
+        try:
+            if softcap is not None:
+                cfg.final_logit_softcapping = None     # applied inside the streamed loss instead
+            out = orig(*args, **kwargs)
+        finally:
+            patch.request = None
+            patch.last_loss = None
+            if softcap is not None:
+                cfg.final_logit_softcapping = softcap
+        return _drop_logits(out)
+
+    model.forward = forward
+
+
+def _drop_logits(out):
+    if isinstance(out, tuple):
+        return out[:1] + out[2:]
+    if "logits" in out.keys():
+        collections.OrderedDict.__delitem__(out, "logits")
+    object.__setattr__(out, "logits", None)
+    return out

@@ -1,0 +1,98 @@
+"""patch_causal_lm_loss: a patched HF causal LM gives the original loss, no logits, and the same generate()."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from ds_maximus.embedding import ShardedLMHead  # noqa: E402
+from ds_maximus.integrations.hf_lm_head import patch_causal_lm_loss  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _llama(seed=0, tie=False, vocab=300):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tie)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _batch(vocab=300, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100          # a masked prompt
+    return ids, labels
+
+
+def _loss_and_grads(model, ids, labels, **kw):
+    model.zero_grad()
+    out = model(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_patched_llama_loss_and_grads_equal_original(tie):
+    ref, model = _llama(tie=tie), _llama(tie=tie)
+    ids, labels = _batch()
+    want, want_g = _loss_and_grads(ref, ids, labels)
+    assert patch_causal_lm_loss(model, config={"chunk_rows": 64}) is None
+    got, got_g = _loss_and_grads(model, ids, labels)
+    assert got.logits is None and want.logits is not None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert set(got_g) == set(want_g)
+    for n in want_g:
+        torch.testing.assert_close(got_g[n], want_g[n], rtol=1e-4, atol=1e-6, msg=n)
+    # Trainer-style kwargs: num_items_in_batch gives sum / n
+    n_items = torch.tensor(20)
+    a = ref(input_ids=ids, labels=labels, num_items_in_batch=n_items).loss
+    b = model(input_ids=ids, labels=labels, num_items_in_batch=n_items).loss
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # tuple outputs: the logits entry is dropped
+    t = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(t, tuple) and torch.is_tensor(t[0]) and t[0].dim() == 0
+
+
+def test_generation_unchanged():
+    ref, model = _llama(seed=3), _llama(seed=3)
+    patch_causal_lm_loss(model)
+    ids, _ = _batch(seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+        k = model(input_ids=ids, logits_to_keep=1).logits
+        assert k.shape == (3, 1, 300)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids[:1], **kw), ref.generate(ids[:1], **kw))
+
+
+def test_cpu_placed_head_replaces_lm_head_and_matches():
+    ref, model = _llama(seed=7), _llama(seed=7)
+    ids, labels = _batch(seed=8)
+    want, want_g = _loss_and_grads(ref, ids, labels)
+    head = patch_causal_lm_loss(model, config={"chunk_rows": 64, "placement": "cpu"})
+    assert isinstance(head, ShardedLMHead) and head.owns_weights and model.lm_head is head
+    assert "lm_head.weight" not in dict(model.named_parameters())
+    assert len(head.removed_params) == 1
+    got, got_g = _loss_and_grads(model, ids, labels)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    _, rows = head.sparse_grads()
+    torch.testing.assert_close(rows, want_g["lm_head.weight"], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got_g["model.norm.weight"], want_g["model.norm.weight"], rtol=1e-4, atol=1e-6)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids[:1], **kw), ref.generate(ids[:1], **kw))
+    assert set(model.state_dict()) == set(ref.state_dict())
+
+
+def test_rejects_non_causal_lm():
+    with pytest.raises(TypeError, match="XForCausalLM"):
+        patch_causal_lm_loss(torch.nn.Linear(3, 4))
