@@ -280,6 +280,14 @@ def _model_class(config, hint: Optional[type] = None):
     return transformers.AutoModelForCausalLM
 
 
+def _meta_model(cls, config) -> nn.Module:
+    """``cls`` (a PreTrainedModel class or an Auto class) built from ``config`` without allocating weights."""
+    with torch.device("meta"):
+        if hasattr(cls, "_from_config"):
+            return cls._from_config(config)
+        return cls.from_config(config)
+
+
 def _module_name(model: nn.Module, target: Optional[nn.Module]) -> Optional[str]:
     if target is None:
         return None
@@ -297,8 +305,7 @@ def write_hf_folder(sd: Dict[str, torch.Tensor], config, out_dir: str, *, model_
                             "(token_map=... or --token-map DIR): it holds the old<->new id maps")
     config = copy.deepcopy(config)
     cls = _model_class(config, model_class)
-    with torch.device("meta"):
-        plain = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+    plain = _meta_model(cls, config)
     in_name = _module_name(plain, plain.get_input_embeddings())
     out_mod = plain.get_output_embeddings() if hasattr(plain, "get_output_embeddings") else None
     out_name = _module_name(plain, out_mod)
@@ -308,8 +315,7 @@ def write_hf_folder(sd: Dict[str, torch.Tensor], config, out_dir: str, *, model_
                           "config does not match the checkpoint: pass the config of the trained model")
     if out_key and out_key not in sd and hasattr(config, "tie_word_embeddings"):
         config.tie_word_embeddings = True  # a tied head shares the sharded table: restore HF's tying
-        with torch.device("meta"):
-            plain = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+        plain = _meta_model(cls, config)
     if dtype is None:
         fl = [t.dtype for k, t in sd.items() if t.is_floating_point() and k not in (in_key, out_key)]
         dtype = max(set(fl), key=fl.count) if fl else torch.float32
