@@ -15,8 +15,9 @@ GEMMs (logits twice). Instead the tokens are cut into blocks of ``T`` tokens; fo
    ``grad_W += buf.T @ h_b`` (GEMM 3, accumulated over blocks).
 
 So the gradient is computed in the forward pass (when anything needs a gradient) and backward only
-scales it by ``grad_output``, as Liger-Kernel does; ``reduction="none"`` instead recomputes in
-backward with the per-token ``grad_output`` as weights (4 GEMMs in all). Tokens whose label is
+scales it by ``grad_output``, as Liger-Kernel does; ``reduction="none"`` (per-token ``grad_output``)
+and fp16 (whose range cannot hold ``softmax / n`` before the loss scale is applied) instead
+recompute in backward with ``grad_output`` folded into the token weights (4 GEMMs in all). Tokens whose label is
 ``ignore_index`` are dropped before any GEMM. Under ``torch.no_grad`` only GEMM 1 runs.
 
 Memory bound (beyond inputs and the returned gradients ``grad_h [N, d]``, ``grad_W [V, d]``):
@@ -177,27 +178,36 @@ def _acc_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool, c
             acc[lo:hi].add_(part)
 
 
-def block_pass(h, w, y, row_w, opts: LCEOptions, need_gh: bool, need_gw: bool, gw_dtype: torch.dtype):
-    """The resident 3-GEMM algorithm (see the module docstring) over valid tokens only.
+def block_pass(h_all, idx, w, y, row_w, opts: LCEOptions, need_gh: bool, need_gw: bool, gw_dtype: torch.dtype):
+    """The resident 3-GEMM algorithm (see the module docstring) over the valid tokens only.
 
-    ``h [n, d]`` and ``w [V, d]`` in the compute dtype, ``y [n]`` valid labels, ``row_w [n]`` fp32
-    per-token gradient weights or None (loss only). Returns ``(loss_tok [n] fp32, grad_h, grad_w)``.
+    ``h_all [N, d]`` (any float dtype), ``idx [n]`` the rows of the valid tokens (None: all N),
+    ``w [V, d]`` in the compute dtype, ``y [n]`` their labels, ``row_w [n]`` per-token gradient
+    weights or None (loss only). Each token block is gathered (and cast) on its own, and its
+    ``grad_h`` rows are written straight to their places, so no compacted copy of ``hidden`` or of
+    ``grad_h`` exists. Returns ``(loss_tok [n], grad_h [N, d] in the compute dtype, grad_w [V, d])``.
     """
-    n, d = h.shape
+    n = y.shape[0]
+    d = h_all.shape[1]
     vocab = w.shape[0]
+    cdtype = w.dtype
     rows = min(opts.chunk_rows, vocab)
-    tb = token_block_for(n, vocab, h.element_size(), opts)
-    dev = h.device
+    tb = token_block_for(n, vocab, w.element_size(), opts)
+    dev = w.device
     eps = opts.label_smoothing
-    buf = torch.empty(tb, vocab, dtype=h.dtype, device=dev)
-    acc = stat_dtype(h.dtype)
+    buf = torch.empty(tb, vocab, dtype=cdtype, device=dev)
+    acc = stat_dtype(cdtype)
     loss = torch.empty(n, dtype=acc, device=dev)
     grads = row_w is not None
-    gh = torch.empty(n, d, dtype=h.dtype, device=dev) if grads and need_gh else None
+    gh = None
+    if grads and need_gh:
+        gh = (torch.empty if idx is None else torch.zeros)(h_all.shape[0], d, dtype=cdtype, device=dev)
     gw = torch.empty(vocab, d, dtype=gw_dtype, device=dev) if grads and need_gw else None
     for b0 in range(0, n, tb):
         b1 = min(n, b0 + tb)
-        hb, yb, zb = h[b0:b1], y[b0:b1], buf[: b1 - b0]
+        rows_b = None if idx is None else idx[b0:b1]
+        hb = (h_all[b0:b1] if rows_b is None else h_all.index_select(0, rows_b)).to(cdtype)
+        yb, zb = y[b0:b1], buf[: b1 - b0]
         torch.mm(hb, w.t(), out=zb)                                   # GEMM 1
         m = torch.full((b1 - b0,), -math.inf, dtype=acc, device=dev)
         l = torch.zeros_like(m)
@@ -218,8 +228,11 @@ def block_pass(h, w, y, row_w, opts: LCEOptions, need_gh: bool, need_gw: bool, g
         for lo in range(0, vocab, rows):
             hi = min(vocab, lo + rows)
             KERNELS.grad_(zb[:, lo:hi], yb - lo, lse, wb, opts.logit_softcap, eps / vocab, 1.0 - eps)
-        if gh is not None:
-            torch.mm(zb, w, out=gh[b0:b1])                            # GEMM 2
+        if gh is not None:                                            # GEMM 2
+            if rows_b is None:
+                torch.mm(zb, w, out=gh[b0:b1])
+            else:
+                gh.index_copy_(0, rows_b, torch.mm(zb, w))
         if gw is not None:
             _acc_mm_(gw, zb.t(), hb, first=(b0 == 0), chunk_rows=rows)  # GEMM 3
     return loss, gh, gw
@@ -246,7 +259,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, valid_idx, y, n = prepare(hidden, labels, vocab, opts)
-            h = (h_all if valid_idx is None else h_all.index_select(0, valid_idx)).to(cdtype)
             w = weight.to(cdtype)
             need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             ctx.meta = (hidden.shape, hidden.dtype, weight.dtype, h_all.shape[0], n, cdtype)
@@ -255,12 +267,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if n == 0:
                 loss_tok = torch.zeros(0, dtype=stat_dtype(cdtype), device=hidden.device)
                 ctx.stored = (None, None)
-            elif (need_gh or need_gw) and opts.reduction != "none":
+            elif (need_gh or need_gw) and opts.reduction != "none" and cdtype != torch.float16:
                 row_w = row_weights(n, opts, hidden.device, stat_dtype(cdtype))
-                loss_tok, gh, gw = block_pass(h, w, y, row_w, opts, need_gh, need_gw, gw_dtype)
+                loss_tok, gh, gw = block_pass(h_all, valid_idx, w, y, row_w, opts, need_gh, need_gw, gw_dtype)
                 ctx.stored = (gh, gw)
             else:
-                loss_tok, _, _ = block_pass(h, w, y, None, opts, False, False, gw_dtype)
+                loss_tok, _, _ = block_pass(h_all, valid_idx, w, y, None, opts, False, False, gw_dtype)
             if ctx.stored is None:
                 ctx.save_for_backward(hidden, weight)
                 ctx.y, ctx.valid_idx, ctx.opts, ctx.gw_dtype = y, valid_idx, opts, gw_dtype
@@ -277,13 +289,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 gh, gw = ctx.stored
                 ctx.stored = None
                 go = grad_out.to(stat_dtype(cdtype))
-            else:  # reduction "none": weights are the per-token grad_output
+            else:  # recompute with grad_output folded into the token weights ("none", and fp16)
                 hidden, weight = ctx.saved_tensors
                 h_all = hidden.reshape(-1, hshape[-1])
-                h = (h_all if ctx.valid_idx is None else h_all.index_select(0, ctx.valid_idx)).to(cdtype)
-                go_tok = grad_out.reshape(-1).to(stat_dtype(cdtype))
-                row_w = go_tok if ctx.valid_idx is None else go_tok.index_select(0, ctx.valid_idx)
-                _, gh, gw = block_pass(h, weight.to(cdtype), ctx.y, row_w.contiguous(), ctx.opts,
+                if ctx.opts.reduction == "none":
+                    go_tok = grad_out.reshape(-1).to(stat_dtype(cdtype))
+                    row_w = go_tok if ctx.valid_idx is None else go_tok.index_select(0, ctx.valid_idx)
+                else:
+                    row_w = row_weights(n, ctx.opts, grad_out.device, stat_dtype(cdtype)) * grad_out.to(
+                        stat_dtype(cdtype))
+                _, gh, gw = block_pass(h_all, ctx.valid_idx, weight.to(cdtype), ctx.y, row_w.contiguous(), ctx.opts,
                                        need_gh, need_gw, ctx.gw_dtype)
                 go = None
             grad_h = grad_w = None
@@ -293,7 +308,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     if go is not None:
                         gh.mul_(go.to(gh.dtype))
-                    grad_h = scatter_rows(gh, ctx.valid_idx, n_total).view(hshape).to(hdtype)
+                    grad_h = gh.view(hshape).to(hdtype)
             if need_gw and gw is not None:
                 if go is not None:
                     gw.mul_(go.to(gw.dtype))

@@ -78,6 +78,18 @@ def merge_lse(m: torch.Tensor, l: torch.Tensor, m_c: torch.Tensor, l_c: torch.Te
     m.copy_(m_new)
 
 
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """Tiles come in a few shapes (full/last chunk x full/last block): allow their recompiles."""
+    try:
+        import torch._dynamo
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), limit))
+    except Exception:  # an older/newer dynamo without these knobs: keep its default
+        pass
+
+
 class _Kernels:
     """The tile functions for one device type: compiled on CUDA when possible, eager otherwise."""
 
@@ -98,8 +110,7 @@ class _Kernels:
         if self._want_compile(device):
             try:
                 if name not in self._compiled:
-                    import torch._dynamo
-                    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                    _raise_recompile_limit()
                     self._compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
                 return self._compiled[name](*args)
             except Exception as e:  # a broken toolchain must not break training: fall back once

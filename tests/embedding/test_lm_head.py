@@ -119,6 +119,19 @@ def test_fp32_weight_grad_accumulator_and_bf16():
             assert (got.float() - want).abs().max() <= 3e-2 * want.abs().max()
 
 
+def test_fp16_recomputes_with_loss_scale():
+    """fp16 folds grad_output (the loss scale) in before rounding: no underflow of softmax / n."""
+    h, w, y = _data(40, 16, 300, ignore_every=3)
+    hh, wh = h.detach().half().requires_grad_(), w.detach().half().requires_grad_()
+    loss = linear_cross_entropy(hh, wh, y, chunk_rows=64, token_block=16)
+    loss.backward(torch.tensor(1024.0))
+    ref, h2, w2 = _ref(hh.float(), wh.float(), y)
+    (ref * 1024).backward()
+    torch.testing.assert_close(loss, ref, rtol=2e-3, atol=0)
+    for got, want in ((hh.grad, h2.grad), (wh.grad, w2.grad)):
+        assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+
+
 # -- the module: resident, CPU tier (streamed), tied ---------------------------------------------------
 
 def _heads(w, chunk_rows=96):
