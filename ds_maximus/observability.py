@@ -69,12 +69,16 @@ def format_line(s: MaximusStats) -> str:
 
 
 def monitor_events(s: MaximusStats, sample: int):
-    """(tag, value, x) events in DeepSpeed's monitor format."""
+    """(tag, value, x) events in DeepSpeed's monitor format: per-step figures of the last optimizer
+    step (``Maximus/<module>/<key>``) plus the cumulative hit rate (``.../hit_rate_cumulative``)."""
     events = []
     for name, st in s.modules.items():
+        last = st.get("last_step") or st
         for key in MONITOR_KEYS:
-            if key in st:
-                events.append((f"Maximus/{name}/{key}", float(st[key]), sample))
+            if key in last:
+                events.append((f"Maximus/{name}/{key}", float(last[key]), sample))
+        if "hit_rate" in st:
+            events.append((f"Maximus/{name}/hit_rate_cumulative", float(st["hit_rate"]), sample))
     return events
 
 
