@@ -238,3 +238,24 @@ def test_cli_errors_name_the_fix(tmp_path, capsys):
     assert main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--tag", "t"]) == 2
     assert "model_states" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tie", [False, True])
+def test_maximized_inference_on_gpu(tie):
+    """The same on CUDA: rows cached on the GPU, head rows streamed from pinned CPU memory."""
+    import copy
+    from ds_maximus.integrations.hf import maximize
+    plain = tiny_llama(0, tie=tie).eval()
+    ours = maximize(copy.deepcopy(plain), {"maximus": {
+        "embedding": {"modules": ["model.embed_tokens"], "gpu_cache_rows": 48},
+        "lm_head": {"enabled": True, "placement": "cpu", "chunk_rows": 100}}}, inference=True).cuda()
+    plain = plain.cuda()
+    assert ours.model.embed_tokens.compute_device.type == "cuda"
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3)).cuda()
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        a = plain.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        b = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        torch.testing.assert_close(ours(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a, b)
