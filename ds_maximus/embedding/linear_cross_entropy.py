@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ds_maximus.embedding.lm_head_tiles import KERNELS, merge_lse
+from ds_maximus.embedding.lm_head_tiles import KERNELS
 
 _REDUCTIONS = ("mean", "sum", "none")
 MIB = 1 << 20
@@ -215,11 +215,7 @@ def block_pass(h_all, idx, w, y, row_w, opts: LCEOptions, need_gh: bool, need_gw
         ssum = torch.zeros_like(m) if eps else None
         for lo in range(0, vocab, rows):
             hi = min(vocab, lo + rows)
-            mc, lc, tc, sc = KERNELS.stats(zb[:, lo:hi], yb - lo, opts.logit_softcap, bool(eps))
-            merge_lse(m, l, mc, lc)
-            tgt += tc
-            if eps:
-                ssum += sc
+            KERNELS.stats_(zb[:, lo:hi], yb - lo, opts.logit_softcap, m, l, tgt, ssum)
         loss_b, lse = token_losses(m, l, tgt, ssum, vocab, opts)
         loss[b0:b1] = loss_b
         if not grads:

@@ -22,7 +22,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from ds_maximus.embedding.lm_head_tiles import KERNELS, merge_lse
+from ds_maximus.embedding.lm_head_tiles import KERNELS
 from ds_maximus.embedding.linear_cross_entropy import (LCEOptions, _acc_mm_, mm_f32, prepare, reduce_loss,
                                                         row_weights, scatter_rows, stat_dtype, token_block_for,
                                                         token_losses)
@@ -79,11 +79,8 @@ def streamed_stats(h, y, source: ChunkSource, opts: LCEOptions, cdtype):
     ssum = torch.zeros_like(m) if eps else None
 
     def stats(lo, hi, w_c, b0, b1, tile):
-        mc, lc, tc, sc = KERNELS.stats(tile, y[b0:b1] - lo, opts.logit_softcap, bool(eps))
-        merge_lse(m[b0:b1], l[b0:b1], mc, lc)
-        tgt[b0:b1] += tc
-        if eps:
-            ssum[b0:b1] += sc
+        KERNELS.stats_(tile, y[b0:b1] - lo, opts.logit_softcap, m[b0:b1], l[b0:b1], tgt[b0:b1],
+                       None if ssum is None else ssum[b0:b1])
 
     for _ in _walk(h, source, opts, cdtype, stats):
         pass

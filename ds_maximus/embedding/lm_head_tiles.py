@@ -3,8 +3,8 @@
 A tile holds ``z = hidden_block @ weight_chunk.T`` in the compute dtype (bf16/fp16/fp32). Two
 functions work on it, always in fp32 internally:
 
-* :func:`tile_stats` -> per token ``(max, sum exp(s - max), s[label], sum_j s_j)`` of the tile, where
-  ``s = softcap(z)``; tiles combine with :func:`merge_lse` (online log-sum-exp).
+* :func:`tile_stats_` folds the tile into running per-token ``(max, sum exp(s - max), s[label],
+  sum_j s_j)`` (an online log-sum-exp), where ``s = softcap(z)``;
 * :func:`tile_grad_` overwrites the tile with ``d loss / d z`` times a per-token weight, given the
   token's final log-sum-exp.
 
@@ -15,7 +15,7 @@ is ``softmax(s) - (1 - eps) * onehot(y) - eps / V``, times ``1 - tanh(z / c)^2``
 On CUDA both functions are compiled with ``torch.compile`` (one fused read of the tile for the
 statistics, one read + one write for the gradient) when Triton is importable; set
 ``DS_MAXIMUS_LCE_COMPILE=0`` to force the eager versions (which need two ``[T, R]`` fp32
-temporaries). A compile failure falls back to eager once, with a warning.
+temporaries), ``=force`` to compile on any device (CPU tests of the compiled path). A compile failure falls back to eager once, with a warning.
 """
 from __future__ import annotations
 
@@ -36,20 +36,26 @@ def _softcapped(z: torch.Tensor, cap: Optional[float]) -> Tuple[torch.Tensor, Op
     return t * cap, t
 
 
-def tile_stats(z: torch.Tensor, labels_local: torch.Tensor, cap: Optional[float], need_sum: bool):
-    """Statistics of one tile: ``(max [T], sumexp [T], target [T], rowsum [T] or None)``, fp32.
+def tile_stats_(z: torch.Tensor, labels_local: torch.Tensor, cap: Optional[float], m: torch.Tensor,
+                l: torch.Tensor, tgt: torch.Tensor, ssum: Optional[torch.Tensor]) -> None:
+    """Fold one tile into the running per-token statistics (all ``[T]``, fp32, updated in place).
 
-    ``labels_local`` are the labels minus the chunk's first row (out-of-range: not in this chunk).
+    ``m``/``l``: running max and sum of ``exp(s - m)`` (online log-sum-exp); ``tgt``: the label's
+    ``s``; ``ssum``: the row sum of ``s`` (label smoothing) or None. ``labels_local`` are the labels
+    minus the chunk's first row (out of ``[0, R)``: the label is not in this chunk).
     """
     s, _ = _softcapped(z, cap)
     rows = s.shape[1]
-    m = s.amax(dim=1)
-    l = torch.exp(s - m[:, None]).sum(dim=1)
+    m_c = s.amax(dim=1)
+    l_c = torch.exp(s - m_c[:, None]).sum(dim=1)
+    m_new = torch.maximum(m, m_c)
+    l.copy_(l * torch.exp(m - m_new) + l_c * torch.exp(m_c - m_new))
+    m.copy_(m_new)
     inside = (labels_local >= 0) & (labels_local < rows)
     idx = labels_local.clamp(0, rows - 1)[:, None]
-    tgt = torch.where(inside, s.gather(1, idx).squeeze(1), torch.zeros((), dtype=s.dtype, device=s.device))
-    ssum = s.sum(dim=1) if need_sum else None
-    return m, l, tgt, ssum
+    tgt.add_(torch.where(inside, s.gather(1, idx).squeeze(1), torch.zeros((), dtype=s.dtype, device=s.device)))
+    if ssum is not None:
+        ssum.add_(s.sum(dim=1))
 
 
 def tile_grad_(z: torch.Tensor, labels_local: torch.Tensor, lse: torch.Tensor, row_weight: torch.Tensor,
@@ -69,13 +75,6 @@ def tile_grad_(z: torch.Tensor, labels_local: torch.Tensor, lse: torch.Tensor, r
     g = g * row_weight[:, None]
     z.copy_(g)
     return z
-
-
-def merge_lse(m: torch.Tensor, l: torch.Tensor, m_c: torch.Tensor, l_c: torch.Tensor):
-    """Online log-sum-exp: combine running ``(max, sumexp)`` with a tile's; updates in place."""
-    m_new = torch.maximum(m, m_c)
-    l.mul_(torch.exp(m - m_new)).add_(l_c * torch.exp(m_c - m_new))
-    m.copy_(m_new)
 
 
 def _raise_recompile_limit(limit: int = 64) -> None:
@@ -98,7 +97,12 @@ class _Kernels:
         self._broken = False
 
     def _want_compile(self, device: torch.device) -> bool:
-        if device.type != "cuda" or self._broken or os.environ.get("DS_MAXIMUS_LCE_COMPILE", "1") == "0":
+        mode = os.environ.get("DS_MAXIMUS_LCE_COMPILE", "1")
+        if self._broken or mode == "0":
+            return False
+        if mode == "force":          # any device (tests run the compiled path on CPU with inductor's C++ backend)
+            return True
+        if device.type != "cuda":
             return False
         try:
             import triton  # noqa: F401
@@ -119,8 +123,8 @@ class _Kernels:
                 self._broken = True
         return fn(*args)
 
-    def stats(self, z, labels_local, cap, need_sum):
-        return self._call("stats", tile_stats, z.device, z, labels_local, cap, need_sum)
+    def stats_(self, z, labels_local, cap, m, l, tgt, ssum):
+        return self._call("stats", tile_stats_, z.device, z, labels_local, cap, m, l, tgt, ssum)
 
     def grad_(self, z, labels_local, lse, row_weight, cap, smooth_over_v, one_minus_eps):
         return self._call("grad", tile_grad_, z.device, z, labels_local, lse, row_weight, cap,

@@ -1,0 +1,50 @@
+// The only PYBIND11_MODULE of maximus_sharded_embedding (CPU op) and maximus_sharded_embedding_cuda
+// (CUDA op, built with MAXIMUS_WITH_CUDA; it serves CPU tensors too).
+#include "sharded_embedding/sharded_embedding.h"
+
+namespace maximus {
+namespace {
+
+void gather(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out) {
+#ifdef MAXIMUS_WITH_CUDA
+    if (table.is_cuda()) return gather_cuda(table, slots, inverse, out);
+#endif
+    TORCH_CHECK(!table.is_cuda(), "maximus_sharded_embedding (CPU op) got a CUDA tensor; use the CUDA op");
+    gather_cpu(table, slots, inverse, out);
+}
+
+void segment_reduce(const at::Tensor& grad, const at::Tensor& order, const at::Tensor& offsets, at::Tensor& out) {
+#ifdef MAXIMUS_WITH_CUDA
+    if (grad.is_cuda()) return segment_reduce_cuda(grad, order, offsets, out);
+#endif
+    TORCH_CHECK(false, "segment_reduce(order, offsets) is the CUDA entry; on CPU call segment_reduce_cpu");
+}
+
+void row_update(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots, const at::Tensor& grads,
+                const at::Tensor& last_step, const at::Tensor& lr_hist, const at::Tensor& wd_hist, int64_t step,
+                double lr, double weight_decay, double beta1, double beta2, double eps, int64_t optimizer, bool lazy,
+                bool has_grad) {
+    RowUpdateArgs a{step, lr, weight_decay, beta1, beta2, eps, (int)optimizer, lazy, has_grad};
+#ifdef MAXIMUS_WITH_CUDA
+    if (weight.is_cuda()) return row_update_cuda(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a);
+#endif
+    TORCH_CHECK(!weight.is_cuda(), "maximus_sharded_embedding (CPU op) got a CUDA tensor; use the CUDA op");
+    row_update_cpu(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a);
+}
+
+}  // namespace
+}  // namespace maximus
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    using namespace pybind11::literals;
+    m.doc() = "maximus_sharded_embedding: slot-map gather, row-sparse backward, fused sparse AdamW/Adagrad";
+    m.def("gather", &maximus::gather, "out[n] = table[slots[inverse[n]]] cast to out.dtype", "table"_a, "slots"_a,
+          "inverse"_a, "out"_a);
+    m.def("segment_reduce_cpu", &maximus::segment_reduce_cpu, "out[u] = sum of grad rows with inverse == u (fp32)",
+          "grad"_a, "inverse"_a, "out"_a);
+    m.def("segment_reduce", &maximus::segment_reduce, "CUDA: sum grad[order[offsets[u]:offsets[u+1]]] into out[u]",
+          "grad"_a, "order"_a, "offsets"_a, "out"_a);
+    m.def("row_update", &maximus::row_update, "fused exact-replay + AdamW/SparseAdam/Adagrad step on rows", "weight"_a,
+          "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
+          "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true);
+}

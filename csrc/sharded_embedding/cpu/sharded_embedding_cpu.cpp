@@ -1,0 +1,113 @@
+// CPU kernels of maximus_sharded_embedding (at::parallel_for, i.e. OpenMP threads).
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <vector>
+
+#include "sharded_embedding/row_math.h"
+#include "sharded_embedding/sharded_embedding.h"
+
+namespace maximus {
+
+namespace {
+template <typename T>
+void gather_rows(const float* table, const int64_t* slots, const int64_t* inverse, T* out, int64_t N, int64_t d) {
+    at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+        for (int64_t n = b; n < e; ++n) {
+            const float* src = table + slots[inverse[n]] * d;
+            T* dst = out + n * d;
+            for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(src[j]);
+        }
+    });
+}
+
+template <typename T>
+void segment_rows(const T* grad, const int64_t* order, const int64_t* offsets, float* out, int64_t U, int64_t d) {
+    at::parallel_for(0, U, 16, [&](int64_t b, int64_t e) {
+        for (int64_t u = b; u < e; ++u) {
+            float* dst = out + u * d;
+            for (int64_t j = 0; j < d; ++j) dst[j] = 0.f;
+            for (int64_t i = offsets[u]; i < offsets[u + 1]; ++i) {
+                const T* src = grad + order[i] * d;
+                for (int64_t j = 0; j < d; ++j) dst[j] += static_cast<float>(src[j]);
+            }
+        }
+    });
+}
+}  // namespace
+
+void gather_cpu(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out) {
+    TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.dim() == 2,
+                "gather: table must be contiguous fp32 [rows, dim]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && inverse.scalar_type() == at::kLong, "gather: int64 indices");
+    TORCH_CHECK(out.is_contiguous() && out.size(0) == inverse.numel() && out.size(1) == table.size(1),
+                "gather: out must be contiguous [len(inverse), dim]");
+    auto sl = slots.contiguous();
+    auto inv = inverse.contiguous();
+    const int64_t N = inv.numel(), d = table.size(1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "maximus_gather_cpu", [&] {
+        gather_rows<scalar_t>(table.data_ptr<float>(), sl.data_ptr<int64_t>(), inv.data_ptr<int64_t>(),
+                              out.data_ptr<scalar_t>(), N, d);
+    });
+}
+
+void segment_reduce_cpu(const at::Tensor& grad, const at::Tensor& inverse, at::Tensor& out) {
+    TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "segment_reduce: grad must be contiguous [N, dim]");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(1) == grad.size(1),
+                "segment_reduce: out must be contiguous fp32 [U, dim]");
+    auto inv = inverse.contiguous();
+    const int64_t N = grad.size(0), U = out.size(0), d = grad.size(1);
+    // counting sort of token positions by unique id (stable: token order within an id)
+    std::vector<int64_t> offsets(U + 1, 0), order(N), fill;
+    const int64_t* iv = inv.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {
+        TORCH_CHECK(iv[n] >= 0 && iv[n] < U, "segment_reduce: inverse index out of range");
+        ++offsets[iv[n] + 1];
+    }
+    for (int64_t u = 0; u < U; ++u) offsets[u + 1] += offsets[u];
+    fill.assign(offsets.begin(), offsets.end() - 1);
+    for (int64_t n = 0; n < N; ++n) order[fill[iv[n]]++] = n;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "maximus_segment_reduce_cpu", [&] {
+        segment_rows<scalar_t>(grad.data_ptr<scalar_t>(), order.data(), offsets.data(), out.data_ptr<float>(), U, d);
+    });
+}
+
+void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
+                    const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
+                    const at::Tensor& wd_hist, const RowUpdateArgs& a) {
+    check_update_args(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a);
+    const int64_t R = slots.numel(), d = weight.size(1), rows = weight.size(0);
+    float* W = weight.data_ptr<float>();
+    float* S0 = s0.data_ptr<float>();
+    float* S1 = a.optimizer == kAdagrad ? nullptr : s1.data_ptr<float>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const float* G = a.has_grad ? grads.data_ptr<float>() : nullptr;
+    const int64_t* last = a.lazy ? nullptr : last_step.data_ptr<int64_t>();
+    const double* lrh = a.lazy ? nullptr : lr_hist.data_ptr<double>();
+    const double* wdh = a.lazy ? nullptr : wd_hist.data_ptr<double>();
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < rows, "row_update: slot out of range");
+    const StepCoeffs gc = step_coeffs(a.optimizer, a.lazy, a.lr, a.weight_decay, a.beta1, a.beta2, a.eps, a.step);
+    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+        float dummy = 0.f;
+        for (int64_t r = b; r < e; ++r) {
+            float* p = W + sl[r] * d;
+            float* m = S0 + sl[r] * d;
+            float* v = S1 ? S1 + sl[r] * d : nullptr;
+            if (!a.lazy) {
+                const int64_t end = a.has_grad ? a.step - 1 : a.step;
+                for (int64_t k = last[r] + 1; k <= end; ++k) {
+                    if (replay_is_noop(a.optimizer, wdh[k])) continue;
+                    const StepCoeffs c = step_coeffs(a.optimizer, false, lrh[k], wdh[k], a.beta1, a.beta2, a.eps, k);
+                    for (int64_t j = 0; j < d; ++j) update_elem(a.optimizer, false, p[j], m[j], v ? v + j : &dummy, 0.f, c);
+                }
+            }
+            if (G) {
+                const float* g = G + r * d;
+                for (int64_t j = 0; j < d; ++j) update_elem(a.optimizer, a.lazy, p[j], m[j], v ? v + j : &dummy, g[j], gc);
+            }
+        }
+    });
+}
+
+}  // namespace maximus

@@ -1,0 +1,158 @@
+// CUDA kernels of maximus_sharded_embedding. All run on the current stream; no host syncs.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "sharded_embedding/row_math.h"
+#include "sharded_embedding/sharded_embedding.h"
+
+namespace maximus {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+inline int grid_for(int64_t n) { return (int)std::max<int64_t>(1, std::min<int64_t>(n, 65535 * 8)); }
+
+// One block per output row: out[n, :] = table[slots[inverse[n]], :]; float4 loads when d % 4 == 0.
+template <typename T, bool kVec>
+__global__ void gather_kernel(const float* __restrict__ table, const int64_t* __restrict__ slots,
+                              const int64_t* __restrict__ inverse, T* __restrict__ out, int64_t N, int64_t d) {
+    for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+        const float* src = table + slots[inverse[n]] * d;
+        T* dst = out + n * d;
+        if (kVec) {
+            const float4* src4 = reinterpret_cast<const float4*>(src);
+            for (int64_t j = threadIdx.x; j < d / 4; j += blockDim.x) {
+                const float4 x = src4[j];
+                dst[4 * j + 0] = static_cast<T>(x.x);
+                dst[4 * j + 1] = static_cast<T>(x.y);
+                dst[4 * j + 2] = static_cast<T>(x.z);
+                dst[4 * j + 3] = static_cast<T>(x.w);
+            }
+        } else {
+            for (int64_t j = threadIdx.x; j < d; j += blockDim.x) dst[j] = static_cast<T>(src[j]);
+        }
+    }
+}
+
+// One block per unique id; each thread sums its columns over the id's tokens in token order
+// (deterministic, same order as the CPU kernel and the reference).
+template <typename T>
+__global__ void segment_reduce_kernel(const T* __restrict__ grad, const int64_t* __restrict__ order,
+                                      const int64_t* __restrict__ offsets, float* __restrict__ out, int64_t U,
+                                      int64_t d) {
+    for (int64_t u = blockIdx.x; u < U; u += gridDim.x) {
+        const int64_t lo = offsets[u], hi = offsets[u + 1];
+        for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+            float acc = 0.f;
+            for (int64_t i = lo; i < hi; ++i) acc += static_cast<float>(grad[order[i] * d + j]);
+            out[u * d + j] = acc;
+        }
+    }
+}
+
+// One block per row: replay the skipped steps (exact mode), then the gradient step.
+__global__ void row_update_kernel(float* __restrict__ W, float* __restrict__ S0, float* __restrict__ S1,
+                                  const int64_t* __restrict__ slots, const float* __restrict__ G,
+                                  const int64_t* __restrict__ last, const double* __restrict__ lrh,
+                                  const double* __restrict__ wdh, int64_t R, int64_t d, RowUpdateArgs a) {
+    __shared__ StepCoeffs sc;
+    const StepCoeffs gc = step_coeffs(a.optimizer, a.lazy, a.lr, a.weight_decay, a.beta1, a.beta2, a.eps, a.step);
+    float dummy = 0.f;
+    for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+        const int64_t s = slots[r];
+        float* p = W + s * d;
+        float* m = S0 + s * d;
+        float* v = S1 ? S1 + s * d : nullptr;
+        if (!a.lazy) {
+            const int64_t end = a.has_grad ? a.step - 1 : a.step;
+            for (int64_t k = last[r] + 1; k <= end; ++k) {
+                if (replay_is_noop(a.optimizer, wdh[k])) continue;
+                __syncthreads();
+                if (threadIdx.x == 0) sc = step_coeffs(a.optimizer, false, lrh[k], wdh[k], a.beta1, a.beta2, a.eps, k);
+                __syncthreads();
+                const StepCoeffs c = sc;
+                for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+                    update_elem(a.optimizer, false, p[j], m[j], v ? v + j : &dummy, 0.f, c);
+            }
+        }
+        if (G) {
+            const float* g = G + r * d;
+            for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+                update_elem(a.optimizer, a.lazy, p[j], m[j], v ? v + j : &dummy, g[j], gc);
+        }
+    }
+}
+
+}  // namespace
+
+void gather_cuda(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out) {
+    TORCH_CHECK(table.is_cuda() && slots.is_cuda() && inverse.is_cuda() && out.is_cuda(),
+                "gather: all tensors must be on the GPU");
+    TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.dim() == 2,
+                "gather: table must be contiguous fp32 [rows, dim]");
+    TORCH_CHECK(out.is_contiguous() && out.size(0) == inverse.numel() && out.size(1) == table.size(1),
+                "gather: out must be contiguous [len(inverse), dim]");
+    const c10::cuda::CUDAGuard guard(table.device());
+    auto sl = slots.contiguous();
+    auto inv = inverse.contiguous();
+    const int64_t N = inv.numel(), d = table.size(1);
+    if (N == 0) return;
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const bool vec = d % 4 == 0 && reinterpret_cast<uintptr_t>(table.data_ptr()) % 16 == 0;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "maximus_gather_cuda", [&] {
+        if (vec)
+            gather_kernel<scalar_t, true><<<grid_for(N), kThreads, 0, stream>>>(
+                table.data_ptr<float>(), sl.data_ptr<int64_t>(), inv.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), N, d);
+        else
+            gather_kernel<scalar_t, false><<<grid_for(N), kThreads, 0, stream>>>(
+                table.data_ptr<float>(), sl.data_ptr<int64_t>(), inv.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), N, d);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void segment_reduce_cuda(const at::Tensor& grad, const at::Tensor& order, const at::Tensor& offsets, at::Tensor& out) {
+    TORCH_CHECK(grad.is_cuda() && order.is_cuda() && offsets.is_cuda() && out.is_cuda(),
+                "segment_reduce: all tensors must be on the GPU");
+    TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "segment_reduce: grad must be contiguous [N, dim]");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(1) == grad.size(1) &&
+                    offsets.numel() == out.size(0) + 1,
+                "segment_reduce: out must be contiguous fp32 [U, dim] and offsets [U + 1]");
+    const c10::cuda::CUDAGuard guard(grad.device());
+    const int64_t U = out.size(0), d = grad.size(1);
+    if (U == 0) return;
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    auto ord = order.contiguous();
+    auto off = offsets.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "maximus_segment_reduce_cuda", [&] {
+        segment_reduce_kernel<scalar_t><<<grid_for(U), kThreads, 0, stream>>>(
+            grad.data_ptr<scalar_t>(), ord.data_ptr<int64_t>(), off.data_ptr<int64_t>(), out.data_ptr<float>(), U, d);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void row_update_cuda(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
+                     const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
+                     const at::Tensor& wd_hist, const RowUpdateArgs& a) {
+    check_update_args(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a);
+    TORCH_CHECK(weight.is_cuda() && slots.is_cuda() && (!a.has_grad || grads.is_cuda()) &&
+                    (a.lazy || (last_step.is_cuda() && lr_hist.is_cuda() && wd_hist.is_cuda())),
+                "row_update: all tensors must be on the GPU");
+    const c10::cuda::CUDAGuard guard(weight.device());
+    const int64_t R = slots.numel(), d = weight.size(1);
+    if (R == 0) return;
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    row_update_kernel<<<grid_for(R), kThreads, 0, stream>>>(
+        weight.data_ptr<float>(), s0.data_ptr<float>(), a.optimizer == kAdagrad ? nullptr : s1.data_ptr<float>(),
+        slots.data_ptr<int64_t>(), a.has_grad ? grads.data_ptr<float>() : nullptr,
+        a.lazy ? nullptr : last_step.data_ptr<int64_t>(), a.lazy ? nullptr : lr_hist.data_ptr<double>(),
+        a.lazy ? nullptr : wd_hist.data_ptr<double>(), R, d, a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace maximus

@@ -1,0 +1,96 @@
+// Element-wise optimizer math shared by the CPU and CUDA kernels of maximus_sharded_embedding.
+// No torch headers. Scalars are formed in double and rounded to float, element math is float,
+// in the operation order of torch.optim (foreach=False), so results track torch within rounding.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define MAXIMUS_HD __host__ __device__ __forceinline__
+#else
+#define MAXIMUS_HD inline
+#endif
+
+namespace maximus {
+
+enum OptimizerCode : int { kAdamW = 0, kAdagrad = 1 };
+
+struct StepCoeffs {
+    float decay;     // 1 - lr * wd (AdamW, SparseAdam: decoupled)  |  wd (Adagrad: L2)
+    float w1;        // 1 - beta1
+    float b2;        // beta2
+    float w2;        // 1 - beta2
+    float bc2_sqrt;  // sqrt(1 - beta2^k)
+    float eps;
+    float neg_step;  // -lr / (1 - beta1^k)  (AdamW) | -lr sqrt(bc2) / bc1 (SparseAdam) | -lr (Adagrad)
+    int has_wd;
+};
+
+// torch.optim.AdamW at step k (lazy: torch.optim.SparseAdam, Adagrad: torch.optim.Adagrad, lr_decay 0).
+MAXIMUS_HD StepCoeffs step_coeffs(int opt, bool lazy, double lr, double wd, double beta1, double beta2,
+                                  double eps, int64_t k) {
+    StepCoeffs c;
+    c.has_wd = wd != 0.0;
+    c.w1 = (float)(1.0 - beta1);
+    c.b2 = (float)beta2;
+    c.w2 = (float)(1.0 - beta2);
+    c.eps = (float)eps;
+    double bc1 = 1.0 - pow(beta1, (double)k);
+    double bc2 = 1.0 - pow(beta2, (double)k);
+    c.bc2_sqrt = (float)pow(bc2, 0.5);
+    if (opt == kAdagrad) {
+        c.decay = (float)wd;
+        c.neg_step = (float)(-lr);
+    } else if (lazy) {
+        c.decay = (float)(1.0 - lr * wd);
+        c.neg_step = (float)(-(lr * sqrt(bc2) / bc1));
+    } else {
+        c.decay = (float)(1.0 - lr * wd);
+        c.neg_step = (float)(-(lr / bc1));
+    }
+    return c;
+}
+
+// One AdamW step on one element; g is 0 for a replayed (untouched) step.
+MAXIMUS_HD void adamw_elem(float& p, float& m, float& v, float g, const StepCoeffs& c) {
+    if (c.has_wd) p = p * c.decay;
+    m = m + c.w1 * (g - m);
+    v = v * c.b2 + (c.w2 * g) * g;
+    const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
+    p = p + c.neg_step * (m / denom);
+}
+
+// One SparseAdam step (plus optional decoupled decay) on one touched element.
+MAXIMUS_HD void sparse_adam_elem(float& p, float& m, float& v, float g, const StepCoeffs& c) {
+    if (c.has_wd) p = p * c.decay;
+    const float m0 = m, v0 = v;
+    const float um = (g - m0) * c.w1;
+    const float uv = (g * g - v0) * c.w2;
+    m = m0 + um;
+    v = v0 + uv;
+    const float denom = sqrtf(uv + v0) + c.eps;
+    p = p + c.neg_step * ((um + m0) / denom);
+}
+
+// One Adagrad step (L2 weight decay folded into the gradient).
+MAXIMUS_HD void adagrad_elem(float& p, float& s, float g, const StepCoeffs& c) {
+    if (c.has_wd) g = g + c.decay * p;
+    s = s + g * g;
+    const float std_ = sqrtf(s) + c.eps;
+    p = p + c.neg_step * (g / std_);
+}
+
+MAXIMUS_HD void update_elem(int opt, bool lazy, float& p, float& s0, float* s1, float g, const StepCoeffs& c) {
+    if (opt == kAdagrad) {
+        adagrad_elem(p, s0, g, c);
+    } else if (lazy) {
+        sparse_adam_elem(p, s0, *s1, g, c);
+    } else {
+        adamw_elem(p, s0, *s1, g, c);
+    }
+}
+
+// A replayed zero-gradient step changes nothing for Adagrad without weight decay.
+MAXIMUS_HD bool replay_is_noop(int opt, double wd) { return opt == kAdagrad && wd == 0.0; }
+
+}  // namespace maximus

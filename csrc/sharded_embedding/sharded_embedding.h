@@ -1,0 +1,53 @@
+// Kernels of maximus_sharded_embedding: gather through a slot map, row-sparse backward
+// (segment reduce), fused sparse optimizer with exact replay. References: ds_maximus/embedding/reference.py.
+#pragma once
+#include <torch/extension.h>
+
+namespace maximus {
+
+struct RowUpdateArgs {
+    int64_t step;
+    double lr, weight_decay, beta1, beta2, eps;
+    int optimizer;
+    bool lazy, has_grad;
+};
+
+void gather_cpu(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out);
+void segment_reduce_cpu(const at::Tensor& grad, const at::Tensor& inverse, at::Tensor& out);
+void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
+                    const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
+                    const at::Tensor& wd_hist, const RowUpdateArgs& a);
+
+#ifdef MAXIMUS_WITH_CUDA
+void gather_cuda(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out);
+void segment_reduce_cuda(const at::Tensor& grad, const at::Tensor& order, const at::Tensor& offsets,
+                         at::Tensor& out);
+void row_update_cuda(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
+                     const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
+                     const at::Tensor& wd_hist, const RowUpdateArgs& a);
+#endif
+
+inline void check_update_args(const at::Tensor& weight, const at::Tensor& s0, const at::Tensor& s1,
+                              const at::Tensor& slots, const at::Tensor& grads, const at::Tensor& last_step,
+                              const at::Tensor& lr_hist, const at::Tensor& wd_hist, const RowUpdateArgs& a) {
+    TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+                "row_update: weight must be a contiguous fp32 [rows, dim] tensor");
+    TORCH_CHECK(s0.sizes() == weight.sizes() && s0.scalar_type() == at::kFloat && s0.is_contiguous(),
+                "row_update: state 0 must match weight");
+    TORCH_CHECK(a.optimizer == 1 || (s1.sizes() == weight.sizes() && s1.scalar_type() == at::kFloat &&
+                                     s1.is_contiguous()),
+                "row_update: AdamW needs a second state tensor matching weight");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "row_update: slots must be int64");
+    const int64_t R = slots.numel();
+    TORCH_CHECK(!a.has_grad || (grads.dim() == 2 && grads.size(0) == R && grads.size(1) == weight.size(1) &&
+                                grads.scalar_type() == at::kFloat && grads.is_contiguous()),
+                "row_update: grads must be contiguous fp32 [len(slots), dim]");
+    TORCH_CHECK(a.lazy || (last_step.numel() == R && last_step.scalar_type() == at::kLong),
+                "row_update: exact mode needs last_step (int64, one per row)");
+    TORCH_CHECK(a.lazy || (lr_hist.scalar_type() == at::kDouble && wd_hist.scalar_type() == at::kDouble &&
+                           lr_hist.numel() > a.step - (a.has_grad ? 1 : 0) &&
+                           wd_hist.numel() == lr_hist.numel()),
+                "row_update: exact mode needs float64 lr/wd histories covering every replayed step");
+}
+
+}  // namespace maximus
