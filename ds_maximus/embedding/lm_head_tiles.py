@@ -115,7 +115,7 @@ class _Kernels:
             try:
                 if name not in self._compiled:
                     _raise_recompile_limit()
-                    self._compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
+                    self._compiled[name] = torch.compile(fn, fullgraph=True)  # dynamic after a 1st recompile
                 return self._compiled[name](*args)
             except Exception as e:  # a broken toolchain must not break training: fall back once
                 log.warning("ds_maximus: torch.compile of the LM-head tile math failed (%s: %s); "

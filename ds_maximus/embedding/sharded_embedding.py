@@ -101,7 +101,7 @@ class ShardedEmbedding(nn.Module):
             return ShardStoreTier.for_table(off.nvme_path, self.num_embeddings, self.embedding_dim, names,
                                             self.config.rows_per_shard, off.cpu_cache_shards,
                                             init=lambda lo, hi: self._initial_rows(weight, lo, hi),
-                                            pin_memory=off.pin_memory)
+                                            pin_memory=off.pin_memory, overwrite=weight is not None)
         tensors = {"weight": self._initial_rows(weight, 0, self.num_embeddings)}
         for n in names:
             tensors[n] = torch.zeros(self.num_embeddings, self.embedding_dim)

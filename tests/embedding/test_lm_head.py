@@ -247,6 +247,12 @@ def test_gpu_bf16_error_no_worse_than_torch_bf16():
         e_ours = (ours.float() - want).norm() / want.norm()
         e_torch = (theirs.float() - want).norm() / want.norm()
         assert e_ours <= 2 * e_torch + 1e-3, (e_ours.item(), e_torch.item())
+    from ds_maximus.embedding.lm_head_tiles import KERNELS
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return
+    assert not KERNELS._broken and KERNELS._compiled, "the tile math should run compiled where Triton is"
 
 
 @pytest.mark.gpu
