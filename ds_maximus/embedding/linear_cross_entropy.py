@@ -20,13 +20,23 @@ and fp16 (whose range cannot hold ``softmax / n`` before the loss scale is appli
 recompute in backward with ``grad_output`` folded into the token weights (4 GEMMs in all). Tokens whose label is
 ``ignore_index`` are dropped before any GEMM. Under ``torch.no_grad`` only GEMM 1 runs.
 
-Memory bound (beyond inputs and the returned gradients ``grad_h [N, d]``, ``grad_W [V, d]``):
-``T * V`` elements of the compute dtype for ``buf`` (``T`` from ``block_bytes``, default 256 MiB,
-or ``token_block``), plus fp32 ``[T]`` vectors; the eager tile math adds two fp32
-``[T, chunk_rows]`` temporaries (none when compiled on CUDA). ``grad_W`` is accumulated over token
-blocks in the weight's dtype (each block's product in fp32 inside the GEMM, one rounding per block);
-``fp32_weight_grad=True`` accumulates in an fp32 ``[V, d]`` buffer instead (``4 V d`` bytes more).
-For V=262144, d=4096, N=16384 in bf16: buf 256 MiB (T=512), grad_W 2 GiB, grad_h 128 MiB.
+Memory bound (beyond the inputs and the returned gradients ``grad_h [N, d]``, ``grad_W [V, d]``):
+``T * V`` elements of the compute dtype for ``buf`` (``T`` from ``block_bytes``, default 256 MiB, or
+``token_block``), one gathered ``[T, d]`` token block, fp32 ``[T]`` vectors; the eager tile math adds
+two fp32 ``[T, chunk_rows]`` temporaries (none when compiled on CUDA). Ignored tokens are skipped by
+gathering each block's valid rows, so no compacted copy of ``hidden`` or ``grad_h`` exists.
+``grad_W`` is accumulated over token blocks in the weight's dtype (each block's product in fp32
+inside the GEMM, then one rounding per block); ``fp32_weight_grad=True`` accumulates in an fp32
+``[V, d]`` buffer instead (``4 V d`` bytes more). For V=262144, d=4096, N=16384 in bf16: buf 256 MiB
+(T=512), grad_W 2 GiB, grad_h 128 MiB: about 2.4 GiB over the inputs.
+
+Why not vocab-outer: a two-pass walk over vocab chunks (forward: log-sum-exp; backward: logits again,
+then both gradients) needs 4 GEMMs; computing ``grad_W`` for a vocab chunk needs every token's final
+log-sum-exp, so with 3 GEMMs the gradient of a whole token block must be formed at once, hence the
+``[T, V]`` buffer and ``grad_W`` accumulated over blocks. Streamed heads (weight not resident, see
+``lm_head_stream.py``) use the vocab-outer order so each chunk crosses PCIe once per pass.
+``chunk_rows`` is the vocab width of each tile of the element-wise passes here, and the unit of
+streaming there.
 
 Notes: the loss is returned in fp32. An all-ignored batch gives loss 0 and zero gradients
 (``F.cross_entropy`` would give NaN for ``mean``). Labels outside ``[0, V)`` that are not
