@@ -35,7 +35,10 @@ class HeadTier:
         self.vocab_size, self.dim = w.shape
         self.chunk_rows = int(chunk_rows)
         self.pin = pin_memory
-        self.weight = _pin(w.clone() if w.data_ptr() == weight.data_ptr() else w, pin_memory)
+        if pin_memory and torch.cuda.is_available():
+            self.weight = w.pin_memory()            # a copy
+        else:
+            self.weight = w.clone() if w.data_ptr() == weight.data_ptr() else w
         self.opt = optimizer or EmbeddingOptimizerConfig()
         self.exp_avg: Optional[torch.Tensor] = None
         self.exp_avg_sq: Optional[torch.Tensor] = None
@@ -44,7 +47,7 @@ class HeadTier:
         self.step = 0
         self.lr_history: List[float] = []
         self._mirrors: Dict[torch.dtype, torch.Tensor] = {}
-        self._streams: Dict[int, torch.cuda.Stream] = {}
+        self._streams: Dict[Tuple[int, str], torch.cuda.Stream] = {}   # (device, "h2d" | "d2h")
         self._staged: Dict[Tuple, Tuple[torch.Tensor, torch.cuda.Event]] = {}
         self._pending: List[torch.cuda.Event] = []
         self.counters = {"rows_fetched": 0, "bytes_h2d": 0, "bytes_d2h": 0, "stall_ms": 0.0}
@@ -57,11 +60,12 @@ class HeadTier:
             self._mirrors[dtype] = _pin(self.weight.to(dtype), self.pin)
         return self._mirrors[dtype][lo:hi]
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+    def _stream(self, device: torch.device, kind: str) -> torch.cuda.Stream:
+        """One side stream per direction, so weight copies in and gradient copies out overlap."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in self._streams:
-            self._streams[idx] = torch.cuda.Stream(device=idx)
-        return self._streams[idx]
+        if (idx, kind) not in self._streams:
+            self._streams[(idx, kind)] = torch.cuda.Stream(device=idx)
+        return self._streams[(idx, kind)]
 
     def prefetch(self, lo: int, hi: int, device: torch.device, dtype: torch.dtype) -> None:
         device = torch.device(device)
@@ -69,7 +73,7 @@ class HeadTier:
         if device.type != "cuda" or key in self._staged:
             return
         host = self.host_rows(lo, hi, dtype)
-        side = self._stream(device)
+        side = self._stream(device, "h2d")
         with torch.cuda.stream(side):
             t = torch.empty(host.shape, dtype=dtype, device=device)
             t.copy_(host, non_blocking=True)
@@ -111,7 +115,7 @@ class HeadTier:
             else:
                 buf[lo:hi].add_(grad.to(torch.float32))
             return
-        side = self._stream(grad.device)
+        side = self._stream(grad.device, "d2h")
         side.wait_stream(torch.cuda.current_stream(grad.device))
         with torch.cuda.stream(side):
             g = grad.to(torch.float32)
