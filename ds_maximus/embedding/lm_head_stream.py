@@ -125,7 +125,7 @@ class _StreamedLinearCrossEntropy(torch.autograd.Function):
                 lse = None
             else:
                 loss_tok, lse = streamed_stats(h, y, source, opts, cdtype)
-        ctx.source, ctx.opts, ctx.cdtype = source, opts, cdtype
+        ctx.source, ctx.opts, ctx.cdtype, ctx.anchor = source, opts, cdtype, (anchor.device, anchor.dtype)
         ctx.meta = (hidden.shape, hidden.dtype, h_all.shape[0], n)
         ctx.y, ctx.valid_idx, ctx.lse = y, valid_idx, lse
         ctx.save_for_backward(hidden)
@@ -137,7 +137,8 @@ class _StreamedLinearCrossEntropy(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         opts, cdtype = ctx.opts, ctx.cdtype
         need_gh = ctx.needs_input_grad[0]
-        anchor_grad = torch.zeros((), dtype=torch.float32, device=grad_out.device) if ctx.needs_input_grad[1] else None
+        adev, adtype = ctx.anchor
+        anchor_grad = torch.zeros((), dtype=adtype, device=adev) if ctx.needs_input_grad[1] else None
         if n == 0:
             grad_h = torch.zeros(hshape, dtype=hdtype, device=hidden.device) if need_gh else None
             return grad_h, anchor_grad, None, None, None, None
