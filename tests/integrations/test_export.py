@@ -88,11 +88,13 @@ def token_map(tmp_path_factory):
     return tm, str(root / "base"), texts
 
 
-def _train(stage: int, tm, texts, tmp_path, steps: int = 3):
+def _train(stage: int, tm, texts, tmp_path, steps: int = 3, head: bool = False):
+    """``head``: the LM head in the CPU tier too (its rows then live in maximus_states.pt)."""
     import ds_maximus
     model = tiny_llama(0)
     maximus = {"embedding": {"modules": ["model.embed_tokens"], "gpu_cache_rows": 64,
-                             "token_map_dir": tm.path}}
+                             "token_map_dir": tm.path},
+               "lm_head": {"enabled": head, "placement": "cpu", "chunk_rows": 128}}
     cfg = ds_config(stage, micro=2, maximus=maximus, scheduler=False)
     engine, *_ = ds_maximus.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ids = torch.tensor(tm.encode_ids(texts)[: steps * 2 * 16]).view(steps, 2, 16)
@@ -101,6 +103,7 @@ def _train(stage: int, tm, texts, tmp_path, steps: int = 3):
         engine.backward(loss)
         engine.step()
     assert engine.maximus.steps == steps
+    assert ("lm_head" in engine.maximus.modules) == head
     return engine
 
 
@@ -146,11 +149,12 @@ def _check_original_order(got, ref, tm, base_dir):
 
 # ---- tests --------------------------------------------------------------------------------------------
 def test_export_zero2_engine_and_checkpoint(token_map, tmp_path):
-    """Live export (new and original order) and the CLI from the ZeRO-2 checkpoint folder."""
+    """Live export (new and original order) and the CLI from the ZeRO-2 checkpoint folder; the LM head
+    is in the CPU tier as well (no Parameter: its rows come from the tier / maximus_states.pt)."""
     from ds_maximus import export_hf
     from ds_maximus.integrations.export import main
     tm, base_dir, texts = token_map
-    engine = _train(2, tm, texts, tmp_path)
+    engine = _train(2, tm, texts, tmp_path, head=True)
     ref = _reference(engine, tm)
     live = export_hf(engine, str(tmp_path / "live"))  # the token map comes from the maximus config
     live_orig = export_hf(engine, str(tmp_path / "live_orig"), original_order=True, token_map=tm.path)
@@ -187,8 +191,9 @@ def test_export_zero3_checkpoint_original_order(token_map, tmp_path):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_maximized_inference_generates_like_plain(tie):
-    """Row cache smaller than the vocabulary, head in the CPU tier (or tied): same tokens, last position only."""
+def test_maximized_inference_generates_like_plain(tie, tmp_path):
+    """Row cache smaller than the vocabulary, head in the CPU tier (or tied): same tokens, last position only.
+    Exported again, the model is the plain one (a tied head is tied again in the HF config)."""
     import copy
     from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
     from ds_maximus.integrations.hf import maximize
@@ -209,6 +214,14 @@ def test_maximized_inference_generates_like_plain(tie):
         torch.testing.assert_close(ours(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(a, b)
     assert seen[:12] == [1] * 12  # generate() asked the head for the last position only
+    from transformers import AutoModelForCausalLM
+    from ds_maximus import export_hf
+    back = AutoModelForCausalLM.from_pretrained(export_hf(ours, str(tmp_path / "hf"))).eval()
+    assert back.config.tie_word_embeddings == tie
+    sd, ref = back.state_dict(), plain.state_dict()
+    assert sorted(sd) == sorted(ref)
+    for k in ref:
+        assert torch.equal(sd[k], ref[k]), k
 
 
 def test_export_is_atomic_and_replaces(tmp_path):
