@@ -66,6 +66,18 @@ class PartitionCache:
         self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
         self._stall_events: List[Tuple[object, object]] = []
+        self._uva = self._uva_op()
+        self._uva_in_flight = False
+
+    def _uva_op(self):
+        """The CUDA op when fills/write-backs can be single kernels reading/writing the pinned tier directly."""
+        if not (self.cuda and getattr(self.tier, "pinned", False) and hasattr(self.tier, "tensors")):
+            return None
+        from ds_maximus.ops.sharded_embedding import load_op
+        op = load_op("cuda")
+        ok = op is not None and hasattr(op, "copy_rows") and all(
+            self.tier.tensors[n].dtype == torch.float32 for n in self.names)
+        return op if ok else None
 
     # -- the main operations -----------------------------------------------------------------------
     def acquire(self, ids: Tensor, *, pin: bool = False, wait: bool = True, count: bool = True) -> Tensor:
@@ -155,6 +167,15 @@ class PartitionCache:
             return
         self.traffic.rows_written_back += n
         self.traffic.bytes_d2h += n * self.entry_bytes
+        if self._uva is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                dslots = slots.pin_memory().to(self.device, non_blocking=True)
+                dids = ids.pin_memory().to(self.device, non_blocking=True)
+                for k, v in self.storage.items():
+                    self._uva.copy_rows(v, dslots, self.tier.tensors[k], dids)
+            self._uva_in_flight = True
+            return
         staging = self._staging(n)
         if not self.cuda:
             for k, v in self.storage.items():
@@ -173,6 +194,11 @@ class PartitionCache:
         self._pending_mask[ids] = True
 
     def _finish_write_backs(self, block: bool) -> None:
+        if block and self._uva_in_flight:
+            t0 = time.perf_counter()
+            self.stream.synchronize()  # GPU-written rows of the tier are now visible to the host
+            self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
+            self._uva_in_flight = False
         keep = []
         for i, (ids, staging, ev) in enumerate(self._pending):
             if block or ev.query():
@@ -192,9 +218,21 @@ class PartitionCache:
         self.traffic.rows_fetched += n
         if self._pending and bool(self._pending_mask[ids].any()):
             self._finish_write_backs(block=True)  # an id coming back before its write-back landed
+        self.traffic.bytes_h2d += n * self.entry_bytes
+        if self._uva is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                dslots = slots.pin_memory().to(self.device, non_blocking=True)
+                dids = ids.pin_memory().to(self.device, non_blocking=True)
+                for k, v in self.storage.items():
+                    self._uva.copy_rows(self.tier.tensors[k], dids, v, dslots)
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(self.stream)
+            self._fill_event = ev
+            self._uva_in_flight = True
+            return
         staging = self._staging(n)
         self.tier.read(ids, staging)
-        self.traffic.bytes_h2d += n * self.entry_bytes
         if not self.cuda:
             dslots = slots.to(self.device)
             for k, v in self.storage.items():

@@ -34,7 +34,7 @@ def lookup(module, input: Tensor, pin: bool) -> Tuple[Tensor, Tensor, Tensor]:
     uniq_cpu = uniq.cpu()  # the one host sync of the step
     check_range(uniq_cpu, module.num_embeddings)
     slots = module._resident(uniq_cpu, pin=pin)
-    module._release_prefetch()
+    module._release_prefetch(slots)
     w = module.cache.storage["weight"]
     slots_dev = slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots
     out = ops.gather(w, slots_dev, inverse, module.out_dtype)

@@ -152,7 +152,15 @@ class ShardedEmbedding(nn.Module):
 
     def _resident(self, uniq_cpu: Tensor, pin: bool, wait: bool = True) -> Tensor:
         """Make rows ``uniq_cpu`` resident and current (exact-mode catch-up); returns their slots."""
-        slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
+        from ds_maximus.errors import CapacityError
+        try:
+            slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
+        except CapacityError:
+            if not self._prefetched:
+                raise
+            while self._prefetched:  # prefetched rows are a hint: give their slots up and retry
+                self.cache.unpin(self._prefetched.popleft())
+            slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
         if pin:
             self._step_pins.append(slots)
         w, states = self._tables()
@@ -177,9 +185,15 @@ class ShardedEmbedding(nn.Module):
             return
         self._prefetched.append(slots)
 
-    def _release_prefetch(self) -> None:
-        if self._prefetched:
-            self.cache.unpin(self._prefetched.popleft())
+    def _release_prefetch(self, used_slots: Tensor) -> None:
+        """Unpin the prefetched sets this lookup consumed (all their rows are among ``used_slots``)."""
+        keep = collections.deque()
+        for s in self._prefetched:
+            if bool(torch.isin(s, used_slots).all()):
+                self.cache.unpin(s)
+            else:
+                keep.append(s)
+        self._prefetched = keep
 
     def _accumulate(self, ids: Tensor, rows: Tensor) -> None:
         self.grad.add(ids, rows)

@@ -89,7 +89,57 @@ __global__ void row_update_kernel(float* __restrict__ W, float* __restrict__ S0,
     }
 }
 
+// dst[dst_idx[r], :] = src[src_idx[r], :]; either side may be pinned host memory (read/written over PCIe
+// through its mapped device address), so a cache fill or write-back is one kernel with no host copy.
+__global__ void copy_rows_kernel(const float* __restrict__ src, const int64_t* __restrict__ src_idx,
+                                 float* __restrict__ dst, const int64_t* __restrict__ dst_idx, int64_t R, int64_t d) {
+    for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+        const float* a = src + src_idx[r] * d;
+        float* b = dst + dst_idx[r] * d;
+        if (d % 4 == 0) {
+            const float4* a4 = reinterpret_cast<const float4*>(a);
+            float4* b4 = reinterpret_cast<float4*>(b);
+            for (int64_t j = threadIdx.x; j < d / 4; j += blockDim.x) b4[j] = a4[j];
+        } else {
+            for (int64_t j = threadIdx.x; j < d; j += blockDim.x) b[j] = a[j];
+        }
+    }
+}
+
+float* device_address(const at::Tensor& t, const char* what) {
+    if (t.is_cuda()) return t.data_ptr<float>();
+    void* dptr = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&dptr, t.data_ptr(), 0);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        TORCH_CHECK(false, "copy_rows: ", what, " is a CPU tensor that is not pinned (mapped) memory: ",
+                    cudaGetErrorString(err), "; pin it (tensor.pin_memory()) or copy through a staging buffer");
+    }
+    return static_cast<float*>(dptr);
+}
+
 }  // namespace
+
+void copy_rows_cuda(const at::Tensor& src, const at::Tensor& src_idx, at::Tensor& dst, const at::Tensor& dst_idx) {
+    TORCH_CHECK(src.scalar_type() == at::kFloat && dst.scalar_type() == at::kFloat && src.is_contiguous() &&
+                    dst.is_contiguous() && src.dim() == 2 && dst.dim() == 2 && src.size(1) == dst.size(1),
+                "copy_rows: src and dst must be contiguous fp32 [rows, dim] tensors of one dim");
+    TORCH_CHECK(src_idx.is_cuda() && dst_idx.is_cuda() && src_idx.numel() == dst_idx.numel() &&
+                    src_idx.scalar_type() == at::kLong && dst_idx.scalar_type() == at::kLong,
+                "copy_rows: indices must be int64 GPU tensors of equal length");
+    const c10::cuda::CUDAGuard guard(src_idx.device());
+    const int64_t R = src_idx.numel(), d = src.size(1);
+    if (R == 0) return;
+    const float* a = device_address(src, "src");
+    float* b = device_address(dst, "dst");
+    const bool aligned = reinterpret_cast<uintptr_t>(a) % 16 == 0 && reinterpret_cast<uintptr_t>(b) % 16 == 0;
+    TORCH_CHECK(aligned || d % 4 != 0, "copy_rows: tables must be 16-byte aligned");
+    auto si = src_idx.contiguous();
+    auto di = dst_idx.contiguous();
+    copy_rows_kernel<<<grid_for(R), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        a, si.data_ptr<int64_t>(), b, di.data_ptr<int64_t>(), R, d);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void gather_cuda(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out) {
     TORCH_CHECK(table.is_cuda() && slots.is_cuda() && inverse.is_cuda() && out.is_cuda(),
