@@ -96,3 +96,32 @@ def test_cpu_placed_head_replaces_lm_head_and_matches():
 def test_rejects_non_causal_lm():
     with pytest.raises(TypeError, match="XForCausalLM"):
         patch_causal_lm_loss(torch.nn.Linear(3, 4))
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "mixtral"])
+def test_other_causal_lms_same_loss(arch):
+    """Mistral, Qwen2 and Mixtral (router aux loss added by the model's own code) give the original loss."""
+    import transformers as tf
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if arch == "mistral":
+        cfg, cls = tf.MistralConfig(**common), tf.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    else:
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                               router_aux_loss_coef=0.1)
+        cls = tf.MixtralForCausalLM
+    torch.manual_seed(11)
+    ref = cls(cfg).eval()
+    model = cls(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    ids, labels = _batch(seed=12)
+    want, want_g = _loss_and_grads(ref, ids, labels)
+    patch_causal_lm_loss(model)
+    got, got_g = _loss_and_grads(model, ids, labels)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_g["lm_head.weight"], want_g["lm_head.weight"], rtol=1e-4, atol=1e-6)
+    if arch == "mixtral":
+        assert got.aux_loss is not None and torch.isfinite(got.aux_loss)
