@@ -4,8 +4,9 @@
 
 * every large embedding becomes a ``ShardedEmbedding``: the table stays in (pinned) CPU memory and
   only ``embedding.gpu_cache_rows`` rows live on the GPU (a row cache; frequency-ordered ids keep the
-  hot rows resident). Generation never steps the sparse optimizer, so the cheapest optimizer state
-  (Adagrad's one table, never updated) is chosen;
+  hot rows resident; a prompt with more distinct ids than slots is looked up in groups, see
+  :class:`ChunkedLookup`). Generation never steps the sparse optimizer, so the cheapest optimizer
+  state (Adagrad's one table, never updated) is chosen;
 * with ``lm_head: {"enabled": true, "placement": "cpu"}`` the output layer becomes a ``ShardedLMHead``
   whose rows stay in the CPU tier and stream through the GPU ``chunk_rows`` at a time (a head tied
   to a swapped embedding always reads that embedding's rows);
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import torch
 from torch import nn
 
 from ds_maximus.config import HeadPlacement, MaximusConfig, OptimizerType
@@ -56,11 +58,39 @@ def offload_lm_head(model: nn.Module, cfg: MaximusConfig) -> Optional[nn.Module]
     return new
 
 
+class ChunkedLookup:
+    """``forward`` of a ``ShardedEmbedding`` for generation: a batch with more distinct ids than the row
+    cache has slots (a long prompt) is looked up in groups of at most half the slots, so the cache
+    size bounds GPU memory, not the prompt. With gradients enabled it is the module's own forward."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.inner = module.forward
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if torch.is_grad_enabled():
+            return self.inner(input)
+        flat = input.reshape(-1)
+        uniq = torch.unique(flat)
+        if uniq.numel() <= m.cache.num_slots:
+            return self.inner(input)
+        group = max(1, m.cache.num_slots // 2)
+        out = torch.empty(flat.numel(), m.embedding_dim, dtype=m.out_dtype, device=m.compute_device)
+        for lo in range(0, uniq.numel(), group):
+            sel = torch.isin(flat, uniq[lo:lo + group])
+            out[sel.to(out.device)] = self.inner(flat[sel]).to(out.dtype)
+        return out.view(*input.shape, m.embedding_dim)
+
+
 def prepare_inference(model: nn.Module, cfg: MaximusConfig) -> nn.Module:
     """Swap embeddings (and, with ``lm_head.placement: cpu``, the head) for generation; ``model.eval()``."""
     from ds_maximus.zero.swap import swap_embeddings
     cfg = inference_config(cfg)
-    swap_embeddings(model, cfg)
+    plan = swap_embeddings(model, cfg)
+    for emb in plan.swapped.values():
+        if not isinstance(emb.forward, ChunkedLookup):
+            emb.forward = ChunkedLookup(emb)
     if cfg.lm_head.enabled and cfg.lm_head.placement == HeadPlacement.CPU:
         offload_lm_head(model, cfg)
     for p in model.parameters():
