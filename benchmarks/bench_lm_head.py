@@ -101,6 +101,23 @@ def main():
         if res.ms:
             res.extra["TFLOP/s"] = round(flops / (res.ms * 1e-3) / 1e12, 2)
         del buf
+        if dev.type == "cuda" and torch.cuda.mem_get_info()[0] > 3 * a.tokens * a.vocab * h.element_size():
+            big = {}
+
+            def alloc():
+                big["z"] = torch.empty(a.tokens, a.vocab, dtype=dtype, device=dev)
+
+            def gemms_untiled():   # three whole GEMMs with the [N, V] logits materialised: cuBLAS at its best
+                z = big["z"]
+                with torch.no_grad():
+                    torch.mm(h, w.t(), out=z)
+                    torch.mm(z, w)
+                    torch.mm(z.t(), h)
+            res = bench.measure("3 GEMMs untiled ([N, V] in memory)", gemms_untiled, warmup=a.warmup,
+                                repeat=a.repeat, setup=alloc)
+            if res.ms:
+                res.extra["TFLOP/s"] = round(flops / (res.ms * 1e-3) / 1e12, 2)
+            big.clear()
 
     if "streamed" not in skip:
         head = ShardedLMHead(config={"chunk_rows": a.chunk_rows, "placement": "cpu"}, weight=w.detach())
