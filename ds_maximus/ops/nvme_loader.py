@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno as _errno
 import functools
 import logging
+import os
 import threading
 from typing import Dict, List, Optional
 
@@ -182,6 +183,7 @@ class NVMeLoader:
                                   o_direct=o_direct)
         self.threads, self.block_bytes, self.queue_depth, self.o_direct = threads, block_bytes, queue_depth, o_direct
         self.pool = PinnedBufferPool(pool_max_bytes)
+        self._pid = os.getpid()  # worker threads do not survive fork()
         self._device = None  # disk -> GPU streaming state, created on first use (see nvme_loader_cuda)
 
     @classmethod
@@ -251,7 +253,7 @@ class NVMeLoader:
         # stop the workers with the GIL released (close() releases it): a worker dropping the last
         # reference to a tensor may need the GIL, which the C++ destructor would hold while joining
         impl = getattr(self, "_impl", None)
-        if impl is not None and not impl.closed():
+        if impl is not None and not impl.closed() and os.getpid() == self._pid:
             impl.close(cancel=False)
 
     def __repr__(self):
@@ -261,6 +263,9 @@ class NVMeLoader:
     def _check_open(self):
         if self._impl.closed():
             raise ValueError("this NVMeLoader is closed; create a new one")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this NVMeLoader was created in process {self._pid} and its worker threads do "
+                               "not exist after fork(); create a new NVMeLoader in the child process")
 
     def _check(self, tensor: torch.Tensor, fn: str, offset: int):
         self._check_open()

@@ -292,6 +292,38 @@ def test_buffered_fallback_where_o_direct_is_refused(loader, mounted, caplog):
     assert torch.equal(out, src)
 
 
+def test_forked_child_gets_a_clear_error_and_exits(tmp_path):
+    import time
+    data = _rand_bytes(10_000, seed=11)
+    _write_file(tmp_path / "f.bin", data)
+    ld = NVMeLoader(threads=2)
+    pid = os.fork()
+    if pid == 0:  # child: the parent's workers are gone
+        code = 1
+        try:
+            try:
+                ld.read_into(tmp_path / "f.bin", 0, torch.empty(10, dtype=torch.uint8))
+            except RuntimeError as e:
+                code = 0 if "fork" in str(e) else 2
+            del ld  # must neither hang (joining absent threads) nor terminate
+            with NVMeLoader(threads=1) as fresh:
+                out = fresh.read(tmp_path / "f.bin", 0, 10_000)
+            code = code if torch.equal(out, data) else 3
+        finally:
+            os._exit(code)
+    deadline = time.time() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.time() > deadline:
+            os.kill(pid, 9)
+            pytest.fail("forked child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    ld.close()
+
+
 def test_bad_arguments(loader, tmp_path):
     with pytest.raises(ValueError, match="contiguous"):
         loader.read_into(tmp_path / "x", 0, torch.empty(4, 4).t())

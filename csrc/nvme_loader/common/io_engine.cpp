@@ -124,7 +124,8 @@ void Request::piece_finished() {
 // ---------------------------------------------------------------- Engine
 
 Engine::Engine(int threads_, int64_t block_bytes_, int queue_depth_, bool o_direct_)
-    : threads(threads_), block_bytes(block_bytes_), queue_depth(queue_depth_), o_direct(o_direct_) {
+    : threads(threads_), block_bytes(block_bytes_), queue_depth(queue_depth_), o_direct(o_direct_),
+      owner_pid_(::getpid()) {
   if (threads < 1 || queue_depth < 1 || block_bytes < kAlign || block_bytes % kAlign != 0) {
     throw std::invalid_argument("maximus_nvme::Engine: need threads >= 1, queue_depth >= 1 and block_bytes a "
                                 "positive multiple of 4096");
@@ -138,6 +139,7 @@ Engine::~Engine() { close(/*cancel=*/true); }
 std::shared_ptr<Request> Engine::submit(OpKind kind, const std::string& path, int64_t offset, char* data,
                                         int64_t nbytes, bool fsync, std::shared_ptr<void> keepalive) {
   if (offset < 0 || nbytes < 0) throw std::invalid_argument("offset and nbytes must be >= 0");
+  if (forked()) throw std::runtime_error("this loader's worker threads do not exist after fork()");
   auto req = std::make_shared<Request>(kind, path, offset, data, nbytes, fsync, std::move(keepalive));
   std::vector<Piece> pieces;
   for (int64_t pos = offset, end = offset + nbytes; pos < end;) {
@@ -159,6 +161,10 @@ std::shared_ptr<Request> Engine::submit(OpKind kind, const std::string& path, in
 }
 
 void Engine::close(bool cancel) {
+  if (forked()) {  // the parent's workers do not exist here and their mutex/condvar state is stale
+    closed_.store(true);
+    return;
+  }
   std::deque<Piece> dropped;
   {
     std::lock_guard<std::mutex> lk(mu_);

@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 namespace maximus_nvme {
 
 constexpr int64_t kAlign = 4096;  // bytes; O_DIRECT alignment of offsets, lengths and addresses
@@ -97,6 +99,9 @@ class Engine {
   int64_t pending_pieces() const;           // queued + running
   std::vector<std::string> take_messages();  // fallback notices since the last call
   bool closed() const { return closed_.load(); }
+  // True in a child forked after the engine started: its workers, mutex and condvar belong to the
+  // parent. Such an engine must be leaked, not destroyed (see LoaderPy::~LoaderPy).
+  bool forked() const { return ::getpid() != owner_pid_; }
 
   const int threads;
   const int64_t block_bytes;
@@ -110,6 +115,7 @@ class Engine {
   int buffered_fd(Request& r);
   void note(const std::string& msg);
 
+  const int owner_pid_;  // process that started the workers (they do not survive fork())
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Piece> queue_;

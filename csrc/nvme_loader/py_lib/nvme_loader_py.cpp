@@ -17,7 +17,7 @@ std::shared_ptr<IOHandlePy> LoaderPy::read_into(const std::string& path, int64_t
   check_tensor(tensor, "read_into");
   char* data = static_cast<char*>(tensor.data_ptr());
   return std::make_shared<IOHandlePy>(
-      engine_.submit(OpKind::kRead, path, offset, data, tensor.nbytes(), false, keep(tensor)));
+      engine_->submit(OpKind::kRead, path, offset, data, tensor.nbytes(), false, keep(tensor)));
 }
 
 std::shared_ptr<IOHandlePy> LoaderPy::write_from(const torch::Tensor& tensor, const std::string& path, int64_t offset,
@@ -25,7 +25,7 @@ std::shared_ptr<IOHandlePy> LoaderPy::write_from(const torch::Tensor& tensor, co
   check_tensor(tensor, "write_from");
   char* data = static_cast<char*>(tensor.data_ptr());
   return std::make_shared<IOHandlePy>(
-      engine_.submit(OpKind::kWrite, path, offset, data, tensor.nbytes(), fsync, keep(tensor)));
+      engine_->submit(OpKind::kWrite, path, offset, data, tensor.nbytes(), fsync, keep(tensor)));
 }
 
 }  // namespace maximus_nvme
