@@ -230,8 +230,11 @@ def test_gpu_fp32_matches_reference(kw):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_error_no_worse_than_torch_bf16():
-    """bf16: our error vs the fp32 reference is at most 2x (plus slack) that of torch's bf16 linear+CE."""
+@pytest.mark.parametrize("fp32_acc,factor", [(False, 4.0), (True, 1.5)])
+def test_gpu_bf16_error_close_to_torch_bf16(fp32_acc, factor):
+    """bf16 tolerance: each gradient's relative (Frobenius) error vs the fp32 reference is within ``factor``
+    times that of torch's bf16 linear + F.cross_entropy (+1e-3): 4x when grad_W is accumulated over the
+    8 token blocks in bf16 (one rounding per block), 1.5x with the fp32 accumulator; the loss within 2x."""
     h, w, y = _data(2048, 256, 32768, ignore_every=11)
     h, w, y = h.detach().cuda(), w.detach().cuda(), y.cuda()
     hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
@@ -240,13 +243,13 @@ def test_gpu_bf16_error_no_worse_than_torch_bf16():
     hb2, wb2 = hb.detach().clone().requires_grad_(), wb.detach().clone().requires_grad_()
     tl = F.cross_entropy((hb2 @ wb2.T).float(), y)
     tl.backward()
-    loss = linear_cross_entropy(hb, wb, y, chunk_rows=4096, token_block=256)
+    loss = linear_cross_entropy(hb, wb, y, chunk_rows=4096, token_block=256, fp32_weight_grad=fp32_acc)
     loss.backward()
-    assert abs(loss.item() - ref.item()) <= 2 * abs(tl.item() - ref.item()) + 1e-3 * abs(ref.item())
+    assert abs(loss.item() - ref.item()) <= 2 * abs(tl.item() - ref.item()) + 1e-4 * abs(ref.item())
     for ours, theirs, want in ((hb.grad, hb2.grad, h32.grad), (wb.grad, wb2.grad, w32.grad)):
         e_ours = (ours.float() - want).norm() / want.norm()
         e_torch = (theirs.float() - want).norm() / want.norm()
-        assert e_ours <= 2 * e_torch + 1e-3, (e_ours.item(), e_torch.item())
+        assert e_ours <= factor * e_torch + 1e-3, (e_ours.item(), e_torch.item())
     from ds_maximus.embedding.lm_head_tiles import KERNELS
     try:
         import triton  # noqa: F401
