@@ -68,6 +68,11 @@ def main():
         return run
 
     def add(name, fn, **extra):
+        try:   # one call outside the harness so that a failure prints its whole traceback
+            step(fn)()
+        except Exception:
+            import traceback
+            traceback.print_exc()
         res = bench.measure(name, step(fn), warmup=a.warmup, repeat=a.repeat, **extra)
         if res.ms:
             res.extra["extra GiB"] = round(res.peak_gib - res.extra.get("base_gib", 0.0), 2)

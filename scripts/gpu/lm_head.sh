@@ -23,7 +23,7 @@ python -m pytest -q -p no:cacheprovider -m "not gpu" tests/embedding/test_lm_hea
     2>&1 | tail -5 | tee -a "$OUT/lm_head_tests.txt"
 cpu_rc=${PIPESTATUS[0]}
 
-timeout 240 python -m benchmarks.bench_lm_head --out "$OUT/lm_head.md" 2>&1 | tee "$OUT/lm_head_bench.log" | tail -30
+timeout 300 python -m benchmarks.bench_lm_head --out "$OUT/lm_head.md" 2>&1 | tee "$OUT/lm_head_bench.log" | tail -30
 bench_rc=${PIPESTATUS[0]}
 DS_MAXIMUS_LCE_COMPILE=0 timeout 60 python -m benchmarks.bench_lm_head --skip floor,streamed,torch,liger,cce,big \
     --out "$OUT/lm_head_eager.md" 2>&1 | tail -12
