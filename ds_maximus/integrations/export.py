@@ -354,20 +354,29 @@ def export_hf(engine_or_model, out_dir: str, tokenizer=None, original_order: boo
     tokenizer (the rewritten one, or with ``original_order`` the base one rebuilt from it).
     ``token_map``: a ``TokenMap`` or its folder; defaults to ``maximus.embedding.token_map_dir``.
     ``dtype``: of the written weights; default the dtype of the model's dense parameters.
-    Returns the absolute path of ``out_dir``.
+    Returns the absolute path of ``out_dir``. Under torch.distributed every rank must call it (ZeRO-3
+    parameters are gathered collectively); rank 0 writes.
     """
     model = engine_or_model.module if _is_engine(engine_or_model) else engine_or_model
     if not hasattr(model, "config"):
         raise ConfigError(f"export_hf needs a Hugging Face model (with .config); got {type(model).__name__}")
-    sd, tied = model_state_dict(model)
+    sd, _ = model_state_dict(model)  # every rank: ZeRO-3 gathers are collective
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if dist and torch.distributed.get_rank() != 0:
+        torch.distributed.barrier()
+        return os.path.abspath(out_dir)
     if token_map is None:
         dirs = [getattr(getattr(m, "config", None), "token_map_dir", None) for m in model.modules()
                 if _is_maximus_module(m)]
         token_map = next((d for d in dirs if d), None)
-    return write_hf_folder(sd, model.config, out_dir, model_class=type(model), tokenizer=tokenizer,
-                           token_map=token_map, original_order=original_order, dtype=dtype,
-                           generation_config=getattr(model, "generation_config", None),
-                           max_shard_size=max_shard_size)
+    try:
+        return write_hf_folder(sd, model.config, out_dir, model_class=type(model), tokenizer=tokenizer,
+                               token_map=token_map, original_order=original_order, dtype=dtype,
+                               generation_config=getattr(model, "generation_config", None),
+                               max_shard_size=max_shard_size)
+    finally:
+        if dist:
+            torch.distributed.barrier()
 
 
 def main(argv=None) -> int:
