@@ -117,7 +117,7 @@ class PartitionCache:
         self.map.unpin(slots.to("cpu", torch.long))
 
     def mark_dirty(self, slots: Tensor) -> None:
-        self.dirty[slots.to("cpu", torch.long)] = True
+        self.dirty.index_fill_(0, slots.to("cpu", torch.long), True)
 
     def slots_of(self, ids: Tensor) -> Tensor:
         """Slots of ``ids`` (-1 where not resident), without touching the policy."""
@@ -159,9 +159,9 @@ class PartitionCache:
         return {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=pin) for k, v in self.storage.items()}
 
     def _write_back(self, ids: Tensor, slots: Tensor) -> None:
-        dirty = self.dirty[slots]
-        self.dirty[slots] = False
-        ids, slots = ids[dirty], slots[dirty]
+        dirty = torch.nonzero(self.dirty.index_select(0, slots)).squeeze(1)
+        self.dirty.index_fill_(0, slots, False)
+        ids, slots = ids.index_select(0, dirty), slots.index_select(0, dirty)
         n = int(ids.numel())
         if not n:
             return
@@ -216,7 +216,7 @@ class PartitionCache:
     def _fill(self, ids: Tensor, slots: Tensor) -> None:
         n = int(ids.numel())
         self.traffic.rows_fetched += n
-        if self._pending and bool(self._pending_mask[ids].any()):
+        if self._pending and bool(self._pending_mask.index_select(0, ids).any()):
             self._finish_write_backs(block=True)  # an id coming back before its write-back landed
         self.traffic.bytes_h2d += n * self.entry_bytes
         if self._uva is not None:

@@ -72,17 +72,20 @@ class SlotMap:
         self.last_use = torch.zeros(num_slots, dtype=torch.float64, device=self.device)
         self.id_freq = torch.zeros(num_ids if self.policy == CachePolicy.LFU else 0, dtype=torch.float64,
                                    device=self.device)
+        self.slot_freq = torch.zeros(num_slots if self.policy == CachePolicy.LFU else 0, dtype=torch.float64,
+                                     device=self.device)  # id_freq of each slot's id, kept by touch()
         self.pin_count = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         self.clock = 0
         self.counters = CacheCounters()
 
     # -- queries ---------------------------------------------------------------------------
+    # (index_select / index_copy_ / index_fill_ throughout: CPU advanced indexing is ~20x slower)
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``ids`` (-1 where not resident)."""
-        return self.id_to_slot[ids]
+        return self.id_to_slot.index_select(0, ids.to(self.device, torch.long).reshape(-1))
 
     def resident_ids(self) -> torch.Tensor:
-        return self.slot_to_id[self.slot_to_id >= 0]
+        return self.slot_to_id.index_select(0, torch.nonzero(self.slot_to_id >= 0).squeeze(1))
 
     # -- pinning ---------------------------------------------------------------------------
     def pin(self, slots: torch.Tensor) -> None:
@@ -96,41 +99,41 @@ class SlotMap:
     # -- the one operation ------------------------------------------------------------------
     def assign(self, ids: torch.Tensor, count: bool = True) -> Assignment:
         """Give every id of ``ids`` (unique) a slot, evicting unpinned entries not in ``ids``."""
-        ids = ids.to(self.device, torch.long)
-        slots = self.id_to_slot[ids]
-        hit = slots >= 0
-        miss_ids = ids[~hit]
-        n_miss = miss_ids.numel()
+        ids = ids.to(self.device, torch.long).reshape(-1)
+        slots = self.id_to_slot.index_select(0, ids)
+        miss_pos = torch.nonzero(slots < 0).squeeze(1)
+        n_miss = miss_pos.numel()
         empty = ids.new_empty(0)
-        evicted_ids, victims = empty, empty
+        evicted_ids, victims, evicted_slots = empty, empty, empty
+        miss_ids = ids.index_select(0, miss_pos)
         if n_miss:
-            score = self._score()
-            score[self.slot_to_id < 0] = -1.0  # free slots first
-            score[self.pin_count > 0] = float("inf")
-            score[slots[hit]] = float("inf")
             if n_miss > self.num_slots:
                 raise CapacityError(
                     f"a batch needs {ids.numel()} distinct entries but the cache has {self.num_slots} slots; "
                     "raise gpu_cache_rows (or gpu_experts_per_layer), or use smaller batches")
+            hit_slots = slots.index_select(0, torch.nonzero(slots >= 0).squeeze(1))
+            score = self._score()
+            score.masked_fill_(self.slot_to_id < 0, -1.0)  # free slots first
+            score.masked_fill_(self.pin_count > 0, float("inf"))
+            score.index_fill_(0, hit_slots, float("inf"))
             victims = torch.topk(score, n_miss, largest=False, sorted=False).indices
-            if bool(torch.isinf(score[victims]).any()):
+            if bool(torch.isinf(score.index_select(0, victims)).any()):
                 pinned = int((self.pin_count > 0).sum())
                 raise CapacityError(
                     f"cache of {self.num_slots} slots cannot take {n_miss} new entries: {pinned} slots are "
-                    f"pinned (in use or in flight) and {int(hit.sum())} hold this batch; raise the cache size")
-            old = self.slot_to_id[victims]
-            was = old >= 0
-            evicted_ids = old[was]
-            self.id_to_slot[evicted_ids] = -1
-            self.slot_to_id[victims] = miss_ids
-            self.id_to_slot[miss_ids] = victims
+                    f"pinned (in use or in flight) and {hit_slots.numel()} hold this batch; raise the cache size "
+                    "(gpu_cache_rows / gpu_experts_per_layer) or use smaller batches")
+            old = self.slot_to_id.index_select(0, victims)
+            was = torch.nonzero(old >= 0).squeeze(1)
+            evicted_ids = old.index_select(0, was)
+            evicted_slots = victims.index_select(0, was)
+            self.id_to_slot.index_fill_(0, evicted_ids, -1)
+            self.slot_to_id.index_copy_(0, victims, miss_ids)
+            self.id_to_slot.index_copy_(0, miss_ids, victims)
             slots = slots.clone()
-            slots[~hit] = victims
+            slots.index_copy_(0, miss_pos, victims)
             if count:
                 self.counters.evictions += int(evicted_ids.numel())
-            evicted_slots = victims[was]
-        else:
-            evicted_slots = empty
         self.touch(ids, slots)
         if count:
             self.counters.lookups += int(ids.numel())
@@ -141,24 +144,21 @@ class SlotMap:
     def touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Record a use of ``ids`` (already resident in ``slots``)."""
         self.clock += 1
-        self.last_use[slots] = float(self.clock)
+        self.last_use.index_fill_(0, slots, float(self.clock))
         if self.policy == CachePolicy.LFU:
-            self.id_freq[ids] += 1.0
+            self.id_freq.index_add_(0, ids, torch.ones(ids.numel(), dtype=torch.float64, device=self.device))
+            self.slot_freq.index_copy_(0, slots, self.id_freq.index_select(0, ids))
 
     def evict(self, ids: torch.Tensor) -> torch.Tensor:
         """Drop ``ids`` from the map (for explicit flushes); returns their former slots."""
-        ids = ids.to(self.device, torch.long)
-        slots = self.id_to_slot[ids]
-        slots = slots[slots >= 0]
-        self.id_to_slot[self.slot_to_id[slots]] = -1
-        self.slot_to_id[slots] = -1
+        slots = self.slots_of(ids)
+        slots = slots.index_select(0, torch.nonzero(slots >= 0).squeeze(1))
+        self.id_to_slot.index_fill_(0, self.slot_to_id.index_select(0, slots), -1)
+        self.slot_to_id.index_fill_(0, slots, -1)
         return slots
 
     def _score(self) -> torch.Tensor:
         if self.policy == CachePolicy.LRU:
             return self.last_use.clone()
-        freq = torch.zeros(self.num_slots, dtype=torch.float64, device=self.device)
-        used = self.slot_to_id >= 0
-        freq[used] = self.id_freq[self.slot_to_id[used]]
-        # least frequent first, least recent among equals
-        return freq * 1e9 + self.last_use
+        # least frequent first, least recent among equals (free slots are masked by the caller)
+        return self.slot_freq * 1e9 + self.last_use

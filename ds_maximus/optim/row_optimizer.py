@@ -95,17 +95,17 @@ class RowOptimizer:
         if ids.numel() == 0:
             return
         lr_h, wd_h = self.history(weight.device)
-        ops.row_update(weight, states, slots.to(weight.device), grads, self.last_step[ids],
+        ops.row_update(weight, states, slots.to(weight.device), grads, self.last_step.index_select(0, ids),
                        step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=self.lr_hist[self.step],
                        weight_decay=self.wd_hist[self.step], beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                        optimizer=self.kind, lazy=self.lazy)
-        self.last_step[ids] = self.step
+        self.last_step.index_fill_(0, ids, self.step)
 
     def lagging(self, ids: Tensor) -> Tensor:
         """Mask of ``ids`` (CPU) whose rows miss replayed steps (always empty in ``lazy`` mode)."""
         if self.lazy or self.step == 0:
             return torch.zeros(ids.numel(), dtype=torch.bool)
-        lag = self.last_step[ids] < self.step
+        lag = self.last_step.index_select(0, ids) < self.step
         if self.frozen_row is not None:
             lag &= ids != self.frozen_row
         return lag
@@ -115,12 +115,14 @@ class RowOptimizer:
         from ds_maximus.ops import sharded_embedding as ops
         lag = self.lagging(ids)
         if bool(lag.any()):
-            ids_l = ids[lag]
+            pos = torch.nonzero(lag).squeeze(1)
+            ids_l = ids.index_select(0, pos)
             lr_h, wd_h = self.history(weight.device)
-            ops.row_update(weight, states, slots[lag].to(weight.device), None, self.last_step[ids_l],
+            ops.row_update(weight, states, slots.index_select(0, pos).to(weight.device), None,
+                           self.last_step.index_select(0, ids_l),
                            step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=0.0, weight_decay=0.0,
                            beta1=self.beta1, beta2=self.beta2, eps=self.eps, optimizer=self.kind, lazy=False)
-            self.last_step[ids_l] = self.step
+            self.last_step.index_fill_(0, ids_l, self.step)
         return lag
 
     # -- state --------------------------------------------------------------------------------------
