@@ -15,7 +15,8 @@ is ``softmax(s) - (1 - eps) * onehot(y) - eps / V``, times ``1 - tanh(z / c)^2``
 On CUDA both functions are compiled with ``torch.compile`` (one fused read of the tile for the
 statistics, one read + one write for the gradient) when Triton is importable; set
 ``DS_MAXIMUS_LCE_COMPILE=0`` to force the eager versions (which need two ``[T, R]`` fp32
-temporaries), ``=force`` to compile on any device (CPU tests of the compiled path). A compile failure falls back to eager once, with a warning.
+temporaries), ``=force`` to compile on any device (CPU tests of the compiled path). A compile
+failure falls back to eager once, with a warning.
 """
 from __future__ import annotations
 

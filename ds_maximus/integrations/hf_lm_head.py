@@ -216,8 +216,9 @@ def _wrap_model_forward(model: nn.Module, patch: _Patch) -> None:
             return orig(*args, **kwargs)
         cfg = getattr(model, "config", None)
         softcap = getattr(cfg, "final_logit_softcapping", None)
-        patch.request = _LossRequest(labels, shift_labels, extra.get("num_items_in_batch", kwargs.get("num_items_in_batch")),
-                                     extra.get("ignore_index", kwargs.get("ignore_index", -100)), softcap)
+        n_items = extra.get("num_items_in_batch", kwargs.get("num_items_in_batch"))
+        ignore = extra.get("ignore_index", kwargs.get("ignore_index", -100))
+        patch.request = _LossRequest(labels, shift_labels, n_items, ignore, softcap)
         if labels is None:   # the model computes a loss only when labels are given
             kwargs["labels"] = shift_labels
         try:
