@@ -161,7 +161,7 @@ class NVMeLoader:
     >>> path = os.path.join(tempfile.mkdtemp(), "x.bin")
     >>> with NVMeLoader(threads=2) as loader:
     ...     src = torch.arange(1000, dtype=torch.float32)
-    ...     loader.write_from(src, path, offset=0).wait()
+    ...     _ = loader.write_from(src, path, offset=0).wait()
     ...     dst = loader.pinned_buffer(src.nbytes).view(torch.float32)
     ...     bool(torch.equal(loader.read_into(path, 0, dst).wait(), src))
     True
@@ -228,6 +228,12 @@ class NVMeLoader:
         disk time with host work). ``out`` must not be in use by queued kernels; pass ``wait_stream`` to
         order the copies after the work queued on that stream so far."""
         self._check_open()
+        if not isinstance(out, torch.Tensor) or out.device.type != "cuda" or not out.is_contiguous() \
+                or out.nbytes < nbytes or nbytes < 0 or offset < 0:
+            got = (f"{out.device}, contiguous={out.is_contiguous()}, {out.nbytes} bytes"
+                   if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise ValueError(f"read_to_device: out must be a contiguous CUDA tensor of >= nbytes={nbytes} bytes "
+                             f"(offset={offset} and nbytes >= 0), got {got}; use read_into() for CPU tensors")
         if self._device is None:
             self._device = DeviceStreamer(self)
         return self._device.read_to_device(str(path), int(offset), int(nbytes), out, stream, wait_stream)
@@ -297,9 +303,6 @@ class DeviceStreamer:
         self.lock = threading.Lock()
 
     def read_to_device(self, path: str, offset: int, nbytes: int, out: torch.Tensor, stream, wait_stream):
-        if out.device.type != "cuda" or not out.is_contiguous() or out.nbytes < nbytes:
-            raise ValueError(f"read_to_device: out must be a contiguous CUDA tensor of >= {nbytes} bytes, got "
-                             f"{out.device}, contiguous={out.is_contiguous()}, {out.nbytes} bytes")
         dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
         if stream is None:
             stream = self.streams.get(dev)

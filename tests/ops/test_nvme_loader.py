@@ -324,6 +324,13 @@ def test_forked_child_gets_a_clear_error_and_exits(tmp_path):
     ld.close()
 
 
+def test_docstring_examples():
+    import doctest
+    import ds_maximus.ops.nvme_loader as mod
+    res = doctest.testmod(mod)
+    assert res.attempted >= 5 and res.failed == 0
+
+
 def test_bad_arguments(loader, tmp_path):
     with pytest.raises(ValueError, match="contiguous"):
         loader.read_into(tmp_path / "x", 0, torch.empty(4, 4).t())
@@ -331,6 +338,8 @@ def test_bad_arguments(loader, tmp_path):
         loader.write_from(torch.empty(4), tmp_path / "x", -1)
     with pytest.raises(ValueError, match="multiple of 4096"):
         NVMeLoader(block_bytes=5000)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        loader.read_to_device(tmp_path / "x", 0, 16, torch.empty(16, dtype=torch.uint8))
 
 
 def test_from_config():
