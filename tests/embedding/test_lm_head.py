@@ -174,6 +174,10 @@ def test_cpu_tier_step_equals_torch_adamw_and_state_round_trip():
             F.cross_entropy(hh @ ref.T, y[micro::2]).backward()
         n2 = float(cpu.sparse_grad_norm_sq())
         assert n2 == pytest.approx(float(ref.grad.pow(2).sum()), rel=1e-5)
+        ids, rows = cpu.sparse_grads()            # the data-parallel round trip of the engine
+        cpu.set_sparse_grads_(ids, rows * 2)
+        cpu.scale_sparse_grads_(0.5)
+        assert float(cpu.sparse_grad_norm_sq()) == pytest.approx(n2, rel=1e-6)
         assert cpu.sparse_grads_finite()
         cpu.sparse_step(lr=1e-2, weight_decay=0.1)
         opt.step()
