@@ -31,8 +31,10 @@ class SparseRowGrad:
         ids = ids.to("cpu", torch.long)
         rows = rows.float()
         if self.ids is None:
-            order = torch.argsort(ids)
-            self.ids, self.rows = ids[order], rows.index_select(0, order.to(rows.device))
+            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+                order = torch.argsort(ids)
+                ids, rows = ids.index_select(0, order), rows.index_select(0, order.to(rows.device))
+            self.ids, self.rows = ids, rows
             return
         rows = rows.to(self.rows.device)
         cat_ids = torch.cat([self.ids, ids])

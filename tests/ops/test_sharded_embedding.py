@@ -5,9 +5,6 @@ import torch
 from ds_maximus.embedding import reference as ref
 from ds_maximus.ops import sharded_embedding as ops
 
-TOL = {torch.float32: (0, 0), torch.bfloat16: (0, 0), torch.float16: (0, 0)}
-
-
 def _op(kind):
     op = ops.load_op(kind)
     if op is None:
@@ -84,12 +81,31 @@ def test_row_update_matches_reference(device, opt, lazy, has_grad, dim):
     op.row_update(got[0], got[1], got[2] if opt == ref.ADAMW else empty, dev(slots),
                   dev(grads) if has_grad else empty, dev(last), dev(lr_hist), dev(wd_hist), step, kw["lr"],
                   kw["weight_decay"], 0.9, 0.99, 1e-8, opt, lazy, has_grad)
+    rtol, atol = (2e-6, 1e-7) if device == "cpu" else (1e-5, 1e-6)  # nvcc contracts to FMA
     for a, b in zip(got, want):
-        torch.testing.assert_close(a.cpu(), b, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(a.cpu(), b, rtol=rtol, atol=atol)
     untouched = torch.ones(24, dtype=torch.bool)
     untouched[slots] = False
     fresh = _tables(opt, torch.Generator().manual_seed(5), dim=dim)
     assert torch.equal(got[0].cpu()[untouched], fresh[0][untouched])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [3, 4096])
+def test_copy_rows_between_pinned_host_and_gpu(dim):
+    op = _op("cuda")
+    host = torch.randn(50, dim).pin_memory()
+    dev = torch.zeros(10, dim, device="cuda")
+    src_idx = torch.tensor([49, 0, 7], device="cuda")
+    dst_idx = torch.tensor([2, 9, 0], device="cuda")
+    op.copy_rows(host, src_idx, dev, dst_idx)
+    assert torch.equal(dev[dst_idx.cpu()].cpu(), host[src_idx.cpu()])
+    back = torch.zeros(50, dim).pin_memory()
+    op.copy_rows(dev, dst_idx, back, src_idx)
+    torch.cuda.synchronize()
+    assert torch.equal(back[src_idx.cpu()], host[src_idx.cpu()])
+    with pytest.raises(RuntimeError, match="pinned"):
+        op.copy_rows(torch.randn(50, dim), src_idx, dev, dst_idx)
 
 
 def test_ops_fall_back_to_reference_when_disabled(monkeypatch):
