@@ -132,6 +132,7 @@ def main(argv=None):
     runs = [run_ours, lambda: run_dense(False), lambda: run_dense(True)]
     if cuda and not a.no_deepspeed:
         runs += [lambda: run_deepspeed(False), lambda: run_deepspeed(True)]
+    base = "nn.Embedding + fused AdamW" if cuda else "nn.Embedding + AdamW"
     for r in runs:
         try:
             r()
@@ -140,7 +141,8 @@ def main(argv=None):
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    base = "nn.Embedding + fused AdamW" if cuda else "nn.Embedding + AdamW"
+        if a.out:  # partial table after every provider, so a time-out still leaves figures
+            Path(a.out).write_text(bench.table(baseline=base) + "\n")
     text = bench.report(baseline=base)
     ours = next(r for r in bench.results if r.name.startswith("maximus"))
     dense = next((r for r in bench.results if r.name == base), None)
@@ -157,4 +159,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}.items():
+        os.environ.setdefault(k, v)  # DeepSpeed peers in one process, no launcher
     main()
