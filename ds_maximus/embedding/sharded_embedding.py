@@ -82,10 +82,11 @@ class ShardedEmbedding(nn.Module):
                    _weight=w.detach(), **kwargs)
 
     # -- construction helpers ------------------------------------------------------------------------
-    def _initial_rows(self, weight: Optional[Tensor], lo: int, hi: int) -> Tensor:
+    def _initial_rows(self, weight: Optional[Tensor], lo: int, hi: int, pin: bool = False) -> Tensor:
+        rows = torch.empty(hi - lo, self.embedding_dim, pin_memory=pin)  # pinned in place: no second copy
         if weight is not None:
-            return weight[lo:hi].detach().to("cpu", torch.float32, copy=True)
-        rows = torch.empty(hi - lo, self.embedding_dim).normal_()
+            return rows.copy_(weight[lo:hi].detach())
+        rows.normal_()
         if self.padding_idx is not None and lo <= self.padding_idx < hi:
             rows[self.padding_idx - lo].zero_()
         return rows
@@ -102,9 +103,10 @@ class ShardedEmbedding(nn.Module):
                                             self.config.rows_per_shard, off.cpu_cache_shards,
                                             init=lambda lo, hi: self._initial_rows(weight, lo, hi),
                                             pin_memory=off.pin_memory, overwrite=weight is not None)
-        tensors = {"weight": self._initial_rows(weight, 0, self.num_embeddings)}
+        pin = bool(off.pin_memory and torch.cuda.is_available())
+        tensors = {"weight": self._initial_rows(weight, 0, self.num_embeddings, pin)}
         for n in names:
-            tensors[n] = torch.zeros(self.num_embeddings, self.embedding_dim)
+            tensors[n] = torch.zeros(self.num_embeddings, self.embedding_dim, pin_memory=pin)
         return TensorTier(tensors, pin_memory=off.pin_memory)
 
     def _make_cache(self, device) -> PartitionCache:
