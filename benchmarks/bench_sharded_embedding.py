@@ -5,6 +5,12 @@ fp32 master + AdamW, cache = 10% of rows. Peers, measured in the same run: nn.Em
 AdamW, nn.Embedding(sparse=True) + SparseAdam, DeepSpeed ZeRO-2, ZeRO-2 + CPU optimizer offload.
 CPU mode (no GPU, or --cpu): V=32768, d=256 against dense CPU AdamW and SparseAdam.
 
+Time (H200, --budget-s 110 by default): each peer has a cost estimate; a peer that no longer fits in
+what is left of the budget is a "skipped: over time budget" row. DeepSpeed's own optimizers are JIT
+ops (fused_adam ~30 s, cpu_adam ~40-60 s to build): scripts/gpu/sharded_embedding.sh builds them in
+the background while our CUDA op builds; ZeRO-2 falls back to torch's fused AdamW as a client
+optimizer when fused_adam is not built, and ZeRO-Offload builds cpu_adam only when the budget allows.
+
     python -m benchmarks.bench_sharded_embedding            # GPU when present
     python -m benchmarks.bench_sharded_embedding --cpu --steps 10
 """
@@ -18,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.harness import Bench
+from benchmarks.harness import Budget, Bench, progress
 
 
 def zipf_batches(vocab: int, tokens: int, n: int, s: float, seed: int = 0):
@@ -28,6 +34,23 @@ def zipf_batches(vocab: int, tokens: int, n: int, s: float, seed: int = 0):
     cdf = torch.cumsum(p / p.sum(), 0)
     return [torch.searchsorted(cdf, torch.rand(tokens, generator=g, dtype=torch.float64)).clamp_(max=vocab - 1)
             for _ in range(n)]
+
+
+# seconds each peer needs at full size on an H200, setup included (a peer starts only when it fits)
+COST = {"ours": 25, "dense": 10, "sparse": 12, "zero2": 25, "zero2_offload": 30, "cpu_adam build": 55}
+
+
+def ds_op_ready(builder_cls) -> bool:
+    """Whether DeepSpeed's op is installed or already JIT-built (so loading it costs no compile)."""
+    name = builder_cls.NAME
+    try:
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get(name):
+            return True
+    except ImportError:
+        pass
+    from torch.utils.cpp_extension import _get_build_directory
+    return os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
 
 
 def main(argv=None):
@@ -40,11 +63,14 @@ def main(argv=None):
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--cache-frac", type=float, default=0.10)
     ap.add_argument("--policy", default="lfu")
-    ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=110.0, help="wall-clock budget; peers that no longer fit "
+                    "are skipped (rows say so)")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed ZeRO-2 peers")
     ap.add_argument("--out", help="also write the markdown table to this file")
     a = ap.parse_args(argv)
+    budget = Budget(a.budget_s)
     cuda = torch.cuda.is_available() and not a.cpu
     dev = torch.device("cuda" if cuda else "cpu")
     V = a.vocab or (262144 if cuda else 32768)
@@ -112,37 +138,62 @@ def main(argv=None):
 
     def run_deepspeed(offload: bool):
         import deepspeed
+        from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+        ds_opt = ds_op_ready(CPUAdamBuilder if offload else FusedAdamBuilder)
+        name = "DeepSpeed ZeRO-2" + (" + CPU optimizer offload" if offload else "")
+        if not ds_opt and not offload:
+            name += " (torch fused AdamW: fused_adam not built)"
+        if not ds_opt and offload and not budget.allows(COST["cpu_adam build"] + COST["zero2_offload"],
+                                                        "cpu_adam build + ZeRO-Offload"):
+            bench.skip(name, reason="skipped: over time budget (cpu_adam not prebuilt)")
+            return
+        progress(f"{name}: building the engine (DeepSpeed optimizer op {'ready' if ds_opt else 'not built'})")
         emb = nn.Embedding(V, d, device=dev)
         cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
-               "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
                "zero_optimization": {"stage": 2, **({"offload_optimizer": {"device": "cpu", "pin_memory": True}}
                                                     if offload else {})},
                "zero_allow_untested_optimizer": True}
-        engine, *_ = deepspeed.initialize(model=emb, model_parameters=emb.parameters(), config=cfg)
+        if ds_opt or offload:
+            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}}
+            client = None
+        else:  # no JIT build inside the timed run: ZeRO-2 partitions torch's fused AdamW instead
+            client = torch.optim.AdamW(emb.parameters(), lr=lr, weight_decay=0.01, fused=True)
+        engine, *_ = deepspeed.initialize(model=emb, model_parameters=emb.parameters(), optimizer=client,
+                                          config=cfg)
+        progress(f"{name}: engine ready, timing")
 
         def step():
             out = engine(dev_batches[next_ids()])
             engine.backward((out * grad_out).sum())
             engine.step()
-        name = "DeepSpeed ZeRO-2" + (" + CPU optimizer offload" if offload else "")
-        bench.measure(name, step, warmup=2 if offload else a.warmup, repeat=3 if offload else a.repeat)
+        bench.measure(name, step, warmup=1 if offload else a.warmup, repeat=3 if offload else a.repeat)
         engine.destroy() if hasattr(engine, "destroy") else None
         del engine, emb
 
-    runs = [run_ours, lambda: run_dense(False), lambda: run_dense(True)]
-    if cuda and not a.no_deepspeed:
-        runs += [lambda: run_deepspeed(False), lambda: run_deepspeed(True)]
     base = "nn.Embedding + fused AdamW" if cuda else "nn.Embedding + AdamW"
-    for r in runs:
-        try:
-            r()
-        except Exception as e:  # a peer that cannot run is a row, not a crash
-            bench.add(getattr(r, "__name__", "peer"), None, error=f"{type(e).__name__}: {str(e)[:80]}")
+    runs = [("maximus ShardedEmbedding (exact AdamW)", "ours", run_ours),
+            (base, "dense", lambda: run_dense(False)),
+            ("nn.Embedding(sparse) + SparseAdam", "sparse", lambda: run_dense(True))]
+    if cuda and not a.no_deepspeed:
+        runs += [("DeepSpeed ZeRO-2", "zero2", lambda: run_deepspeed(False)),
+                 ("DeepSpeed ZeRO-2 + CPU optimizer offload", "zero2_offload", lambda: run_deepspeed(True))]
+    progress(f"setup done ({len(batches)} batches, {uniq:.0f} unique ids/batch); budget {a.budget_s:.0f} s")
+    for name, key, r in runs:
+        need = COST[key] * (1 if cuda else 0.1)
+        if not budget.allows(need, name):
+            bench.skip(name)
+        else:
+            progress(f"{name}: start ({budget.left():.0f} s left)")
+            try:
+                r()
+            except Exception as e:  # a peer that cannot run is a row, not a crash
+                bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:80]}")
+            last = bench.results[-1]
+            progress(f"{last.name}: {f'{last.ms:.2f} ms' if last.ms else last.error}")
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        if a.out:  # partial table after every provider, so a time-out still leaves figures
-            Path(a.out).write_text(bench.table(baseline=base) + "\n")
+        bench.checkpoint(a.out, baseline=base)  # partial table after every provider: a kill leaves figures
     text = bench.report(baseline=base)
     ours = next(r for r in bench.results if r.name.startswith("maximus"))
     dense = next((r for r in bench.results if r.name == base), None)

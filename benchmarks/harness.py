@@ -8,6 +8,16 @@ Every benchmark measures its peers in the same run and prints ratios beside abso
     bench.measure("nn.Embedding + AdamW", dense_fn)
     bench.report(baseline="nn.Embedding + AdamW")   # prints the table, writes CSV under bench_out/
 
+A run under a hard wall-clock limit keeps a ``Budget`` and checkpoints the table after every peer, so
+that a kill still leaves a partial table::
+
+    budget = Budget(110)                                # seconds, from now
+    if budget.allows(30, "DeepSpeed ZeRO-2"):           # else prints why
+        ...measure...
+    else:
+        bench.skip("DeepSpeed ZeRO-2")                  # a row: "skipped: over time budget"
+    bench.checkpoint("out.md", baseline=...)            # markdown + CSV, written now
+
 On GPU, time is taken with CUDA events and peak memory with ``torch.cuda.max_memory_allocated``;
 on CPU with ``time.perf_counter`` and the process's peak RSS delta (``ru_maxrss``).
 """
@@ -81,6 +91,39 @@ def time_fn(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> List
     return times
 
 
+_T0 = time.monotonic()  # about when the benchmark process started (it imports the harness first)
+
+
+class Budget:
+    """A wall-clock budget in seconds, counted from when the harness was imported (``time.monotonic``),
+    so that the imports and model construction of a benchmark count too."""
+
+    def __init__(self, seconds: float, from_now: bool = False):
+        self.seconds = float(seconds)
+        self.t0 = time.monotonic() if from_now else _T0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def allows(self, need_s: float, what: str = "") -> bool:
+        """True when ``need_s`` more seconds fit; prints a line when they do not."""
+        ok = self.left() >= need_s
+        if not ok and what:
+            progress(f"skip {what}: needs ~{need_s:.0f} s, {self.left():.0f} s of {self.seconds:.0f} s left")
+        return ok
+
+
+def progress(msg: str) -> None:
+    """A flushed progress line with the seconds since the process imported the harness."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
+
+
+SKIPPED = "skipped: over time budget"
+
+
 class Bench:
     """One benchmark run: a title, its conditions, and the measured providers."""
 
@@ -125,6 +168,23 @@ class Bench:
         res = Result(name, ms, peak_gib, dict(extra), error)
         self.results.append(res)
         return res
+
+    def skip(self, name: str, reason: str = SKIPPED, **extra) -> Result:
+        """A peer left out (time budget, missing package): still a row of the table."""
+        return self.add(name, None, error=reason, **extra)
+
+    def checkpoint(self, path=None, baseline: Optional[str] = None, tail: str = "") -> str:
+        """Write the table so far (markdown to ``path`` when given, CSV under the output folder) without
+        printing it; a benchmark calls this after every peer so a kill leaves a partial table."""
+        text = self.table(baseline) + (("\n" + tail) if tail else "")
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text + "\n")
+        try:
+            self.write_csv()
+        except OSError as e:
+            progress(f"CSV not written: {e}")
+        return text
 
     def table(self, baseline: Optional[str] = None) -> str:
         base = next((r for r in self.results if r.name == baseline and r.ms), None)

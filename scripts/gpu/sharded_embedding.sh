@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# GPU run of ShardedEmbedding: the gpu-marked tests (embedding, op, cache), then the benchmark.
-# Writes $OUT/sharded_embedding.md (benchmark table) and $OUT/sharded_embedding_tests.txt.
+# GPU run of the ShardedEmbedding benchmark (its GPU tests already passed on the H200; not re-run here).
+#   1. build our CUDA op (~70 s cold) while DeepSpeed's fused_adam/cpu_adam JIT ops build in the
+#      background (the ZeRO-2 peers need them; ~40-60 s, in parallel, so they cost no extra wall time)
+#   2. benchmarks/bench_sharded_embedding.py under a 110 s budget (peers that no longer fit are rows that
+#      say so) -> $OUT/sharded_embedding.md (+ CSV, + full log in $OUT/sharded_embedding_bench.log)
+# About 70 s build + <= 110 s benchmark on an H200.
 set -x
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-bench_out}"
+OUT="${OUT:-$PWD/bench_out}"
 mkdir -p "$OUT"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
 export DS_ACCELERATOR=cuda
 export MAXIMUS_BENCH_OUT="$OUT"
-# build the CUDA op once, up front, so a build failure is visible on its own
-python -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_op('cuda') is not None, 'CUDA op build failed'" \
-  2>&1 | tail -40 | tee "$OUT/sharded_embedding_build.txt"
-timeout 150 python -m pytest -q -m gpu -x tests/embedding/test_sharded_embedding_gpu.py \
-  tests/ops/test_sharded_embedding.py tests/cache 2>&1 | tail -40 | tee "$OUT/sharded_embedding_tests.txt"
-timeout 200 python -m benchmarks.bench_sharded_embedding --out "$OUT/sharded_embedding.md" 2>&1 | tail -30
-# the CPU mode of the same benchmark (V=32768, d=256) runs on CPU machines: python -m benchmarks.bench_sharded_embedding --cpu
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+timeout 150 python -u -c "
+from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder
+FusedAdamBuilder().load(); print('fused_adam built', flush=True)
+CPUAdamBuilder().load(); print('cpu_adam built', flush=True)" > "$OUT/sharded_embedding_ds_ops_build.log" 2>&1 &
+ds_build=$!
+timeout 150 python -u -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_op('cuda') is not None, 'CUDA op build failed'; print('op built')" \
+  > "$OUT/sharded_embedding_build.txt" 2>&1
+build_rc=$?
+tail -5 "$OUT/sharded_embedding_build.txt"
+timeout 120 python -u -m benchmarks.bench_sharded_embedding --budget-s 110 --out "$OUT/sharded_embedding.md" \
+  > "$OUT/sharded_embedding_bench.log" 2>&1
+bench_rc=$?
+tail -20 "$OUT/sharded_embedding_bench.log"
+kill "$ds_build" 2>/dev/null; wait "$ds_build" 2>/dev/null
+tail -3 "$OUT/sharded_embedding_ds_ops_build.log"
+echo "build rc=$build_rc bench rc=$bench_rc"
+[ "$build_rc" = 0 ] && [ "$bench_rc" = 0 ]
+# CPU mode of the same benchmark (V=32768, d=256): python -m benchmarks.bench_sharded_embedding --cpu
