@@ -7,7 +7,9 @@ Three ways to hold the weight:
 * ``placement: "cpu"``: no Parameter; the fp32 rows, AdamW moments and gradient live in the CPU tier
   (:class:`~ds_maximus.embedding.lm_head_tier.HeadTier`) and stream through the GPU chunk by chunk
   (``chunk_rows`` rows, double-buffered on a side stream). The head implements the maximus module
-  protocol (``sparse_grad_norm_sq``, ``sparse_step``, ...) so the maximus engine updates it.
+  protocol (``sparse_grad_norm_sq``, ``sparse_step``, ...) so the maximus engine updates it; the
+  AdamW step itself runs on the GPU (``update_device="auto"``), the state streamed through it in
+  blocks of ``update_rows`` rows (:mod:`~ds_maximus.embedding.lm_head_update`).
 * ``tied_to=emb`` (a ``ShardedEmbedding``): rows come from ``emb.rows_for_compute`` and gradients go
   to ``emb.add_dense_row_grad_``, so one store holds the table and it receives both gradients.
 
@@ -65,7 +67,7 @@ class ShardedLMHead(nn.Module):
                  config: Union[LMHeadConfig, MaximusConfig, dict, None] = None, tied_to=None,
                  weight: Optional[torch.Tensor] = None, device=None, dtype=None,
                  optimizer: Optional[EmbeddingOptimizerConfig] = None, block_bytes: int = 256 * MIB,
-                 fp32_weight_grad: bool = False):
+                 fp32_weight_grad: bool = False, update_device="auto", update_rows: int = 4096):
         super().__init__()
         cfg, opt_cfg = _configs(config)
         self.config = cfg
@@ -94,7 +96,8 @@ class ShardedLMHead(nn.Module):
             weight = torch.empty(self.vocab_size, self.hidden_size).uniform_(-bound, bound)
         if cfg.placement == HeadPlacement.CPU:
             self.placement = "cpu"
-            self.tier = HeadTier(weight, self.chunk_rows, optimizer or opt_cfg)
+            self.tier = HeadTier(weight, self.chunk_rows, optimizer or opt_cfg, update_device=update_device,
+                                 update_rows=update_rows)
             self.source = self.tier
         else:
             self.placement = "gpu"
@@ -179,14 +182,20 @@ class ShardedLMHead(nn.Module):
     def sparse_grads(self):
         """``(ids, rows)``: the rows holding a gradient and their fp32 gradient (for data-parallel sums)."""
         tier = self._tier()
+        tier._apply_scale()
         tier.sync()
+        if tier.grad is not None and bool(tier.grad_rows.all()):   # dense: no copy (a 262K-row head)
+            return torch.arange(self.vocab_size), tier.grad
         ids = tier.grad_rows.nonzero().squeeze(1)
         rows = tier.grad.index_select(0, ids) if tier.grad is not None else torch.zeros(0, self.hidden_size)
         return ids, rows
 
     def set_sparse_grads_(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         tier = self._tier()
+        if rows is tier.grad and ids.numel() == self.vocab_size:
+            return          # what sparse_grads returned, unchanged (one rank): nothing to copy
         tier.zero_grads()
+        tier._sq_ok = False
         buf = tier._grad_buffer()
         ids = ids.to("cpu", torch.long)
         buf.index_copy_(0, ids, rows.to("cpu", torch.float32))

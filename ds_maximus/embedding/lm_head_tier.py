@@ -8,6 +8,12 @@ host); the next chunk's copy is issued while the current one computes, so two ch
 at most. Gradient chunks go back the same way (device-to-host on the side stream), added on the GPU
 to what earlier micro-batches accumulated.
 
+The AdamW step runs where ``update_device`` says: ``"auto"`` (default) on the device the gradients
+came from (a GPU: :class:`~ds_maximus.embedding.lm_head_update.StagedAdamW` streams the state through
+it in blocks of ``update_rows`` rows, asynchronously), ``"host"`` on the CPU, or an explicit device.
+With a device update, the gradient norm is summed on the device as gradient chunks arrive and the
+clipping scale is applied on the device, so the host never walks the ``[V, d]`` gradient.
+
 :class:`TiedSource` reads rows from, and gives gradients to, a ``ShardedEmbedding``.
 """
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ds_maximus.config import EmbeddingOptimizerConfig
+from ds_maximus.embedding.lm_head_update import StagedAdamW
 
 
 def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -26,11 +33,16 @@ def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return t
 
 
+def _zeros(shape, pin: bool) -> torch.Tensor:
+    """fp32 zeros on the CPU, allocated pinned in place (no second copy) when CUDA is there."""
+    return torch.zeros(shape, dtype=torch.float32, pin_memory=bool(pin and torch.cuda.is_available()))
+
+
 class HeadTier:
     """fp32 master rows, AdamW state and gradient of a CPU-placed head; a streaming ChunkSource."""
 
     def __init__(self, weight: torch.Tensor, chunk_rows: int, optimizer: Optional[EmbeddingOptimizerConfig] = None,
-                 pin_memory: bool = True):
+                 pin_memory: bool = True, update_device="auto", update_rows: int = 4096):
         w = weight.detach().to("cpu", torch.float32).contiguous()
         self.vocab_size, self.dim = w.shape
         self.chunk_rows = int(chunk_rows)
@@ -51,12 +63,24 @@ class HeadTier:
         self._staged: Dict[Tuple, Tuple[torch.Tensor, torch.cuda.Event]] = {}
         self._pending: List[torch.cuda.Event] = []
         self.counters = {"rows_fetched": 0, "bytes_h2d": 0, "bytes_d2h": 0, "stall_ms": 0.0}
+        if update_device not in ("auto", "host"):
+            update_device = torch.device(update_device)
+        self.update_device = update_device
+        self.update_rows = int(update_rows)
+        self._grad_device: Optional[torch.device] = None
+        self._staged_opt: Optional[StagedAdamW] = None
+        self._step_event: Optional[torch.cuda.Event] = None   # end of an in-flight device step
+        self._grad_scale = 1.0                                # deferred clipping scale (device update)
+        self._sq: Dict[Tuple[int, int], torch.Tensor] = {}    # chunk -> sum of squares of its grad
+        self._sq_ok = True                                    # _sq covers exactly the rows with grads
 
     # -- rows out ------------------------------------------------------------------------------
     def host_rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         if dtype == torch.float32:
             return self.weight[lo:hi]
         if dtype not in self._mirrors:
+            if self._step_event is not None:
+                self.sync()
             self._mirrors[dtype] = _pin(self.weight.to(dtype), self.pin)
         return self._mirrors[dtype][lo:hi]
 
@@ -74,6 +98,8 @@ class HeadTier:
             return
         host = self.host_rows(lo, hi, dtype)
         side = self._stream(device, "h2d")
+        if self._step_event is not None:
+            side.wait_event(self._step_event)    # the mirror is written by an in-flight step
         with torch.cuda.stream(side):
             t = torch.empty(host.shape, dtype=dtype, device=device)
             t.copy_(host, non_blocking=True)
@@ -85,6 +111,8 @@ class HeadTier:
 
     def fetch(self, lo: int, hi: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         device = torch.device(device)
+        if device.type != "cuda" and self._step_event is not None:
+            self.sync()
         if device.type != "cuda":
             self.counters["rows_fetched"] += hi - lo
             return self.host_rows(lo, hi, dtype).to(device)
@@ -104,19 +132,30 @@ class HeadTier:
 
     def add_grad_(self, lo: int, hi: int, grad: torch.Tensor) -> None:
         buf = self._grad_buffer()
+        self._apply_scale()
         have = self.grad_rows[lo:hi]
         fresh = not bool(have.any())
         if not fresh and not bool(have.all()):
             buf[lo:hi][~have] = 0
+            self._sq_ok = False
+        if not fresh and (lo, hi) not in self._sq:
+            self._sq_ok = False
         self.grad_rows[lo:hi] = True
+        self._grad_device = grad.device
         if grad.device.type != "cuda":
+            if self._step_event is not None:
+                self.sync()
             if fresh:
                 buf[lo:hi].copy_(grad)
             else:
                 buf[lo:hi].add_(grad.to(torch.float32))
+            if self._device_update() is not None:
+                self._sq[(lo, hi)] = torch.linalg.vector_norm(buf[lo:hi], dtype=torch.float64).square()
             return
         side = self._stream(grad.device, "d2h")
         side.wait_stream(torch.cuda.current_stream(grad.device))
+        if self._step_event is not None:
+            side.wait_event(self._step_event)    # the in-flight step still reads this gradient
         with torch.cuda.stream(side):
             g = grad.to(torch.float32)
             if not fresh:
@@ -124,6 +163,7 @@ class HeadTier:
                 prev.copy_(buf[lo:hi], non_blocking=True)
                 g = prev.add_(g)
                 self.counters["bytes_h2d"] += g.numel() * 4
+            self._sq[(lo, hi)] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
             buf[lo:hi].copy_(g, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(side)
@@ -142,13 +182,40 @@ class HeadTier:
             self._pending.clear()
         for s in self._streams.values():
             s.synchronize()
+        if self._step_event is not None:
+            self._step_event.synchronize()
+            self._step_event = None
         self._staged.clear()
+
+    def _device_update(self) -> Optional[torch.device]:
+        """The device the AdamW step runs on (``None``: on the host)."""
+        if self.update_device == "host":
+            return None
+        if self.update_device == "auto":
+            d = self._grad_device
+            return d if d is not None and d.type == "cuda" else None
+        return self.update_device
+
+    def _apply_scale(self) -> None:
+        """Apply a deferred gradient scale to the host gradient (before anyone reads it there)."""
+        if self._grad_scale != 1.0:
+            self.sync()
+            if self.grad is not None:
+                self.grad.mul_(self._grad_scale)
+            self._grad_scale = 1.0
 
     # -- optimizer -----------------------------------------------------------------------------
     def has_grads(self) -> bool:
         return self.grad is not None and bool(self.grad_rows.any())
 
+    def _sq_usable(self) -> bool:
+        return self._device_update() is not None and self._sq_ok and self.has_grads()
+
     def grad_norm_sq(self) -> torch.Tensor:
+        if self._sq_usable():                    # summed on the device as the chunks arrived
+            total = torch.stack([v.to(self._device_update()) for v in self._sq.values()]).sum()
+            return (total * self._grad_scale ** 2).float()
+        self._apply_scale()
         self.sync()
         if not self.has_grads():
             return torch.zeros((), dtype=torch.float32)
@@ -159,23 +226,38 @@ class HeadTier:
         return total.float()
 
     def scale_grads_(self, factor: float) -> None:
+        if self._device_update() is not None:
+            self._grad_scale *= float(factor)    # applied on the device by the step
+            return
         self.sync()
         if self.grad is not None:
             self.grad.mul_(factor)
 
     def grads_finite(self) -> bool:
+        if self._sq_usable():
+            return bool(torch.isfinite(self.grad_norm_sq()))
+        self._apply_scale()
         self.sync()
         return not self.has_grads() or bool(torch.isfinite(self.grad[self.grad_rows]).all())
 
     def zero_grads(self) -> None:
         self.sync()
         self.grad_rows.zero_()
+        self._clear_grad_meta()
+
+    def _clear_grad_meta(self) -> None:
+        self._grad_scale = 1.0
+        self._sq.clear()
+        self._sq_ok = True
 
     def step_(self, lr: Optional[float], weight_decay: Optional[float]) -> bool:
         """One AdamW step over every row (rows without a gradient take a zero-gradient step)."""
         from ds_maximus.optim.sparse_adamw import adamw_rows_
         from ds_maximus.errors import ConfigError
-        self.sync()
+        dev = self._device_update()
+        if dev is None:
+            self._apply_scale()
+            self.sync()
         if not self.has_grads():
             return False
         lr = self.opt.lr if lr is None else lr
@@ -186,9 +268,12 @@ class HeadTier:
         wd = float(wd or 0.0)
         b1, b2 = (float(b) for b in self.opt.betas)
         if self.exp_avg is None:
-            self.exp_avg = torch.zeros_like(self.weight, device="cpu")
-            self.exp_avg_sq = torch.zeros_like(self.weight, device="cpu")
+            self.exp_avg = _zeros(self.weight.shape, self.pin)
+            self.exp_avg_sq = _zeros(self.weight.shape, self.pin)
         self.step += 1
+        if dev is not None:
+            self._step_on_device(dev, float(lr), wd, b1, b2)
+            return True
         for lo in range(0, self.vocab_size, self.chunk_rows):
             hi = min(self.vocab_size, lo + self.chunk_rows)
             have = self.grad_rows[lo:hi]
@@ -202,7 +287,32 @@ class HeadTier:
                 mirror[lo:hi].copy_(self.weight[lo:hi])
         self.lr_history.append(float(lr))
         self.grad_rows.zero_()
+        self._clear_grad_meta()
         return True
+
+    def _step_on_device(self, dev: torch.device, lr: float, wd: float, b1: float, b2: float) -> None:
+        """The step by :class:`StagedAdamW` on ``dev``; returns before a GPU finishes (see ``_step_event``)."""
+        if self._staged_opt is None or self._staged_opt.device != dev:
+            self._staged_opt = StagedAdamW(dev, min(self.update_rows, self.vocab_size), self.dim)
+        after = None
+        if dev.type == "cuda":
+            key = (dev.index if dev.index is not None else torch.cuda.current_device(), "d2h")
+            if key in self._streams:              # the backward's gradient copies
+                after = torch.cuda.Event()
+                after.record(self._streams[key])
+            self._pending.clear()
+            if self._step_event is not None:
+                self._staged_opt.h2d.wait_event(self._step_event)
+        host = {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
+        self._step_event = self._staged_opt.step(
+            host, self.grad_rows.clone(), self._mirrors, step=self.step, lr=lr, beta1=b1, beta2=b2,
+            eps=float(self.opt.eps), weight_decay=wd, grad_scale=self._grad_scale, after=after)
+        self.counters["bytes_h2d"] += self.vocab_size * self.dim * 16
+        self.counters["bytes_d2h"] += self.vocab_size * self.dim * (12 + sum(
+            torch.empty((), dtype=dt).element_size() for dt in self._mirrors))
+        self.lr_history.append(lr)
+        self.grad_rows.zero_()
+        self._clear_grad_meta()
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -229,6 +339,7 @@ class HeadTier:
         for dtype, mirror in self._mirrors.items():
             mirror.copy_(self.weight)
         self.grad_rows.zero_()
+        self._clear_grad_meta()
 
 
 class TiedSource:

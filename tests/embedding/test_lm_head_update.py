@@ -1,0 +1,149 @@
+"""The staged (device-side) AdamW step of a CPU-placed LM head against the host step (the reference).
+
+On this CPU machine the staged pipeline runs with ``device=cpu`` (the same code without streams), so
+it must equal the host path bit for bit; the GPU test states its tolerance.
+"""
+import pytest
+import torch
+
+from ds_maximus.embedding import ShardedLMHead
+from ds_maximus.embedding.lm_head_tier import HeadTier
+
+V, D, CHUNK = 23, 6, 5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _grad_plan(seed):
+    """Per step: micro-batches of (lo, hi, grad) chunk gradients; step 2 leaves chunks without a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    chunks = [(lo, min(V, lo + CHUNK)) for lo in range(0, V, CHUNK)]
+    plan = []
+    for step in range(4):
+        use = chunks if step != 2 else chunks[1:3]
+        micro = [[(lo, hi, torch.randn(hi - lo, D, generator=g)) for lo, hi in use] for _ in range(2)]
+        plan.append(micro)
+    return plan
+
+
+def _run(tier, plan, scale=0.5, wd=0.1):
+    norms = []
+    for micro in plan:
+        for chunks in micro:
+            for lo, hi, grad in chunks:
+                tier.add_grad_(lo, hi, grad)
+        norms.append(float(tier.grad_norm_sq()))
+        assert tier.grads_finite()
+        tier.scale_grads_(scale)
+        assert tier.step_(lr=0.05, weight_decay=wd)
+    tier.sync()
+    return norms
+
+
+@pytest.mark.parametrize("update_rows", [1, 4, 7, 64])
+def test_staged_step_equals_host_step_bitwise(update_rows):
+    w0 = torch.randn(V, D, generator=torch.Generator().manual_seed(1))
+    host = HeadTier(w0, CHUNK, update_device="host")
+    staged = HeadTier(w0, CHUNK, update_device="cpu", update_rows=update_rows)
+    for t in (host, staged):
+        t.host_rows(0, V, torch.bfloat16)          # a compute-dtype mirror, refreshed by each step
+    plan = _grad_plan(0)
+    n_host, n_staged = _run(host, plan), _run(staged, plan)
+    assert staged._staged_opt is not None       # the staged pipeline ran
+    torch.testing.assert_close(torch.tensor(n_staged), torch.tensor(n_host), rtol=1e-6, atol=0)
+    for name in ("weight", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(staged, name), getattr(host, name)), name
+    assert torch.equal(staged._mirrors[torch.bfloat16], host._mirrors[torch.bfloat16])
+    assert torch.equal(staged._mirrors[torch.bfloat16], staged.weight.to(torch.bfloat16))
+    assert staged.step == host.step == 4 and staged.lr_history == host.lr_history
+    assert not staged.has_grads()
+
+
+def test_staged_step_not_a_no_op_and_state_round_trip():
+    w0 = torch.randn(V, D)
+    tier = HeadTier(w0, CHUNK, update_device="cpu", update_rows=8)
+    _run(tier, _grad_plan(3)[:2])
+    assert not torch.equal(tier.weight, w0)
+    other = HeadTier(torch.zeros(V, D), CHUNK, update_device="host")
+    other.load_state_dict(tier.state_dict())
+    plan = _grad_plan(4)[:1]
+    _run(tier, plan)
+    _run(other, plan)
+    assert torch.equal(tier.weight, other.weight) and torch.equal(tier.exp_avg_sq, other.exp_avg_sq)
+
+
+def test_partial_set_sparse_grads_falls_back_to_host_norm():
+    head = ShardedLMHead(V, D, config={"placement": "cpu", "chunk_rows": CHUNK}, update_device="cpu")
+    ids = torch.tensor([0, 3, 17])
+    rows = torch.randn(3, D)
+    head.set_sparse_grads_(ids, rows)
+    torch.testing.assert_close(head.sparse_grad_norm_sq(), rows.double().pow(2).sum().float())
+    got_ids, got_rows = head.sparse_grads()
+    assert torch.equal(got_ids, ids) and torch.equal(got_rows, rows)
+
+
+def _head_losses(update_device, steps=3):
+    torch.manual_seed(0)
+    head = ShardedLMHead(V, D, config={"placement": "cpu", "chunk_rows": CHUNK}, update_device=update_device,
+                         update_rows=6)
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        h = torch.randn(4, 7, D, generator=g)
+        y = torch.randint(0, V, (4, 7), generator=g)
+        loss = head(h, y)
+        loss.backward()
+        ids, rows = head.sparse_grads()            # the runtime's data-parallel round trip (one rank)
+        head.set_sparse_grads_(ids, rows)
+        assert head.sparse_grads_finite()
+        head.scale_sparse_grads_(0.7)
+        head.sparse_step(lr=0.01, weight_decay=0.01)
+        losses.append(float(loss.detach()))
+    return losses, head.full_weight().clone()
+
+
+def test_head_end_to_end_staged_equals_host():
+    l_host, w_host = _head_losses("host")
+    l_staged, w_staged = _head_losses("cpu")
+    assert l_host == l_staged
+    assert torch.equal(w_host, w_staged)
+
+
+def test_dense_sparse_grads_round_trip_is_copy_free():
+    head = ShardedLMHead(V, D, config={"placement": "cpu", "chunk_rows": CHUNK}, update_device="cpu")
+    head(torch.randn(3, D), torch.randint(0, V, (3,))).backward()
+    ids, rows = head.sparse_grads()
+    assert ids.numel() == V and rows.data_ptr() == head.tier.grad.data_ptr()
+    before = float(head.sparse_grad_norm_sq())
+    head.set_sparse_grads_(ids, rows)
+    assert head.tier._sq_ok and float(head.sparse_grad_norm_sq()) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_staged_step_matches_host_step():
+    """GPU elementwise AdamW may fuse multiply-adds: stated tolerance 1e-6 relative after 4 steps."""
+    w0 = torch.randn(V * 40, D * 8)
+    host = HeadTier(w0, CHUNK * 40, update_device="host")
+    gpu = HeadTier(w0, CHUNK * 40, update_device="cuda", update_rows=100)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        for lo in range(0, w0.shape[0], CHUNK * 40):
+            hi = min(w0.shape[0], lo + CHUNK * 40)
+            grad = torch.randn(hi - lo, w0.shape[1], generator=g)
+            host.add_grad_(lo, hi, grad)
+            gpu.add_grad_(lo, hi, grad.cuda())
+        torch.testing.assert_close(gpu.grad_norm_sq().cpu(), host.grad_norm_sq(), rtol=1e-5, atol=0)
+        host.scale_grads_(0.5)
+        gpu.scale_grads_(0.5)
+        host.step_(lr=1e-3, weight_decay=0.1)
+        gpu.step_(lr=1e-3, weight_decay=0.1)
+    gpu.sync()
+    for name in ("weight", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(getattr(gpu, name), getattr(host, name), rtol=1e-6, atol=1e-7)
