@@ -5,7 +5,9 @@
 
 Providers: ours (resident weight, 3 GEMMs), ours streamed from the CPU tier (``placement: cpu``),
 the cuBLAS GEMMs of our tiling alone (the floor), torch linear + F.cross_entropy, Liger-Kernel's
-FusedLinearCrossEntropy and Apple's Cut Cross-Entropy (rows say "not installed" when absent).
+FusedLinearCrossEntropy and Apple's Cut Cross-Entropy (rows say "not installed" when absent), ours with
+the tile math uncompiled. Under ``--budget-s`` (100 s): the most important first, each only when its
+estimated cost (compiles and autotuning included) still fits; the rest are "skipped" rows.
 "extra GiB" is the peak allocated memory during the calls minus what was allocated before (inputs),
 so it includes the returned gradients (grad_W is V*d*2 bytes = 2 GiB at full size).
 """
@@ -18,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import GIB, Bench
+from benchmarks.harness import GIB, Bench, Budget, progress
 from ds_maximus.embedding import ShardedLMHead, linear_cross_entropy
 from ds_maximus.embedding.linear_cross_entropy import token_block_for, LCEOptions
 
@@ -33,13 +35,17 @@ def _args():
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--small", action="store_true", help="V=8192, d=256, N=1024 (CPU smoke run)")
-    p.add_argument("--skip", default="", help="comma-separated providers to skip (torch,liger,cce,streamed,floor,big)")
+    p.add_argument("--skip", default="", help="comma-separated providers to skip "
+                   "(torch,liger,cce,streamed,floor,big,eager)")
+    p.add_argument("--budget-s", type=float, default=100.0, help="wall-clock budget; providers that no longer "
+                   "fit are rows that say so")
     p.add_argument("--out", default=None, help="also write the markdown table here")
     return p.parse_args()
 
 
 def main():
     a = _args()
+    budget = Budget(a.budget_s)
     if a.small:
         a.vocab, a.dim, a.tokens = 8192, 256, 1024
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,25 +74,56 @@ def main():
         return run
 
     def add(name, fn, **extra):
-        try:   # one call outside the harness so that a failure prints its whole traceback
+        try:   # one call outside the harness (compiles, autotunes) so that a failure prints its traceback
             step(fn)()
         except Exception:
             import traceback
             traceback.print_exc()
-        res = bench.measure(name, step(fn), warmup=a.warmup, repeat=a.repeat, **extra)
+        res = bench.measure(name, step(fn), warmup=max(0, a.warmup - 1), repeat=a.repeat, **extra)
         if res.ms:
             res.extra["extra GiB"] = round(res.peak_gib - res.extra.get("base_gib", 0.0), 2)
             res.extra["TFLOP/s"] = round(flops / (res.ms * 1e-3) / 1e12, 2)
         clear()
         return res
 
-    ours = add("ours (resident, 3 GEMMs)", lambda: linear_cross_entropy(h, w, y, chunk_rows=a.chunk_rows))
+    base = "torch linear + F.cross_entropy"
 
-    if "big" not in skip:
-        add("ours (block_bytes=512 MiB)", lambda: linear_cross_entropy(h, w, y, chunk_rows=a.chunk_rows,
-                                                                       block_bytes=512 << 20))
+    def ours_row():
+        add("ours (resident, 3 GEMMs)", lambda: linear_cross_entropy(h, w, y, chunk_rows=a.chunk_rows))
 
-    if "floor" not in skip:
+    def torch_row():
+        add(base, lambda: F.cross_entropy((h @ w.t()).float(), y))
+
+    def liger_row():
+        try:
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        except ImportError as e:
+            bench.add("Liger FusedLinearCrossEntropy", None, error=f"not installed ({e.name})")
+            return
+        liger = LigerFusedLinearCrossEntropyLoss()
+        add("Liger FusedLinearCrossEntropy", lambda: liger(w, h, y))
+
+    def cce_row():
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+        except ImportError as e:
+            bench.add("Cut Cross-Entropy", None, error=f"not installed ({e.name})")
+            return
+        add("Cut Cross-Entropy", lambda: cce(h, w, y))
+
+    def streamed_row():
+        head = ShardedLMHead(config={"chunk_rows": a.chunk_rows, "placement": "cpu"}, weight=w.detach())
+
+        def streamed():
+            head.zero_sparse_grads()    # each step starts from no gradient (as after an optimizer step)
+            return head(h, y)
+        add("ours streamed from CPU tier", streamed)
+        head.flush()
+        c = head.stats()
+        bench.results[-1].extra["H2D GiB/step"] = round(c["bytes_h2d"] / GIB / max(1, a.warmup + a.repeat), 2)
+        del head
+
+    def floor_row():
         buf = torch.empty(tb, a.vocab, dtype=dtype, device=dev)
 
         def gemms():   # our tiling's three GEMMs alone, on garbage data: the cuBLAS floor
@@ -106,61 +143,80 @@ def main():
         if res.ms:
             res.extra["TFLOP/s"] = round(flops / (res.ms * 1e-3) / 1e12, 2)
         del buf
-        if dev.type == "cuda" and torch.cuda.mem_get_info()[0] > 3 * a.tokens * a.vocab * h.element_size():
-            big = {}
 
-            def alloc():
-                big["z"] = torch.empty(a.tokens, a.vocab, dtype=dtype, device=dev)
+    def untiled_row():
+        if dev.type != "cuda" or torch.cuda.mem_get_info()[0] <= 3 * a.tokens * a.vocab * h.element_size():
+            bench.add("3 GEMMs untiled ([N, V] in memory)", None, error="skipped: no CUDA or not enough memory")
+            return
+        big = {}
 
-            def gemms_untiled():   # three whole GEMMs with the [N, V] logits materialised: cuBLAS at its best
-                z = big["z"]
-                with torch.no_grad():
-                    torch.mm(h, w.t(), out=z)
-                    torch.mm(z, w)
-                    torch.mm(z.t(), h)
-            res = bench.measure("3 GEMMs untiled ([N, V] in memory)", gemms_untiled, warmup=a.warmup,
-                                repeat=a.repeat, setup=alloc)
-            if res.ms:
-                res.extra["TFLOP/s"] = round(flops / (res.ms * 1e-3) / 1e12, 2)
-            big.clear()
+        def alloc():
+            big["z"] = torch.empty(a.tokens, a.vocab, dtype=dtype, device=dev)
 
-    if "streamed" not in skip:
-        head = ShardedLMHead(config={"chunk_rows": a.chunk_rows, "placement": "cpu"}, weight=w.detach())
+        def gemms_untiled():   # three whole GEMMs with the [N, V] logits materialised: cuBLAS at its best
+            z = big["z"]
+            with torch.no_grad():
+                torch.mm(h, w.t(), out=z)
+                torch.mm(z, w)
+                torch.mm(z.t(), h)
+        res = bench.measure("3 GEMMs untiled ([N, V] in memory)", gemms_untiled, warmup=a.warmup,
+                            repeat=a.repeat, setup=alloc)
+        if res.ms:
+            res.extra["TFLOP/s"] = round(flops / (res.ms * 1e-3) / 1e12, 2)
+        big.clear()
 
-        def streamed():
-            head.zero_sparse_grads()    # each step starts from no gradient (as after an optimizer step)
-            return head(h, y)
-        add("ours streamed from CPU tier", streamed)
-        head.flush()
-        c = head.stats()
-        bench.results[-1].extra["H2D GiB/step"] = round(c["bytes_h2d"] / GIB / max(1, a.warmup + a.repeat), 2)
-        del head
+    def big_row():
+        add("ours (block_bytes=512 MiB)", lambda: linear_cross_entropy(h, w, y, chunk_rows=a.chunk_rows,
+                                                                       block_bytes=512 << 20))
 
-    if "torch" not in skip:
-        add("torch linear + F.cross_entropy", lambda: F.cross_entropy((h @ w.t()).float(), y))
-
-    if "liger" not in skip:
+    def eager_row():   # the tile math uncompiled (the switch is read on every call)
+        old = os.environ.get("DS_MAXIMUS_LCE_COMPILE")
+        os.environ["DS_MAXIMUS_LCE_COMPILE"] = "0"
         try:
-            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-            liger = LigerFusedLinearCrossEntropyLoss()
-            add("Liger FusedLinearCrossEntropy", lambda: liger(w, h, y))
-        except ImportError as e:
-            bench.add("Liger FusedLinearCrossEntropy", None, error=f"not installed ({e.name})")
+            add("ours (eager tile math, uncompiled)", lambda: linear_cross_entropy(h, w, y, chunk_rows=a.chunk_rows))
+        finally:
+            if old is None:
+                os.environ.pop("DS_MAXIMUS_LCE_COMPILE", None)
+            else:
+                os.environ["DS_MAXIMUS_LCE_COMPILE"] = old
 
-    if "cce" not in skip:
-        try:
-            from cut_cross_entropy import linear_cross_entropy as cce
-            add("Cut Cross-Entropy", lambda: cce(h, w, y))
-        except ImportError as e:
-            bench.add("Cut Cross-Entropy", None, error=f"not installed ({e.name})")
+    # most important first; each starts only when its estimated cost (s, on an H200, compiles and
+    # Triton autotuning included) fits in what is left of the budget
+    providers = [("ours", "ours (resident, 3 GEMMs)", ours_row, 30), ("torch", base, torch_row, 8),
+                 ("streamed", "ours streamed from CPU tier", streamed_row, 12),
+                 ("liger", "Liger FusedLinearCrossEntropy", liger_row, 20),
+                 ("cce", "Cut Cross-Entropy", cce_row, 25),
+                 ("floor", "GEMMs of our tiling only (floor)", floor_row, 4),
+                 ("floor", "3 GEMMs untiled ([N, V] in memory)", untiled_row, 5),
+                 ("big", "ours (block_bytes=512 MiB)", big_row, 10),
+                 ("eager", "ours (eager tile math, uncompiled)", eager_row, 8)]
+    progress(f"inputs ready on {dev}; budget {a.budget_s:.0f} s")
+    for key, name, fn, cost in providers:
+        if key in skip:
+            continue
+        if not budget.allows(cost * (1 if dev.type == "cuda" else 0.05), name):
+            bench.skip(name)
+        else:
+            progress(f"{name}: start ({budget.left():.0f} s left)")
+            try:
+                fn()
+            except Exception as e:  # a peer that cannot run is a row, not a crash
+                bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:80]}")
+            last = bench.results[-1]
+            progress(f"{last.name}: {f'{last.ms:.2f} ms' if last.ms else last.error}")
+        clear()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        bench.checkpoint(a.out, baseline=base)   # a kill still leaves the rows measured so far
 
-    text = bench.report(baseline="torch linear + F.cross_entropy")
-    if ours.ms:
+    text = bench.report(baseline=base)
+    ours = next((r for r in bench.results if r.name.startswith("ours (resident") and r.ms), None)
+    if ours:
         streamed_res = next((r for r in bench.results if r.name.startswith("ours streamed") and r.ms), None)
         lines = [f"\nours: {ours.ms:.1f} ms (target <= 180 ms at full size)"]
         if streamed_res:
             lines.append(f"streamed / resident: {streamed_res.ms / ours.ms:.2f}x (target <= 1.3x)")
-        print("\n".join(lines))
+        print("\n".join(lines), flush=True)
         text += "\n" + "\n".join(lines) + "\n"
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
