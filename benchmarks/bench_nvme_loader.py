@@ -1,7 +1,7 @@
 """Benchmark of the async NVMe loader against its peers, all in one run, on the same files.
 
     python -m benchmarks.bench_nvme_loader                       # CPU: 128 MiB in 4 files
-    python -m benchmarks.bench_nvme_loader --total-mib 2048 --files 8 --out $OUT/nvme_loader.md
+    python -m benchmarks.bench_nvme_loader --total-mib 1024 --files 8 --repeat 2 --out $OUT/nvme_loader.md
 
 Rows (cold page cache before every timed pass where the machine lets us drop it; else "warm cache"):
 raw ceiling (O_DIRECT multi-threaded ``os.preadv`` from Python), ours (O_DIRECT and buffered),
@@ -9,6 +9,8 @@ raw ceiling (O_DIRECT multi-threaded ``os.preadv`` from Python), ours (O_DIRECT 
 also the pinned H2D copy rate (PCIe ceiling), ours disk -> GPU (``read_to_device``) and the slowdown of a
 bf16 matmul loop on the compute stream while ``read_to_device`` streams beside it.
 Sizes also come from env: MAXIMUS_BENCH_NVME_MIB, MAXIMUS_BENCH_NVME_FILES, MAXIMUS_BENCH_NVME_DIR.
+Under ``--budget-s`` (70 s): 1 GiB, 2 passes per row (~1 s each at ~1.2 GB/s); a row that no longer
+fits is a "skipped: over time budget" row; DeepSpeed's aio (a JIT op) runs last.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from benchmarks.harness import Bench
+from benchmarks.harness import SKIPPED, Bench, Budget, progress
 from ds_maximus.ops.nvme_loader import ALIGN_BYTES, NVMeLoader, aligned_empty
 
 MIB = 1 << 20
@@ -208,52 +210,23 @@ def device_rows(bench_rows, loader, files, repeat, raw_gbps):
                         "GB/s": streamed[0] / secs / 1e9}))
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--total-mib", type=int, default=int(os.environ.get("MAXIMUS_BENCH_NVME_MIB",
-                                                                        2048 if CUDA else 128)))
-    ap.add_argument("--files", type=int, default=int(os.environ.get("MAXIMUS_BENCH_NVME_FILES", 8 if CUDA else 4)))
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=8)
-    ap.add_argument("--block-bytes", type=int, default=1 << 20)
-    ap.add_argument("--queue-depth", type=int, default=32)
-    ap.add_argument("--dir", default=os.environ.get("MAXIMUS_BENCH_NVME_DIR",
-                                                    str(Path(__file__).resolve().parent.parent / "build" / "bench_nvme")))
-    ap.add_argument("--out", default=None, help="also write the markdown table here")
-    args = ap.parse_args(argv)
+def _aio_ready() -> bool:
+    """Whether DeepSpeed's async_io op is installed or already JIT-built (loading it compiles nothing)."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get("async_io"):
+            return True
+    except ImportError:
+        pass
+    from torch.utils.cpp_extension import _get_build_directory
+    return os.path.exists(os.path.join(_get_build_directory("async_io", verbose=False), "async_io.so"))
 
-    files = make_files(Path(args.dir), args.total_mib, args.files)
+
+def render(rows, errors, modes, files, args) -> Bench:
+    """The table from the rows measured so far (called after every row: a kill leaves a partial table)."""
     total = sum(n for _, n in files)
-    rows: List[Tuple[str, float, Dict[str, object]]] = []
-    errors: List[Tuple[str, str]] = []
-    modes = set()
-
-    def add(name, fn):
-        try:
-            ms, mode = timed(fn, files, args.repeat)
-            modes.add(mode)
-            rows.append((name, ms, {"GB/s": total / ms / 1e6, "cache": mode}))
-        except Exception as e:  # a peer that cannot run here is a row, not a crash
-            errors.append((name, f"{type(e).__name__}: {e}"[:160]))
-
-    kw = dict(threads=args.threads, block_bytes=args.block_bytes, queue_depth=args.queue_depth)
-    with NVMeLoader(**kw) as ours, NVMeLoader(**kw, o_direct=False) as ours_buf:
-        add("raw ceiling (O_DIRECT os.preadv, Python threads)", RawPread(files, args.threads, args.block_bytes))
-        add("ours (O_DIRECT)", ours_cpu(ours, files))
-        add("ours (buffered)", ours_cpu(ours_buf, files))
-        add("safetensors load_file" + (" + .to(cuda)" if CUDA else ""), safetensors_load(files))
-        try:
-            add("DeepSpeed aio (libaio)", deepspeed_aio(files, args.threads, args.block_bytes, args.queue_depth))
-        except Exception as e:
-            errors.append(("DeepSpeed aio (libaio)", str(e).splitlines()[0][:160]))
-        raw = next((r for r in rows if r[0].startswith("raw")), None)
-        st = next((r for r in rows if r[0].startswith("safetensors")), None)
-        if CUDA and raw:
-            try:
-                device_rows(rows, ours, files, args.repeat, raw[2]["GB/s"])
-            except Exception as e:
-                errors.append(("ours read_to_device (disk->GPU)", f"{type(e).__name__}: {e}"[:160]))
-
+    raw = next((r for r in rows if r[0].startswith("raw")), None)
+    st = next((r for r in rows if r[0].startswith("safetensors")), None)
     cache = " / ".join(sorted(modes)) or "n/a"
     bench = Bench("nvme_loader", dtype="bytes", sizes={"total_MiB": total // MIB, "files": len(files),
                                                         "threads": args.threads, "block_bytes": args.block_bytes,
@@ -270,7 +243,82 @@ def main(argv=None):
         bench.add(name, ms, **extra)
     for name, err in errors:
         bench.add(name, None, error=err)
-    text = bench.report()
+    return bench
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--total-mib", type=int, default=int(os.environ.get("MAXIMUS_BENCH_NVME_MIB",
+                                                                        1024 if CUDA else 128)))
+    ap.add_argument("--files", type=int, default=int(os.environ.get("MAXIMUS_BENCH_NVME_FILES", 8 if CUDA else 4)))
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--block-bytes", type=int, default=1 << 20)
+    ap.add_argument("--queue-depth", type=int, default=32)
+    ap.add_argument("--dir", default=os.environ.get("MAXIMUS_BENCH_NVME_DIR",
+                                                    str(Path(__file__).resolve().parent.parent / "build" / "bench_nvme")))
+    ap.add_argument("--budget-s", type=float, default=70.0, help="wall-clock budget; rows that no longer fit "
+                    "are rows that say so")
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    args = ap.parse_args(argv)
+    budget = Budget(args.budget_s)
+
+    progress(f"writing {args.total_mib} MiB in {args.files} files to {args.dir}")
+    files = make_files(Path(args.dir), args.total_mib, args.files)
+    total = sum(n for _, n in files)
+    rows: List[Tuple[str, float, Dict[str, object]]] = []
+    errors: List[Tuple[str, str]] = []
+    modes = set()
+    # one pass at a pessimistic 0.5 GB/s plus a cache drop, times the passes: a row's cost estimate
+    row_s = args.repeat * (total / 0.5e9 + 1.0)
+    progress(f"files ready ({total / MIB:.0f} MiB); a row costs ~{row_s:.0f} s; {budget.left():.0f} s left")
+
+    def checkpoint():
+        render(rows, errors, modes, files, args).checkpoint(args.out)
+
+    def add(name, make_fn, need_s=row_s):
+        if not budget.allows(need_s, name):
+            errors.append((name, SKIPPED))
+        else:
+            try:
+                fn = make_fn()
+                ms, mode = timed(fn, files, args.repeat)
+                modes.add(mode)
+                rows.append((name, ms, {"GB/s": total / ms / 1e6, "cache": mode}))
+                progress(f"{name}: {ms:.1f} ms, {total / ms / 1e6:.2f} GB/s ({mode})")
+            except Exception as e:  # a peer that cannot run here is a row, not a crash
+                errors.append((name, f"{type(e).__name__}: {e}".splitlines()[0][:160]))
+                progress(f"{name}: {errors[-1][1]}")
+        checkpoint()
+
+    kw = dict(threads=args.threads, block_bytes=args.block_bytes, queue_depth=args.queue_depth)
+    with NVMeLoader(**kw) as ours, NVMeLoader(**kw, o_direct=False) as ours_buf:
+        add("raw ceiling (O_DIRECT os.preadv, Python threads)", lambda: RawPread(files, args.threads, args.block_bytes))
+        add("ours (O_DIRECT)", lambda: ours_cpu(ours, files))
+        add("ours (buffered)", lambda: ours_cpu(ours_buf, files))
+        add("safetensors load_file" + (" + .to(cuda)" if CUDA else ""), lambda: safetensors_load(files))
+        raw = next((r for r in rows if r[0].startswith("raw")), None)
+        if CUDA and raw:
+            # the device rows: two timed passes (H2D, disk->GPU) and the matmul loop, a few seconds more
+            if budget.allows(row_s + 5, "device rows"):
+                progress("device rows: start")
+                try:
+                    device_rows(rows, ours, files, args.repeat, raw[2]["GB/s"])
+                except Exception as e:
+                    errors.append(("ours read_to_device (disk->GPU)", f"{type(e).__name__}: {e}"[:160]))
+                progress("device rows: done")
+            else:
+                errors.append(("ours read_to_device (disk->GPU)", SKIPPED))
+            checkpoint()
+        # last: DeepSpeed's aio is a JIT op (~30-40 s to build when scripts/gpu/nvme_loader.sh has not
+        # built it already), so it runs only when built or when the build still fits
+        aio_ready = _aio_ready()
+        progress(f"DeepSpeed aio op {'built' if aio_ready else 'not built yet (JIT build on load)'}")
+        add("DeepSpeed aio (libaio)",
+            lambda: deepspeed_aio(files, args.threads, args.block_bytes, args.queue_depth),
+            need_s=row_s + (0 if aio_ready else 40))
+
+    text = render(rows, errors, modes, files, args).report()
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")

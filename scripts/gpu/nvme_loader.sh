@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU machine run of the nvme_loader op (about 3-4 minutes on an H200 box):
-#   1. tests/ops/test_nvme_loader.py (CPU + nvme + gpu tests, on this machine's real disk)
-#   2. benchmarks/bench_nvme_loader.py with 2 GiB in 8 files -> $OUT/nvme_loader.md (+ CSV)
-# Run from the repo root with $OUT set; exits non-zero when the tests or the benchmark failed.
+# nvme_loader benchmark on the GPU machine (its tests already passed on the H200; not re-run here):
+#   1. build our op (~30 s) while DeepSpeed's async_io op (a peer; needs libaio) builds in the background
+#   2. benchmarks/bench_nvme_loader.py with 1 GiB in 8 files, 2 passes per row, under a 70 s budget
+#      -> $OUT/nvme_loader.md (+ CSV, + full log in $OUT/nvme_loader_bench.log)
+# About 30 s build + <= 70 s benchmark on an H200 box.
 set -x
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/bench_out}"
@@ -12,19 +13,27 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions
 export MAXIMUS_BENCH_OUT="$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv || true
 df -h . /tmp || true
-# build the op once, up front, so its compile time is visible
-python -c "from ds_maximus.ops.nvme_loader import nvme_loader_available as a; assert a()" 2>&1 | tail -20
-
-python -m pytest -q -x -p no:cacheprovider --durations=5 tests/ops/test_nvme_loader.py 2>&1 | tee "$OUT/nvme_loader_tests.txt" | tail -40
-tests_rc=${PIPESTATUS[0]}
+timeout 90 python -u -c "
+from deepspeed.ops.op_builder.async_io import AsyncIOBuilder as B
+b = B()
+print('async_io compatible:', b.is_compatible(verbose=False), flush=True)
+b.is_compatible(verbose=False) and b.load(verbose=False) and print('async_io built')" \
+  > "$OUT/nvme_loader_aio_build.log" 2>&1 &
+aio_build=$!
+timeout 90 python -u -c "from ds_maximus.ops.nvme_loader import nvme_loader_available as a; assert a(); print('op built')" \
+  > "$OUT/nvme_loader_build.txt" 2>&1
+build_rc=$?
+tail -5 "$OUT/nvme_loader_build.txt"
+wait "$aio_build"   # normally done before ours; bounded by its timeout
+tail -3 "$OUT/nvme_loader_aio_build.log"
 
 BENCH_DIR="${MAXIMUS_BENCH_NVME_DIR:-$PWD/build/bench_nvme}"
-timeout 240 python -m benchmarks.bench_nvme_loader --total-mib "${MAXIMUS_BENCH_NVME_MIB:-2048}" --files 8 \
-    --repeat 3 --dir "$BENCH_DIR" --out "$OUT/nvme_loader.md" 2>&1 | tail -30
-bench_rc=${PIPESTATUS[0]}
+timeout 80 python -u -m benchmarks.bench_nvme_loader --total-mib "${MAXIMUS_BENCH_NVME_MIB:-1024}" --files 8 \
+    --repeat 2 --budget-s 70 --dir "$BENCH_DIR" --out "$OUT/nvme_loader.md" > "$OUT/nvme_loader_bench.log" 2>&1
+bench_rc=$?
+tail -20 "$OUT/nvme_loader_bench.log"
 rm -rf "$BENCH_DIR"
 
-echo "tests rc=$tests_rc bench rc=$bench_rc"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "build rc=$build_rc bench rc=$bench_rc"
+[ "$build_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
