@@ -88,13 +88,19 @@ class MaximusRuntime:
     # -- the carrier's callback ----------------------------------------------------------------
     def on_sparse_backward_done(self) -> float:
         """Called at the end of the sharded modules' backward; returns the carrier increment."""
-        if self._boundary and self.cfg.distributed.shard_mode == ShardMode.REPLICATED:
+        owned = [m for m in self.modules.values() if hasattr(m, "partition")]  # partitioned: grads at owners
+        shared = [m for m in self.modules.values() if not hasattr(m, "partition")]
+        if self._boundary and shared:
             group = self._dp_group()
-            for m in self.modules.values():
+            for m in shared:
                 ids, rows = m.sparse_grads()
                 ids, rows = allreduce_sparse_rows(ids, rows, group=group)
                 m.set_sparse_grads_(ids, rows)
-        sq = sum(float(m.sparse_grad_norm_sq()) for m in self.modules.values())
+        sq = sum(float(m.sparse_grad_norm_sq()) for m in shared)
+        if owned:
+            local = torch.stack([m.sparse_grad_norm_sq().float().cpu() for m in owned]).sum().reshape(1)
+            # each rank holds the grads of its own rows: the global norm sums every rank's share
+            sq += float(owned[0].comm.all_reduce("sparse grad norm", local)) if self._boundary else float(local)
         norm = math.sqrt(sq) if math.isfinite(sq) else sq
         inc = norm - self._carrier_sent
         self._carrier_sent = norm
@@ -163,7 +169,9 @@ class MaximusRuntime:
                                             save_latest=save_latest, **kwargs)
         folder = os.path.join(save_dir, str(tag))
         os.makedirs(folder, exist_ok=True)
-        if e.global_rank == 0 or self.cfg.distributed.shard_mode == ShardMode.PARTITIONED:
+        mode = self.cfg.distributed.shard_mode
+        writer = self.cfg.distributed.master_rank if mode == ShardMode.BROADCAST else 0
+        if e.global_rank == writer or mode == ShardMode.PARTITIONED:
             name = STATE_FILE if self.cfg.distributed.shard_mode != ShardMode.PARTITIONED \
                 else f"maximus_states_rank{e.global_rank:05d}.pt"
             _atomic_torch_save(self._state(), os.path.join(folder, name))
@@ -178,12 +186,21 @@ class MaximusRuntime:
         if tag is None:
             with open(os.path.join(load_dir, "latest")) as f:
                 tag = f.read().strip()
+        if self.cfg.distributed.shard_mode == ShardMode.PARTITIONED:
+            from ds_maximus.distributed.repartition import load_partitioned_checkpoint
+            self.steps, self.skipped_steps = load_partitioned_checkpoint(os.path.join(load_dir, str(tag)),
+                                                                         self.modules)
+            return load_path, client_state
         path = os.path.join(load_dir, str(tag), STATE_FILE)
-        if not os.path.exists(path):
+        if self.cfg.distributed.shard_mode == ShardMode.BROADCAST:  # the master reads, the others receive
+            from ds_maximus.distributed.broadcast import load_broadcast_state
+            state = load_broadcast_state(path, self.cfg, self._dp_group())
+        elif not os.path.exists(path):
             from ds_maximus.errors import ShardStoreError
             raise ShardStoreError(f"checkpoint {os.path.join(load_dir, str(tag))} has no {STATE_FILE}: it was not "
                                   "saved by a maximus engine, or the file was removed", path)
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=False)
         for n, m in self.modules.items():
             m.load_maximus_state_dict(state["modules"][n])
         self.steps = state["steps"]

@@ -72,7 +72,7 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig) -> SwapPlan:
             continue
         heads = [hn for hn, hm in model.named_modules()
                  if isinstance(hm, nn.Linear) and hm.weight is old.weight]
-        new = ShardedEmbedding.from_embedding(old, cfg.embedding)
+        new = _make_sharded(old, cfg)
         parent, attr = _parent(model, name)
         setattr(parent, attr, new)
         plan.swapped[name] = new
@@ -85,6 +85,20 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig) -> SwapPlan:
     if plan.tied_heads:
         _retie_heads(model, plan, cfg)
     return plan
+
+
+def _make_sharded(old: nn.Embedding, cfg: MaximusConfig) -> nn.Module:
+    """The module for ``distributed.shard_mode``: a partitioned table, or a whole one (replicated / broadcast)."""
+    from ds_maximus.config import ShardMode
+    from ds_maximus.embedding import ShardedEmbedding
+    mode = cfg.distributed.shard_mode
+    if mode == ShardMode.PARTITIONED:
+        from ds_maximus.distributed.partitioned_embedding import PartitionedEmbedding
+        return PartitionedEmbedding.from_embedding(old, cfg)
+    if mode == ShardMode.BROADCAST:
+        from ds_maximus.distributed.broadcast import broadcast_embedding
+        return broadcast_embedding(old, cfg)
+    return ShardedEmbedding.from_embedding(old, cfg.embedding)
 
 
 def _retie_heads(model: nn.Module, plan: SwapPlan, cfg: MaximusConfig) -> None:

@@ -1,0 +1,138 @@
+"""Timeout-guarded collectives with traffic counters.
+
+Every maximus collective runs with ``async_op=True`` and is waited on with a deadline, so a rank that
+died or never arrives makes the others raise :class:`~ds_maximus.errors.DistributedError` naming the
+collective, the step and the group, instead of hanging until the process group's own (30 min) timeout.
+
+Example::
+
+    comm = Collectives(group=None, timeout_s=60)
+    recv = comm.all_to_all("ids", send, send_splits=[2, 3], recv_splits=[1, 4])
+    comm.stats()        # {"bytes_sent": ..., "bytes_recv": ..., "comm_ms": ..., "collectives": ...}
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ds_maximus.errors import DistributedError
+
+
+def default_group():
+    """DeepSpeed's data-parallel group when DeepSpeed set one up, else the default group."""
+    try:
+        from deepspeed.utils import groups
+        g = groups._get_data_parallel_group()
+        if g is not None:
+            return g
+    except Exception:  # DeepSpeed absent or its groups not initialised: the world group
+        pass
+    return dist.group.WORLD
+
+
+class Collectives:
+    """Collectives over one group, each guarded by ``timeout_s``; counts bytes moved and time spent."""
+
+    def __init__(self, group=None, timeout_s: float = 600.0, device: Optional[torch.device] = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedError("maximus shard modes other than 'replicated' need torch.distributed initialised "
+                                   "(deepspeed.init_distributed() or the deepspeed launcher); fix: launch with "
+                                   "`deepspeed --num_gpus N ...` or call deepspeed.init_distributed() first")
+        self.group = group if group is not None else default_group()
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.timeout_s = float(timeout_s)
+        backend = dist.get_backend(self.group)
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                                 else torch.device("cpu"))
+        self.step = 0  # the caller's step, for error messages
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+        self.comm_ms = 0.0
+        self.calls = 0
+
+    # -- the guard ------------------------------------------------------------------------------------------
+    def _wait(self, work, name: str, t0: float) -> None:
+        where = f"maximus collective '{name}' (step {self.step}, rank {self.rank} of {self.world})"
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # a peer closed its connection (died), or the wait timed out
+            timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+            what = f"timed out after {self.timeout_s:g} s" if timed_out else f"failed: {e}"
+            raise DistributedError(f"{where} {what}; another rank died or stopped calling it. fix: look at the "
+                                   "other ranks' logs for the first error; raise maximus.distributed.timeout_s if "
+                                   "a rank is only slow") from e
+        finally:
+            self.comm_ms += (time.perf_counter() - t0) * 1e3
+            self.calls += 1
+        if ok is False:
+            raise DistributedError(f"{where} timed out after {self.timeout_s:g} s; another rank died or stopped "
+                                   "calling it. fix: see the other ranks' logs; raise maximus.distributed.timeout_s")
+
+    # -- collectives ----------------------------------------------------------------------------------------
+    def all_to_all(self, name: str, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
+        """``all_to_all_single`` with split sizes (rows of dim 0); returns the received tensor."""
+        send = send.to(self.device).contiguous()
+        recv = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=self.device)
+        row = send[0].numel() * send.element_size() if send.dim() > 1 else send.element_size()
+        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * row
+        self.bytes_recv += (sum(recv_splits) - recv_splits[self.rank]) * row
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(send_splits), group=self.group, async_op=True)
+        self._wait(work, name, t0)
+        return recv
+
+    def exchange_counts(self, name: str, counts: torch.Tensor) -> torch.Tensor:
+        """Each rank sends ``counts[j]`` to rank ``j``; returns what every rank sent to this one."""
+        counts = counts.to(self.device, torch.long).contiguous()
+        recv = torch.empty_like(counts)
+        self.bytes_sent += (self.world - 1) * 8
+        self.bytes_recv += (self.world - 1) * 8
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(recv, counts, group=self.group, async_op=True)
+        self._wait(work, name, t0)
+        return recv.cpu()
+
+    def all_reduce(self, name: str, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        out = t.to(self.device).contiguous().clone()
+        nbytes = out.numel() * out.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_recv += nbytes
+        t0 = time.perf_counter()
+        self._wait(dist.all_reduce(out, op=op, group=self.group, async_op=True), name, t0)
+        return out.to(t.device)
+
+    def all_gather(self, name: str, t: torch.Tensor) -> List[torch.Tensor]:
+        """All-gather tensors of equal shape; returns one per rank (on the input's device)."""
+        src = t.to(self.device).contiguous()
+        outs = [torch.empty_like(src) for _ in range(self.world)]
+        nbytes = src.numel() * src.element_size()
+        self.bytes_sent += nbytes * (self.world - 1)
+        self.bytes_recv += nbytes * (self.world - 1)
+        t0 = time.perf_counter()
+        self._wait(dist.all_gather(outs, src, group=self.group, async_op=True), name, t0)
+        return [o.to(t.device) for o in outs]
+
+    def broadcast(self, name: str, t: torch.Tensor, src_rank: int) -> torch.Tensor:
+        """Broadcast ``t`` from group rank ``src_rank`` (in place on a device copy); returns it on ``t``'s device."""
+        buf = t.to(self.device).contiguous()
+        nbytes = buf.numel() * buf.element_size()
+        if self.rank == src_rank:
+            self.bytes_sent += nbytes * (self.world - 1)
+        else:
+            self.bytes_recv += nbytes
+        t0 = time.perf_counter()
+        src = dist.get_global_rank(self.group, src_rank) if self.group is not dist.group.WORLD else src_rank
+        self._wait(dist.broadcast(buf, src=src, group=self.group, async_op=True), name, t0)
+        if buf.data_ptr() != t.data_ptr():
+            t.copy_(buf)
+        return t
+
+    def stats(self) -> dict:
+        return {"bytes_sent": int(self.bytes_sent), "bytes_recv": int(self.bytes_recv),
+                "comm_ms": float(self.comm_ms), "collectives": int(self.calls)}

@@ -1,0 +1,268 @@
+"""``PartitionedEmbedding``: an embedding table whose rows are owned by the data-parallel ranks.
+
+Each rank holds a local :class:`~ds_maximus.embedding.ShardedEmbedding` with only its own rows (see
+:class:`RowPartition`), so its tiers, cache and optimizer state are about ``1/world`` of the table.
+A lookup sends the batch's unique ids to their owners (all-to-all), the owners gather the rows from
+their local table and send them back (all-to-all). In backward the per-id gradients go back to the
+owners (all-to-all), which sum the duplicates from every rank, average over the ranks as DeepSpeed
+does for dense gradients, and accumulate them; ``sparse_step`` then updates the owned rows only.
+
+Example (under ``deepspeed --num_gpus 2``)::
+
+    emb = PartitionedEmbedding(50000, 512, config=EmbeddingConfig(gpu_cache_rows=4096))
+    out = emb(ids)                 # every rank calls it with its own ids (collective)
+    out.sum().backward(); emb.sparse_step(lr=1e-3)
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
+from ds_maximus.distributed.collectives import Collectives
+from ds_maximus.distributed.partition import RowPartition, default_block_rows
+from ds_maximus.errors import DistributedError
+
+
+class _Exchange(torch.autograd.Function):
+    """Forward: rows of ``plan``'s ids from their owners; backward: their grads to the owners."""
+
+    @staticmethod
+    def forward(ctx, anchor, rows_uniq, module, plan):
+        ctx.module, ctx.plan = module, plan
+        return rows_uniq.view_as(rows_uniq)
+
+    @staticmethod
+    def backward(ctx, grad_uniq):
+        ctx.module._send_grads(ctx.plan, grad_uniq)
+        return torch.zeros((), dtype=torch.float32, device=grad_uniq.device), None, None, None
+
+
+class _Plan:
+    """One lookup's routing: what this rank asked for and what it was asked for."""
+
+    __slots__ = ("order", "send_splits", "recv_splits", "recv_local", "world")
+
+    def __init__(self, order, send_splits, recv_splits, recv_local, world):
+        self.order, self.send_splits, self.recv_splits = order, send_splits, recv_splits
+        self.recv_local, self.world = recv_local, world
+
+
+class PartitionedEmbedding(nn.Module):
+    """Row-partitioned embedding over the data-parallel group; implements the maximus module protocol.
+
+    ``group`` defaults to DeepSpeed's data-parallel group; ``block_rows`` to about 16 blocks per rank.
+    ``_weight`` (the full initial table, the same on every rank) is optional. Every call that moves
+    rows (forward, backward, ``full_weight``, ``maximus_state_dict`` loading) is collective.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 config: Union[EmbeddingConfig, MaximusConfig, None] = None, device=None, dtype=None,
+                 _weight: Optional[Tensor] = None, group=None, timeout_s: Optional[float] = None,
+                 block_rows: Optional[int] = None):
+        super().__init__()
+        from ds_maximus.embedding import ShardedEmbedding
+        log_interval = None
+        if isinstance(config, MaximusConfig):
+            timeout_s = timeout_s or config.distributed.timeout_s
+            log_interval = config.logging.interval_steps
+            config = config.embedding
+        config = config or EmbeddingConfig()
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        self.padding_idx = None if padding_idx is None else padding_idx % self.num_embeddings
+        self.comm = Collectives(group, timeout_s or 600.0)
+        self.rank, self.world = self.comm.rank, self.comm.world
+        self.partition = RowPartition(self.num_embeddings, self.world,
+                                      block_rows or default_block_rows(num_embeddings, self.world,
+                                                                       config.rows_per_shard))
+        self._check_agreement()
+        self.owned = self.partition.global_ids(self.rank)
+        local_pad = None
+        if self.padding_idx is not None and int(self.partition.owner(torch.tensor(self.padding_idx))) == self.rank:
+            local_pad = int(self.partition.to_local(torch.tensor(self.padding_idx)))
+        local_cfg = config
+        if config.offload.device == OffloadDevice.NVME and config.offload.nvme_path:
+            local_cfg = copy.deepcopy(config)  # each rank's store holds only its rows
+            local_cfg.offload.nvme_path = os.path.join(config.offload.nvme_path, f"rank{self.rank:05d}")
+        w = None if _weight is None else _weight.detach().index_select(0, self.owned.to(_weight.device))
+        self.local = ShardedEmbedding(self.owned.numel(), embedding_dim, local_pad, local_cfg, device=device,
+                                      dtype=dtype, _weight=w, log_interval_steps=log_interval)
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._anchor_fn = None
+        self._last_comm = self.comm.stats()
+        self._step_comm: dict = {}
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, config=None, **kwargs) -> "PartitionedEmbedding":
+        w = embedding.weight
+        kwargs.setdefault("device", w.device)
+        kwargs.setdefault("dtype", w.dtype)
+        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, config,
+                   _weight=w.detach(), **kwargs)
+
+    def _check_agreement(self) -> None:
+        sig = torch.cat([self.partition.signature(), torch.tensor([self.embedding_dim])])
+        sigs = self.comm.all_gather("partition agreement", sig)
+        bad = [r for r, s in enumerate(sigs) if not torch.equal(s, sig)]
+        if bad:
+            raise DistributedError(f"ranks disagree on the partition of the table: rank {self.rank} has "
+                                   f"(rows, world, block_rows, dim)={sig.tolist()}, ranks {bad} have "
+                                   f"{[sigs[r].tolist() for r in bad]}; fix: build the model identically on "
+                                   "every rank")
+
+    # -- nn.Module plumbing -------------------------------------------------------------------------------
+    @property
+    def compute_device(self) -> torch.device:
+        return self.local.compute_device
+
+    @property
+    def optimizer(self):
+        return self.local.optimizer
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rank={self.rank}/{self.world}, {self.partition}"
+
+    # -- forward / backward --------------------------------------------------------------------------------
+    def forward(self, input: Tensor) -> Tensor:
+        from ds_maximus.embedding.function import lookup
+        dev = self.compute_device
+        flat = input.reshape(-1).to(dev, torch.long)
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        uniq = uniq.cpu()
+        self.comm.step = self.local.optimizer.step
+        bad = uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_embeddings)
+        owners = self.partition.owner(uniq)
+        order = torch.argsort(owners, stable=True)
+        counts = torch.bincount(owners, minlength=self.world)
+        if bad:  # tell every rank (a count of -1) so they all fail now instead of waiting for us
+            counts = torch.full((self.world,), -1, dtype=torch.long)
+        recv_counts = self.comm.exchange_counts("id counts", counts)
+        if bad or bool((recv_counts < 0).any()):
+            who = [r for r in range(self.world) if int(recv_counts[r]) < 0]
+            first = int(uniq[0]) if bad and int(uniq[0]) < 0 else (int(uniq[-1]) if bad else None)
+            msg = (f"token id {first} on rank {self.rank} is outside the table [0, {self.num_embeddings})"
+                   if bad else f"rank(s) {who} looked up token ids outside the table [0, {self.num_embeddings})")
+            raise DistributedError(f"PartitionedEmbedding: {msg}; no rank holds rows for them. fix: check the "
+                                   "tokenizer / TokenMap matches the model's vocabulary")
+        send_splits, recv_splits = counts.tolist(), recv_counts.tolist()
+        asked = self.comm.all_to_all("ids to owners", uniq[order], send_splits, recv_splits).cpu()
+        if asked.numel() and bool((self.partition.owner(asked) != self.rank).any()):
+            wrong = asked[self.partition.owner(asked) != self.rank][:4].tolist()
+            raise DistributedError(f"rank {self.rank} was asked for rows {wrong} it does not own ({self.partition}); "
+                                   "ranks route ids with different partitions")
+        recv_local = self.partition.to_local(asked)
+        track = torch.is_grad_enabled()
+        if recv_local.numel():
+            rows, local_uniq, local_inv = lookup(self.local, recv_local, pin=track)
+        else:
+            rows = torch.zeros(0, self.embedding_dim, dtype=self.local.out_dtype, device=dev)
+        got = self.comm.all_to_all("rows from owners", rows.detach(), recv_splits, send_splits).to(dev)
+        rows_uniq = torch.empty_like(got)
+        rows_uniq[order.to(dev)] = got
+        if track:
+            plan = _Plan(order, send_splits, recv_splits, recv_local, self.world)
+            anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
+            rows_uniq = _Exchange.apply(anchor, rows_uniq, self, plan)
+        return rows_uniq.index_select(0, inverse).view(*input.shape, self.embedding_dim)
+
+    def _send_grads(self, plan: _Plan, grad_uniq: Tensor) -> None:
+        """Backward of one lookup: per-id grads to their owners, who sum, average and accumulate them."""
+        g = grad_uniq.float().index_select(0, plan.order.to(grad_uniq.device))
+        got = self.comm.all_to_all("row grads to owners", g, plan.send_splits, plan.recv_splits)
+        if plan.recv_local.numel() == 0:
+            return
+        got = got.to(self.compute_device) / plan.world  # DeepSpeed averages dense grads over ranks: so do we
+        uniq, inv = torch.unique(plan.recv_local, sorted=True, return_inverse=True)
+        rows = torch.zeros(uniq.numel(), self.embedding_dim, dtype=torch.float32, device=got.device)
+        rows.index_add_(0, inv.to(got.device), got)
+        pad = self.local.padding_idx
+        if pad is not None:
+            keep = uniq != pad
+            uniq, rows = uniq[keep], rows[keep.to(rows.device)]
+        self.local._accumulate(uniq, rows)
+
+    # -- the maximus module protocol (local: each rank's owned rows) ------------------------------------------
+    def set_grad_anchor(self, fn) -> None:
+        self._anchor_fn = fn
+
+    def sparse_grads(self):
+        """Owned accumulated grads as ``(global ids, rows)``."""
+        ids, rows = self.local.sparse_grads()
+        return self.owned.index_select(0, ids), rows
+
+    def set_sparse_grads_(self, ids: Tensor, rows: Tensor) -> None:
+        ids = ids.to("cpu", torch.long)
+        if ids.numel() and bool((self.partition.owner(ids) != self.rank).any()):
+            raise DistributedError(f"set_sparse_grads_ on rank {self.rank} got ids it does not own")
+        self.local.set_sparse_grads_(self.partition.to_local(ids), rows)
+
+    def sparse_grad_norm_sq(self) -> Tensor:
+        """Squared norm of this rank's OWNED grads (sum it over ranks for the global norm)."""
+        return self.local.sparse_grad_norm_sq()
+
+    def scale_sparse_grads_(self, factor: float) -> None:
+        self.local.scale_sparse_grads_(factor)
+
+    def sparse_grads_finite(self) -> bool:
+        return self.local.sparse_grads_finite()
+
+    def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
+        self.local.sparse_step(lr, weight_decay)
+        now = self.comm.stats()
+        self._step_comm = {k: now[k] - self._last_comm[k] for k in now}
+        self._last_comm = now
+
+    def zero_sparse_grads(self) -> None:
+        self.local.zero_sparse_grads()
+
+    def prefetch(self, ids: Tensor) -> None:
+        """Ids of other ranks are unknown before the exchange: nothing to stage ahead."""
+
+    def flush(self) -> None:
+        self.local.flush()
+
+    def table_bytes(self) -> int:
+        """Bytes this rank holds for the table: CPU tier, row cache and per-row optimizer counters."""
+        tier, total = self.local.tier, 0
+        if hasattr(tier, "tensors"):
+            total += sum(t.numel() * t.element_size() for t in tier.tensors.values())
+        total += sum(t.numel() * t.element_size() for t in self.local.cache.storage.values())
+        return total + self.local.optimizer.last_step.numel() * 8
+
+    def stats(self) -> dict:
+        s = dict(self.local.stats())
+        s.update(self.comm.stats())
+        s["table_bytes"] = self.table_bytes()
+        s["last_step"] = {**s.get("last_step", {}), **self._step_comm}
+        return s
+
+    # -- whole table (collective) --------------------------------------------------------------------------
+    def full_weight(self) -> Tensor:
+        """The whole table, fp32 on CPU, on every rank (collective: all ranks must call it)."""
+        from ds_maximus.distributed.repartition import gather_rows
+        return gather_rows(self, self.local.full_weight())
+
+    def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
+        w = self.full_weight()[lo:hi]
+        return w.to(device or self.compute_device, dtype or self.local.out_dtype)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def maximus_state_dict(self) -> dict:
+        """This rank's rows: local table, optimizer state, and the partition they were cut with."""
+        d = self.local.maximus_state_dict()
+        d["partition"] = {"num_rows": self.num_embeddings, "world": self.world,
+                          "block_rows": self.partition.block_rows, "rank": self.rank}
+        return d
+
+    def load_maximus_state_dict(self, d: dict) -> None:
+        """Load a state saved by the same rank of the same partition (else use ``load_maximus_state_dicts``)."""
+        self.load_maximus_state_dicts([d])
+
+    def load_maximus_state_dicts(self, states: Iterable[dict]) -> None:
+        """Re-partition states saved by any number of ranks (an iterable: one rank's dict at a time)."""
+        from ds_maximus.distributed.repartition import load_partitioned
+        load_partitioned(self, states)

@@ -1,0 +1,59 @@
+"""Start N CPU ranks (gloo) of a worker script, or N ranks under the ``deepspeed`` launcher."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                             "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
+    env["DS_ACCELERATOR"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_ranks(n: int, script: Path, *args, timeout: float = 120):
+    """Run ``script`` as ``n`` ranks; returns ([returncode per rank], [output per rank], seconds)."""
+    port = free_port()
+    procs = []
+    t0 = time.time()
+    for r in range(n):
+        env = clean_env()
+        env.update(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs, rcs = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += "\n<killed by the test: timeout>"
+        outs.append(out)
+        rcs.append(p.returncode)
+    return rcs, outs, time.time() - t0
+
+
+def launch(n: int, script: Path, *args, timeout: float = 600):
+    """``python -m deepspeed.launcher.runner --num_gpus n script args``; returns its stdout (asserts rc 0)."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(n), "--master_port",
+           str(free_port()), str(script), *map(str, args)]
+    res = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return res.stdout

@@ -1,0 +1,81 @@
+"""PartitionedEmbedding over 2 gloo ranks (no DeepSpeed engine): equal to one ShardedEmbedding, 1/N
+memory, clear errors for bad ids, and a dead or stalled rank makes the others fail (not hang)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_maximus.distributed import RowPartition
+from tests.distributed.ranks import run_ranks
+
+WORKER = Path(__file__).parent / "rank_worker.py"
+
+
+def test_partition_covers_every_row_once():
+    for rows, world, block in [(10, 3, 2), (384, 4, None), (7, 2, 100), (1000, 3, 7)]:
+        p = RowPartition(rows, world, block)
+        ids = torch.cat([p.global_ids(r) for r in range(world)])
+        assert torch.equal(torch.sort(ids).values, torch.arange(rows))
+        for r in range(world):
+            g = p.global_ids(r)
+            assert bool((p.owner(g) == r).all())
+            assert torch.equal(p.to_local(g), torch.arange(g.numel()))
+
+
+def test_hot_rows_spread_over_ranks():
+    """Frequency-ordered vocabulary: the hottest 1/8 of the ids is split evenly, not all on rank 0."""
+    p = RowPartition(32768, 4)
+    head = torch.arange(32768 // 8)
+    counts = torch.bincount(p.owner(head), minlength=4)
+    assert int(counts.max() - counts.min()) <= p.block_rows
+
+
+@pytest.mark.distributed
+def test_two_ranks_equal_one(tmp_path):
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.embedding import ShardedEmbedding
+    from tests.distributed import rank_worker as rw
+    rcs, outs, _ = run_ranks(2, WORKER, "equal", tmp_path / "r.pt")
+    assert rcs == [0, 0], "\n".join(outs)
+    got = torch.load(tmp_path / "r.pt", weights_only=False)
+
+    torch.manual_seed(0)
+    w = torch.randn(rw.VOCAB, rw.DIM)
+    ref = ShardedEmbedding(rw.VOCAB, rw.DIM, padding_idx=1, _weight=w,
+                           config=EmbeddingConfig(gpu_cache_rows=16, optimizer={"lr": 0.05, "weight_decay": 0.1}))
+    losses = []
+    for ids in rw.batches(2):
+        loss = (ref(ids) * torch.linspace(-1, 1, rw.DIM)).pow(2).mean()
+        loss.backward()
+        ref.sparse_step()
+        losses.append(float(loss.detach()))
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got["weight"], ref.full_weight(), rtol=1e-5, atol=1e-6)
+    # each rank holds half of the table's bytes (weight + 2 Adam states + cache), not the whole
+    full = rw.VOCAB * rw.DIM * 4 * 3
+    assert got["table_bytes"] < 0.5 * full + 16 * rw.DIM * 4 * 3 + rw.VOCAB * 8, (got["table_bytes"], full)
+    assert got["stats"]["bytes_sent"] > 0 and got["stats"]["comm_ms"] > 0
+
+
+@pytest.mark.distributed
+def test_out_of_table_id_fails_on_every_rank(tmp_path):
+    rcs, outs, secs = run_ranks(2, WORKER, "bad_id", tmp_path / "x", timeout=90)
+    assert rcs == [3, 3], "\n".join(outs)
+    assert "rank(s) [1] looked up token ids outside the table" in outs[0]
+    assert f"token id {96 + 7} on rank 1 is outside the table" in outs[1]
+    assert secs < 60
+
+
+@pytest.mark.distributed
+def test_dead_rank_fails_the_others(tmp_path):
+    rcs, outs, secs = run_ranks(2, WORKER, "die", tmp_path / "x", timeout=90)
+    assert rcs == [3, 7], "\n".join(outs)
+    assert "DistributedError: maximus collective 'row grads to owners' (step 0, rank 0 of 2)" in outs[0], outs[0]
+    assert secs < 60
+
+
+@pytest.mark.distributed
+def test_stalled_rank_times_out_naming_the_collective(tmp_path):
+    rcs, outs, secs = run_ranks(2, WORKER, "hang", tmp_path / "x", timeout=90)
+    assert rcs[0] == 3, "\n".join(outs)
+    assert "maximus collective 'row grads to owners' (step 0, rank 0 of 2) timed out after 3 s" in outs[0], outs[0]
