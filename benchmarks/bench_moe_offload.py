@@ -3,6 +3,10 @@
     python -m benchmarks.bench_moe_offload                 # 8 layers, H=4096, F=14336, 8 experts, top-2, bf16
     python -m benchmarks.bench_moe_offload --small         # a CPU-sized smoke run
 
+Under ``--budget-s`` (110 s; the model is built on the GPU in bf16 without HF's weight init, ~22 GiB in
+seconds) every peer starts only when its estimated cost still fits; the rest are "skipped" rows, and the
+table is written after every peer.
+
 Peers, same run, same random weights and prompt:
   * full model on GPU (HF generate, no offload): the ceiling;
   * accelerate cpu_offload, or, where accelerate is not installed, a plain hooks baseline that copies
@@ -19,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Bench
+from benchmarks.harness import Bench, Budget, progress
 from ds_maximus.moe import offload_experts
 
 H2D_GBPS = 55.0  # pinned host-to-device on the H200 machine, GB/s
@@ -43,14 +47,32 @@ class _Clock:
 
 
 def build(args, device):
+    """The random Mixtral-shaped model, allocated directly on ``device`` in ``args.dtype``.
+
+    HF's weight init is skipped (``no_init_weights``: 11B parameters through ``_init_weights`` is slow,
+    on CPU in fp32 minutes); every matrix is then filled in place with N(0, initializer_range) and every
+    norm weight with 1, on the device. Buffers (rotary ``inv_freq``) are computed by the constructors.
+    """
     from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.initialization import no_init_weights
     cfg = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
                         num_attention_heads=max(1, args.hidden // 128), num_key_value_heads=max(1, args.hidden // 512),
                         num_local_experts=args.experts, num_experts_per_tok=args.top_k, vocab_size=args.vocab,
                         max_position_embeddings=4096)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = MixtralForCausalLM._from_config(cfg, dtype=args.dtype)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(args.dtype)
+    try:
+        with torch.device(device), no_init_weights():
+            model = MixtralForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, cfg.initializer_range)
     return model.eval()
 
 
@@ -85,14 +107,18 @@ def run_peer(bench, name, model, ids, tokens, handle=None, **extra):
     return tps
 
 
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t`` in CPU memory, pinned in place when ``pin`` (no pageable copy first)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
+
+
 def hooks_baseline(model, device):
     """Experts on pinned CPU; a pre-hook copies a layer's experts to the GPU, a post-hook drops them."""
     from ds_maximus.moe.adapters import find_moe_blocks
     handles = []
     for b in find_moe_blocks(model):
         ex = b.experts
-        cpu = {n: getattr(ex, n).data.to("cpu").pin_memory() if device.type == "cuda" else getattr(ex, n).data.cpu()
-               for n in ("gate_up_proj", "down_proj")}
+        cpu = {n: _host_copy(getattr(ex, n).data, device.type == "cuda") for n in ("gate_up_proj", "down_proj")}
         for n, t in cpu.items():
             getattr(ex, n).data = t
 
@@ -122,12 +148,17 @@ def main(argv=None):
     p.add_argument("--baseline-tokens", type=int, default=6, help="tokens for the slow move-every-layer peer")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
+    p.add_argument("--budget-s", type=float, default=110.0, help="wall-clock budget; peers that no longer fit "
+                   "are rows that say so")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
+    budget = Budget(args.budget_s)
     if args.small:
         args.layers, args.hidden, args.ffn, args.vocab, args.tokens, args.baseline_tokens = 4, 256, 512, 1024, 16, 4
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    progress(f"building the model on {device} ({args.layers} layers, H={args.hidden}, F={args.ffn}, "
+             f"E={args.experts}, {args.dtype})")
     model = build(args, device)
     expert_gib = 3 * args.hidden * args.ffn * args.experts * args.layers * (2 if device.type == "cuda" else 4) / 2**30
     bench = Bench("moe_offload", dtype=str(args.dtype).replace("torch.", ""),
@@ -138,26 +169,57 @@ def main(argv=None):
                         f"{H2D_GBPS:.0f} GB/s pinned H2D from the measured bytes moved per token")
     ids = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
 
-    run_peer(bench, "full model on GPU (HF generate)", model, ids, args.tokens)
+    base = "full model on GPU (HF generate)"
+    scale = 1.0 if device.type == "cuda" else 0.1
+    # seconds each step needs on an H200 at full size (a step starts only when it still fits):
+    # hooks = 22.5 GB pinned copy + ~10 forwards that each move every expert; ours = its pinned store
+    cost = {"full": 8, "hooks setup": 12, "hooks": 12, "ours setup": 12, "ours": 8}
+
+    def checkpoint():
+        bench.checkpoint(args.out, baseline=base)
+
+    def peer(name, key, *a, **kw):
+        if not budget.allows(cost[key] * scale, name):
+            bench.skip(name)
+        else:
+            progress(f"{name}: start ({budget.left():.0f} s left)")
+            tps = run_peer(bench, name, *a, **kw)
+            progress(f"{name}: {f'{tps:.2f} tokens/s' if tps else bench.results[-1].error}")
+        checkpoint()
+
+    progress(f"model built on {device} ({expert_gib:.1f} GiB of experts); budget {args.budget_s:.0f} s")
+    peer(base, "full", model, ids, args.tokens)
     try:
         import accelerate  # noqa: F401
         acc = "installed (not run: the hooks row below is the same design)"
     except ImportError:
         acc = "not installed"
     bench.add(f"accelerate cpu_offload: {acc}", None, error="-")
-    hooks = hooks_baseline(model, device)
-    run_peer(bench, "hooks: copy every expert of a layer per forward (pinned)", model, ids, args.baseline_tokens)
-    for h in hooks:
-        h.remove()
-    handle = offload_experts(model, {"gpu_experts_per_layer": args.slots, "speculative_prefetch": False})
-    run_peer(bench, "ours: LRU cache, prefetch off (mixtral-offloading design)", model, ids, args.tokens, handle)
-    handle.speculative_prefetch = True
-    handle.cfg.prefetch_top_k = None
-    run_peer(bench, f"ours: LRU + speculative prefetch top-{args.top_k}", model, ids, args.tokens, handle)
-    handle.cfg.prefetch_top_k = 1
-    run_peer(bench, "ours: LRU + speculative prefetch top-1", model, ids, args.tokens, handle)
-    handle.close()
-    text = bench.report(baseline="full model on GPU (HF generate)")
+    hooks_name = "hooks: copy every expert of a layer per forward (pinned)"
+    if budget.allows((cost["hooks setup"] + cost["hooks"]) * scale, hooks_name):
+        progress("hooks baseline: copying the experts to pinned CPU memory")
+        hooks = hooks_baseline(model, device)
+        peer(hooks_name, "hooks", model, ids, args.baseline_tokens)
+        for h in hooks:
+            h.remove()
+    else:
+        bench.skip(hooks_name)
+    ours = ["ours: LRU cache, prefetch off (mixtral-offloading design)",
+            f"ours: LRU + speculative prefetch top-{args.top_k}", "ours: LRU + speculative prefetch top-1"]
+    if not budget.allows((cost["ours setup"] + cost["ours"]) * scale, "ours (offload_experts)"):
+        for name in ours:
+            bench.skip(name)
+    else:
+        progress("ours: offload_experts (experts into the pinned store)")
+        handle = offload_experts(model, {"gpu_experts_per_layer": args.slots, "speculative_prefetch": False})
+        peer(ours[0], "ours", model, ids, args.tokens, handle)
+        handle.speculative_prefetch = True
+        handle.cfg.prefetch_top_k = None
+        peer(ours[1], "ours", model, ids, args.tokens, handle)
+        handle.cfg.prefetch_top_k = 1
+        peer(ours[2], "ours", model, ids, args.tokens, handle)
+        handle.close()
+    text = bench.report(baseline=base)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
