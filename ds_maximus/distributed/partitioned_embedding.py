@@ -225,18 +225,22 @@ class PartitionedEmbedding(nn.Module):
     def flush(self) -> None:
         self.local.flush()
 
-    def table_bytes(self) -> int:
-        """Bytes this rank holds for the table: CPU tier, row cache and per-row optimizer counters."""
-        tier, total = self.local.tier, 0
+    def tier_bytes(self) -> int:
+        """Bytes of this rank's table tier (rows + optimizer state): about 1/world of the whole table."""
+        tier = self.local.tier
         if hasattr(tier, "tensors"):
-            total += sum(t.numel() * t.element_size() for t in tier.tensors.values())
-        total += sum(t.numel() * t.element_size() for t in self.local.cache.storage.values())
-        return total + self.local.optimizer.last_step.numel() * 8
+            return sum(t.numel() * t.element_size() for t in tier.tensors.values())
+        return self.owned.numel() * self.embedding_dim * 4 * (1 + len(self.local.optimizer.state_names))
+
+    def table_bytes(self) -> int:
+        """Bytes this rank holds for the table: tier, row cache and per-row optimizer counters."""
+        cache = sum(t.numel() * t.element_size() for t in self.local.cache.storage.values())
+        return self.tier_bytes() + cache + self.local.optimizer.last_step.numel() * 8
 
     def stats(self) -> dict:
         s = dict(self.local.stats())
         s.update(self.comm.stats())
-        s["table_bytes"] = self.table_bytes()
+        s["table_bytes"], s["tier_bytes"] = self.table_bytes(), self.tier_bytes()
         s["last_step"] = {**s.get("last_step", {}), **self._step_comm}
         return s
 

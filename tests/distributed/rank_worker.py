@@ -1,6 +1,6 @@
 """One rank of the PartitionedEmbedding tests (no DeepSpeed engine): started N times by ``ranks.py``.
 
-    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python rank_worker.py equal /tmp/out
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python rank_worker.py equal,bad_id /tmp/out
 """
 import os
 import sys
@@ -77,12 +77,14 @@ def main():
     scenario, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        globals()[scenario](rank, world, out)
-    except Exception as e:
-        print(f"RANK{rank} {type(e).__name__}: {e}", flush=True)
-        os._exit(3)
-    os._exit(0)  # skip process-group teardown (a dead peer would make it wait)
+    rc = 0
+    for name in scenario.split(","):  # several scenarios in one start-up (imports cost seconds per rank)
+        try:
+            globals()[name](rank, world, out)
+        except Exception as e:
+            print(f"RANK{rank} {name} {type(e).__name__}: {e}", flush=True)
+            rc = 3
+    os._exit(rc)  # skip process-group teardown (a dead peer would make it wait)
 
 
 if __name__ == "__main__":
