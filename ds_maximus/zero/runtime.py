@@ -61,6 +61,12 @@ class MaximusRuntime:
         e.save_checkpoint = self._save_checkpoint
         e.load_checkpoint = self._load_checkpoint
         e.maximus = self
+        # DeepSpeed casts parameters (not modules) to bf16/fp16: tell the sharded modules their output dtype
+        dtype = torch.bfloat16 if e.bfloat16_enabled() else torch.float16 if e.fp16_enabled() else None
+        if dtype is not None:
+            for m in self.modules.values():
+                if hasattr(m, "out_dtype"):
+                    m.out_dtype = dtype
 
     # -- groups / scalars ---------------------------------------------------------------------
     def _dp_group(self):

@@ -92,3 +92,14 @@ def embedding_weight(engine) -> torch.Tensor:
             return w.detach().float().cpu().clone()
     # the fp32 master lives in the optimizer under bf16/ZeRO; the module copy is what forward used
     return w.detach().float().cpu().clone()
+
+
+def assert_weights_close(got: torch.Tensor, ref: torch.Tensor, lr: float = 1e-2) -> None:
+    """fp32 tables after exact sparse AdamW vs dense AdamW: 99.5% of elements within 1e-5 and every
+    element within one lr step. Adam divides by sqrt(v), which amplifies last-bit summation-order
+    differences in the few elements whose accumulated gradient nearly cancels; two dense runs that
+    sum in a different order differ the same way."""
+    diff = (got - ref).abs()
+    frac = float((diff > 1e-5).float().mean())
+    assert frac < 5e-3, f"{frac:.4%} of elements differ by more than 1e-5 (max {float(diff.max()):.3g})"
+    assert float(diff.max()) < lr, f"max difference {float(diff.max()):.3g} exceeds one lr step ({lr})"
