@@ -4,7 +4,23 @@
     deepspeed --num_gpus 1 examples/train_llama.py --deepspeed_config ds_configs/zero2_cpu_tier.json --plain
 
 With ``--plain`` the same script runs plain ``deepspeed.initialize`` (the "maximus" section is dropped),
-for comparison. Data: Zipf-distributed ids over a frequency-ordered vocabulary, or real text
+for comparison; ``--zero-stage``/``--offload-optimizer``/``--micro-batch`` vary the plain peer, and
+``--cap-gib`` caps the process's GPU memory (``torch.cuda.set_per_process_memory_fraction``).
+
+The headline (``ds_configs/llama_262k_16gib.json``, ``benchmarks/bench_headline.py``)::
+
+    python examples/train_llama.py --deepspeed_config ds_configs/llama_262k_16gib.json --vocab 262144 \
+        --hidden 2048 --layers 16 --heads 16 --ffn 2816 --seq 2048 --grad-checkpointing --cap-gib 16
+
+Why these sizes: with ffn 2816 the 16 blocks hold 545M params (1.62B with the untied embedding and
+head, 1.08B tied). Plain ZeRO-2 keeps ~20-22 B per block param on the GPU at the optimizer step (bf16
+params and grads, the fp32 gradient copy, fp32 master, two moments, torch AdamW's temporary):
+~11-12 GiB. Gradient checkpointing keeps 16 layer inputs (8 x 2048 x 2048 bf16 = 64 MiB each) plus one
+layer's recompute (~1.3 GiB). The embedding (CPU tier, 16K-row GPU cache: 384 MiB) and the head (fp32
+master + moments in pinned RAM, 16K-row bf16 chunks streamed, AdamW on the GPU in 4K-row blocks:
+~0.7 GiB of staging) add ~1 GiB: ~13 GiB, a ~3 GiB margin under 16 GiB. With ffn 4096 (671M block
+params) the margin falls under 1 GiB; offloading the blocks' optimizer too would cost a CPU Adam over
+545M params every step (~1 s), far from the throughput target, so the blocks stay on the GPU. Data: Zipf-distributed ids over a frequency-ordered vocabulary, or real text
 (``pydoc_data.topics``) through a tokenizer folder written by ``maximus-tokenizer build`` (``--tokenizer``).
 Prints the loss, tokens/s and the maximus stats line.
 """
@@ -36,6 +52,13 @@ def parse_args(argv=None):
     ap.add_argument("--grad-checkpointing", action="store_true")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--json-out", default=None, help="write losses and figures to this JSON file (rank 0)")
+    ap.add_argument("--cap-gib", type=float, default=None, help="cap this process's GPU memory (GiB)")
+    ap.add_argument("--zero-stage", type=int, default=None, help="override zero_optimization.stage")
+    ap.add_argument("--offload-optimizer", action="store_true", help="ZeRO optimizer offload to CPU (plain peers)")
+    ap.add_argument("--micro-batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
+    ap.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the tokens/s figure")
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds of training")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.add_config_arguments(ap)
     return ap.parse_args(argv)
@@ -81,14 +104,47 @@ def text_stream(tok_dir: str, batch: int, seq: int, rank: int, world: int):
         i += world
 
 
+def apply_overrides(ds_cfg: dict, args) -> dict:
+    """The command line's variations of the config (plain peers, caps)."""
+    if args.plain:
+        ds_cfg.pop("maximus", None)
+    zero = ds_cfg.setdefault("zero_optimization", {})
+    if args.zero_stage is not None:
+        zero["stage"] = args.zero_stage
+    if args.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if zero.get("stage", 0) == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        ds_cfg.get("optimizer", {}).get("params", {}).pop("torch_adam", None)   # DeepSpeedCPUAdam
+    if args.micro_batch is not None:
+        ds_cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+    if args.gas is not None:
+        ds_cfg["gradient_accumulation_steps"] = args.gas
+    ds_cfg.pop("train_batch_size", None)
+    return ds_cfg
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.cap_gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    try:
+        return train(args)
+    except torch.cuda.OutOfMemoryError as e:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"OOM: {str(e).splitlines()[0][:200]} (peak {peak:.2f} GiB)", flush=True)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"error": "OOM", "peak_gib": peak}, f)
+        raise SystemExit(3)
+
+
+def train(args):
     import deepspeed
     import ds_maximus
     with open(args.deepspeed_config) as f:
-        ds_cfg = json.load(f)
-    if args.plain:
-        ds_cfg.pop("maximus", None)
+        ds_cfg = apply_overrides(json.load(f), args)
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     vocab = args.vocab
@@ -96,6 +152,7 @@ def main(argv=None):
         from transformers import PreTrainedTokenizerFast
         vocab = len(PreTrainedTokenizerFast.from_pretrained(args.tokenizer))
     model = make_model(args, vocab)
+    n_params = sum(p.numel() for p in model.parameters())
     args.deepspeed_config = None
     engine, _, _, _ = ds_maximus.initialize(args=args, model=model, model_parameters=model.parameters(),
                                             config=ds_cfg)
@@ -106,12 +163,16 @@ def main(argv=None):
     from ds_maximus.integrations.hf import lookahead
     if not args.plain:
         data = lookahead(data, engine.module)
-    losses, t_start, tokens = [], None, 0
+    losses, t_start, tokens, t_train = [], None, 0, time.perf_counter()
+    steps_done = 0
     for step in range(args.steps):
-        if step == 2:  # skip warm-up (op JIT, allocator) in the throughput figure
+        if step == args.warmup_steps:  # skip warm-up (op JIT, allocator) in the throughput figure
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             t_start, tokens = time.perf_counter(), 0
+        if args.max_seconds and time.perf_counter() - t_train > args.max_seconds and step > args.warmup_steps + 1:
+            print(f"stopping at step {step}: --max-seconds {args.max_seconds} reached", flush=True)
+            break
         for _ in range(gas):
             ids = next(data).to(engine.device)
             loss = engine(input_ids=ids, labels=ids).loss
@@ -119,22 +180,24 @@ def main(argv=None):
             engine.step()
             tokens += ids.numel() * world
         losses.append(float(loss.detach().float()))
+        steps_done = step + 1
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"step {step:4d} loss {losses[-1]:.4f}", flush=True)
+            print(f"step {step:4d} loss {losses[-1]:.4f} ({time.perf_counter() - t_train:.1f} s)", flush=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t_start if t_start else float("nan")
     tps = tokens / elapsed if t_start else float("nan")
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     if rank == 0:
-        print(f"done: {args.steps} steps, {tps:,.0f} tokens/s, peak GPU memory {peak:.2f} GiB, "
+        print(f"done: {steps_done} steps, {tps:,.0f} tokens/s, peak GPU memory {peak:.2f} GiB, "
               f"{'plain DeepSpeed' if args.plain else 'maximus'}", flush=True)
         if not args.plain and getattr(engine, "maximus", None) is not None:
             from ds_maximus.observability import format_line
             print(format_line(ds_maximus.stats(engine)), flush=True)
         if args.json_out:
             with open(args.json_out, "w") as f:
-                json.dump({"losses": losses, "tokens_per_s": tps, "peak_gib": peak}, f)
+                json.dump({"losses": losses, "tokens_per_s": tps, "peak_gib": peak, "steps": steps_done,
+                           "params": n_params}, f)
     return losses
 
 

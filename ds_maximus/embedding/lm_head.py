@@ -111,6 +111,11 @@ class ShardedLMHead(nn.Module):
         return cls(config=config, weight=linear.weight.detach(), device=linear.weight.device, **kwargs)
 
     @property
+    def optimizer(self) -> Optional[HeadTier]:
+        """The CPU tier, whose ``beta1/beta2/eps`` the engine aligns with DeepSpeed's optimizer."""
+        return self.tier
+
+    @property
     def owns_weights(self) -> bool:
         """True when this head keeps its own rows outside autograd (the engine must call ``sparse_step``)."""
         return self.tier is not None

@@ -52,6 +52,9 @@ class HeadTier:
         else:
             self.weight = w.clone() if w.data_ptr() == weight.data_ptr() else w
         self.opt = optimizer or EmbeddingOptimizerConfig()
+        # AdamW constants; the engine sets them from the DeepSpeed optimizer unless the config names them
+        self.beta1, self.beta2 = (float(b) for b in self.opt.betas)
+        self.eps = float(self.opt.eps)
         self.exp_avg: Optional[torch.Tensor] = None
         self.exp_avg_sq: Optional[torch.Tensor] = None
         self.grad: Optional[torch.Tensor] = None
@@ -266,7 +269,7 @@ class HeadTier:
                               "maximus.embedding.optimizer.lr", "maximus.embedding.optimizer.lr")
         wd = self.opt.weight_decay if weight_decay is None else weight_decay
         wd = float(wd or 0.0)
-        b1, b2 = (float(b) for b in self.opt.betas)
+        b1, b2 = self.beta1, self.beta2
         if self.exp_avg is None:
             self.exp_avg = _zeros(self.weight.shape, self.pin)
             self.exp_avg_sq = _zeros(self.weight.shape, self.pin)
@@ -282,7 +285,7 @@ class HeadTier:
                 g = g.clone()
                 g[~have] = 0
             adamw_rows_(self.weight[lo:hi], g, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step=self.step,
-                        lr=float(lr), beta1=b1, beta2=b2, eps=float(self.opt.eps), weight_decay=wd)
+                        lr=float(lr), beta1=b1, beta2=b2, eps=self.eps, weight_decay=wd)
             for mirror in self._mirrors.values():
                 mirror[lo:hi].copy_(self.weight[lo:hi])
         self.lr_history.append(float(lr))
@@ -306,7 +309,7 @@ class HeadTier:
         host = {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
         self._step_event = self._staged_opt.step(
             host, self.grad_rows.clone(), self._mirrors, step=self.step, lr=lr, beta1=b1, beta2=b2,
-            eps=float(self.opt.eps), weight_decay=wd, grad_scale=self._grad_scale, after=after)
+            eps=self.eps, weight_decay=wd, grad_scale=self._grad_scale, after=after)
         self.counters["bytes_h2d"] += self.vocab_size * self.dim * 16
         self.counters["bytes_d2h"] += self.vocab_size * self.dim * (12 + sum(
             torch.empty((), dtype=dt).element_size() for dt in self._mirrors))

@@ -54,11 +54,13 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         head = attach_lm_head(model, cfg)
         if head is not None and hasattr(head, "sparse_step") and getattr(head, "owns_weights", False):
             modules["lm_head"] = head
-    if isinstance(optimizer, torch.optim.Optimizer) and plan.removed_params:
-        remove_params_from_optimizer(optimizer, plan.removed_params)
+    # the replaced head's weight (placement cpu) leaves the model like the embedding's
+    removed = list(plan.removed_params) + list(getattr(modules.get("lm_head"), "removed_params", None) or [])
+    if isinstance(optimizer, torch.optim.Optimizer) and removed:
+        remove_params_from_optimizer(optimizer, removed)
     # parameters that left the model must not reach DeepSpeed either
     if model_parameters is not None:
-        gone = {id(p) for p in plan.removed_params}
+        gone = {id(p) for p in removed}
         model_parameters = _filter_params(model_parameters, gone)
     runtime = None
     if modules:
