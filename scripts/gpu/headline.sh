@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU run of the headline benchmark (benchmarks/bench_headline.py): a 262K-vocabulary Llama
+# (hidden 2048, 16 layers, ffn 2816, 8 x 2048 tokens, bf16 ZeRO-2) under a 16 GiB cap.
+#   1. build our ShardedEmbedding CUDA op (cached: seconds; cold ~70 s) while DeepSpeed's cpu_adam
+#      builds in the background (the offload peers, run last, need it)
+#   2. speed table: plain ZeRO-2 capped (OOM expected), maximus capped, plain ZeRO-2 uncapped
+#      (reference), then ZeRO-2 / ZeRO-3 CPU offload capped; 10 steps each (3 warm-up), own processes
+#   3. 200-step loss curve, maximus (capped) vs plain ZeRO-2 (uncapped), same seed, at vocab 262144,
+#      hidden 1024, 4 layers, 8 x 512 tokens (the full model's 200 steps would take ~4 min alone)
+# -> $OUT/headline.md (+ CSV, + the full log in $OUT/headline.log). About 300 s wall on an H200.
+set -x
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$PWD/bench_out}"
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
+export DS_ACCELERATOR=cuda
+export MAXIMUS_BENCH_OUT="$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total --format=csv || true
+
+timeout 200 python -u -c "
+from deepspeed.ops.op_builder import CPUAdamBuilder
+CPUAdamBuilder().load(); print('cpu_adam built', flush=True)" > "$OUT/headline_ds_ops_build.log" 2>&1 &
+ds_build=$!
+timeout 120 python -u -c "from ds_maximus.ops import sharded_embedding as o; print('op', o.load_op('cuda') is not None)" \
+  > "$OUT/headline_build.txt" 2>&1
+tail -3 "$OUT/headline_build.txt"
+timeout 290 python -u -m benchmarks.bench_headline --out "$OUT/headline.md" --steps 10 --warmup 3 \
+  --config-timeout-s 75 --offload-timeout-s 45 --curve-steps 200 --budget-s 270 2>&1 | tee "$OUT/headline.log"
+bench_rc=${PIPESTATUS[0]}
+kill "$ds_build" 2>/dev/null; wait "$ds_build" 2>/dev/null
+tail -3 "$OUT/headline_ds_ops_build.log"
+echo "bench rc=$bench_rc"
+[ "$bench_rc" = 0 ]
+# CPU smoke test of the same benchmark (tiny sizes): python -m benchmarks.bench_headline --cpu --curve-steps 20
