@@ -89,8 +89,11 @@ class PartitionedEmbedding(nn.Module):
             local_cfg = copy.deepcopy(config)  # each rank's store holds only its rows
             local_cfg.offload.nvme_path = os.path.join(config.offload.nvme_path, f"rank{self.rank:05d}")
         w = None if _weight is None else _weight.detach().index_select(0, self.owned.to(_weight.device))
-        self.local = ShardedEmbedding(self.owned.numel(), embedding_dim, local_pad, local_cfg, device=device,
-                                      dtype=dtype, _weight=w, log_interval_steps=log_interval)
+        # not a registered child: the model's state_dict (DeepSpeed's module checkpoint) must not carry a
+        # rank's slice; the maximus state files hold the table (see ds_maximus/distributed/repartition.py)
+        object.__setattr__(self, "local", ShardedEmbedding(self.owned.numel(), embedding_dim, local_pad, local_cfg,
+                                                           device=device, dtype=dtype, _weight=w,
+                                                           log_interval_steps=log_interval))
         self._anchor = torch.zeros((), requires_grad=True)
         self._anchor_fn = None
         self._last_comm = self.comm.stats()
@@ -122,6 +125,11 @@ class PartitionedEmbedding(nn.Module):
     @property
     def optimizer(self):
         return self.local.optimizer
+
+    def _apply(self, fn, recurse=True):
+        """``.to()/.half()`` reach the local table's cache and output dtype (the fp32 rows stay)."""
+        self.local._apply(fn, recurse)
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rank={self.rank}/{self.world}, {self.partition}"

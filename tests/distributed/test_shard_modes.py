@@ -38,8 +38,13 @@ def runs(tmp_path_factory):
 
 
 def close(got, ref, start=0):
+    """Losses rtol 1e-5; weights as in tests/zero/test_zero_equality.py: 99.5% of elements within 1e-5 and
+    all within 1e-2 (Adam's 1/sqrt(v) amplifies last-bit differences of summation order where a row's
+    gradient nearly cancels; ranks sum a row's gradient in another order than one rank does)."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][start:]), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got["embedding"], ref["embedding"], rtol=1e-5, atol=1e-6)
+    diff = (got["embedding"] - ref["embedding"]).abs()
+    assert float((diff > 1e-5).float().mean()) < 5e-3, float((diff > 1e-5).float().mean())
+    assert float(diff.max()) < 1e-2, float(diff.max())
 
 
 @pytest.mark.parametrize("mode", ["partitioned", "broadcast", "replicated"])
