@@ -1,0 +1,130 @@
+"""Partitioned vs replicated embedding over N ranks: per-step time, bytes moved, scaling efficiency.
+
+    python -m benchmarks.bench_distributed_embedding --ranks 1,2 --vocab 65536 --dim 256 --tokens 4096
+
+Weak scaling: every rank looks up ``--tokens`` Zipf ids per step (a frequency-ordered vocabulary), so
+efficiency = step time on 1 rank / step time on N ranks (1.0 = perfect). A step is forward, backward
+and the sparse AdamW update; ``replicated`` also all-gathers the sparse grads
+(``allreduce_sparse_rows``), ``partitioned`` does its all-to-alls. Ranks are processes on this host:
+NCCL on GPUs when there are enough, else gloo on CPU. Each world size runs in fresh processes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.harness import Bench
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ids(step, rank, tokens, vocab):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    # Zipf-like over a frequency-ordered vocabulary, drawn by inverse transform (no V-sized multinomial)
+    u = torch.rand(tokens, generator=g, dtype=torch.float64)
+    return (vocab ** u - 1).long().clamp_(0, vocab - 1)
+
+
+def _worker(rank, world, port, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.distributed import PartitionedEmbedding, allreduce_sparse_rows
+    from ds_maximus.embedding import ShardedEmbedding
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    cfg = EmbeddingConfig(gpu_cache_rows=args.cache_rows, optimizer={"lr": 1e-3, "weight_decay": 0.0})
+    rows = {}
+    for mode in args.modes.split(","):
+        if mode == "partitioned":
+            emb = PartitionedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
+        else:
+            emb = ShardedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
+        times, sent = [], []
+        for step in range(args.warmup + args.steps):
+            ids = _ids(step, rank, args.tokens, args.vocab).to(dev)
+            before = emb.comm.stats()["bytes_sent"] if mode == "partitioned" else 0
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            emb(ids).float().pow(2).mean().backward()
+            if mode != "partitioned" and world > 1:
+                g_ids, g_rows = emb.sparse_grads()
+                g_ids, g_rows = allreduce_sparse_rows(g_ids, g_rows)
+                emb.set_sparse_grads_(g_ids, g_rows)
+                moved = (world - 1) * g_ids.numel() * (8 + 4 * args.dim)  # lower bound: the padding not counted
+            else:
+                moved = emb.comm.stats()["bytes_sent"] - before if mode == "partitioned" else 0
+            emb.sparse_step()
+            if cuda:
+                torch.cuda.synchronize()
+            if step >= args.warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+                sent.append(moved)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        table = emb.tier_bytes() if hasattr(emb, "tier_bytes") else args.vocab * args.dim * 12
+        rows[mode] = {"ms": float(t), "bytes_sent_per_step": statistics.mean(sent), "tier_bytes": table,
+                      "comm_ms": emb.comm.stats()["comm_ms"] / (args.warmup + args.steps)
+                      if mode == "partitioned" else None}
+        del emb
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", default="1,2", help="world sizes to run, comma-separated (1 is the baseline)")
+    ap.add_argument("--modes", default="partitioned,replicated")
+    ap.add_argument("--vocab", type=int, default=65536)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=2048, help="ids per rank per step")
+    ap.add_argument("--cache-rows", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    args = ap.parse_args()
+    worlds = sorted({int(x) for x in args.ranks.split(",")} | {1})
+    bench = Bench("distributed_embedding", dtype="fp32",
+                  sizes={"V": args.vocab, "d": args.dim, "tokens/rank": args.tokens},
+                  notes="weak scaling; efficiency = ms(1 rank) / ms(N ranks); bytes = sent per rank per step")
+    base = {}
+    for world in worlds:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            mp.start_processes(_worker, args=(world, _free_port(), args, f.name), nprocs=world,
+                               start_method="spawn")
+            res = json.load(open(f.name))
+        for mode, r in res.items():
+            base.setdefault(mode, r["ms"])
+            bench.add(f"{mode} x{world}", r["ms"], efficiency=round(base[mode] / r["ms"], 3),
+                      MiB_sent_per_step=r["bytes_sent_per_step"] / 2**20,
+                      comm_ms_per_step=r["comm_ms"] if r["comm_ms"] is not None else "-",
+                      table_MiB_per_rank=r["tier_bytes"] / 2**20)
+        bench.checkpoint(args.out)
+    bench.report()
+    if args.out:
+        bench.checkpoint(args.out)
+
+
+if __name__ == "__main__":
+    main()
