@@ -166,8 +166,8 @@ def main():
         big.clear()
 
     def big_row():
-        add("ours (block_bytes=512 MiB)", lambda: linear_cross_entropy(h, w, y, chunk_rows=a.chunk_rows,
-                                                                       block_bytes=512 << 20))
+        add("ours (block_bytes=256 MiB)", lambda: linear_cross_entropy(h, w, y, chunk_rows=a.chunk_rows,
+                                                                       block_bytes=256 << 20))
 
     def eager_row():   # the tile math uncompiled (the switch is read on every call)
         old = os.environ.get("DS_MAXIMUS_LCE_COMPILE")
@@ -188,7 +188,7 @@ def main():
                  ("cce", "Cut Cross-Entropy", cce_row, 25),
                  ("floor", "GEMMs of our tiling only (floor)", floor_row, 4),
                  ("floor", "3 GEMMs untiled ([N, V] in memory)", untiled_row, 5),
-                 ("big", "ours (block_bytes=512 MiB)", big_row, 10),
+                 ("big", "ours (block_bytes=256 MiB)", big_row, 10),
                  ("eager", "ours (eager tile math, uncompiled)", eager_row, 8)]
     progress(f"inputs ready on {dev}; budget {a.budget_s:.0f} s")
     for key, name, fn, cost in providers:

@@ -11,7 +11,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu" if not os.environ.get("CUDA_VISIBLE_DEVICES_FORCE") else "cuda")
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# DeepSpeed's CPU accelerator (gloo) here; its CUDA accelerator on the GPU machine
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", str(_free_port()))
 os.environ.setdefault("RANK", "0")
@@ -23,14 +32,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_ROOT, "build", "torch_extensions"))
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except Exception:
-        return False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -66,7 +66,7 @@ class ShardedLMHead(nn.Module):
     def __init__(self, vocab_size: Optional[int] = None, hidden_size: Optional[int] = None, *,
                  config: Union[LMHeadConfig, MaximusConfig, dict, None] = None, tied_to=None,
                  weight: Optional[torch.Tensor] = None, device=None, dtype=None,
-                 optimizer: Optional[EmbeddingOptimizerConfig] = None, block_bytes: int = 256 * MIB,
+                 optimizer: Optional[EmbeddingOptimizerConfig] = None, block_bytes: int = 512 * MIB,
                  fp32_weight_grad: bool = False, update_device="auto", update_rows: int = 4096):
         super().__init__()
         cfg, opt_cfg = _configs(config)
