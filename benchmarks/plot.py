@@ -3,8 +3,9 @@
     python -m benchmarks.plot [--csv-dir bench_out] [--out docs/bench]
 
 Each ``<feature>.csv`` written by ``benchmarks.harness.Bench`` becomes ``<feature>.png`` with one panel
-per figure it has (ms per call, peak GiB, and tokens/s when present). Failed peers (OOM, ...) are
-drawn as a hatched, labelled stub so a missing bar is never mistaken for a small one.
+per figure it has (ms per call, peak GiB, and tokens/s when present). Our rows (named "maximus ..." or
+"ours ...") are red, peers grey. Failed peers (OOM, ...) are drawn as a hatched, labelled stub so a
+missing bar is never mistaken for a small one.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 from typing import Dict, List
 
 PANELS = [("ms", "time per call (ms, lower is better)"), ("peak_gib", "peak memory (GiB, lower is better)"),
-          ("tokens_per_s", "throughput (tokens/s, higher is better)")]
+          ("tokens_per_s", "throughput (tokens/s, higher is better)"),
+          ("tokens/s", "throughput (tokens/s, higher is better)"), ("GB/s", "bandwidth (GB/s, higher is better)")]
 
 
 def read_csv(path: Path) -> List[Dict[str, str]]:
@@ -36,15 +38,13 @@ def plot_feature(rows: List[Dict[str, str]], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     panels = [(k, t) for k, t in PANELS if any(_num(r.get(k)) is not None for r in rows)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 0.55 * len(rows) + 1.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.0 * len(panels), 0.55 * len(rows) + 2.0), squeeze=False)
     names = [r["provider"] for r in rows]
     for ax, (key, title) in zip(axes[0], panels):
         vals = [_num(r.get(key)) for r in rows]
         top = max([v for v in vals if v is not None] or [1.0])
         for i, (name, v) in enumerate(zip(names, vals)):
-            ours = not any(peer in name.lower() for peer in ("torch", "nn.", "deepspeed", "zero", "liger", "cut",
-                                                             "safetensors", "accelerate", "raw", "plain", "dense",
-                                                             "sparseadam", "all-on-gpu", "aio"))
+            ours = any(tag in name.lower() for tag in ("maximus", "ours"))
             if v is None:
                 ax.barh(i, top * 0.03, color="white", edgecolor="grey", hatch="//")
                 ax.text(top * 0.04, i, rows[i].get("error") or "n/a", va="center", fontsize=8, color="grey")
@@ -54,10 +54,12 @@ def plot_feature(rows: List[Dict[str, str]], out: Path) -> Path:
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9)
-        ax.set_xlim(0, top * 1.25)
+        ax.set_xlim(0, top * 1.35)
     first = rows[0]
-    fig.suptitle(f"{first['feature']}: {first.get('device', '')}, {first.get('dtype', '')}, "
-                 f"{first.get('sizes', '')} (commit {first.get('commit', '')})", fontsize=9)
+    import textwrap
+    title = (f"{first['feature']}: {first.get('device', '')}, {first.get('dtype', '')}, "
+             f"{first.get('sizes', '').replace(';', ', ')} (commit {first.get('commit', '')})")
+    fig.suptitle("\n".join(textwrap.wrap(title, 60 * len(panels) // 2 + 40)), fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
