@@ -188,8 +188,9 @@ def train(args):
     elapsed = time.perf_counter() - t_start if t_start else float("nan")
     tps = tokens / elapsed if t_start else float("nan")
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    peak_txt = f"{peak:.2f} GiB" if peak == peak else "n/a (CPU)"
     if rank == 0:
-        print(f"done: {steps_done} steps, {tps:,.0f} tokens/s, peak GPU memory {peak:.2f} GiB, "
+        print(f"done: {steps_done} steps, {tps:,.0f} tokens/s, peak GPU memory {peak_txt}, "
               f"{'plain DeepSpeed' if args.plain else 'maximus'}", flush=True)
         if not args.plain and getattr(engine, "maximus", None) is not None:
             from ds_maximus.observability import format_line
