@@ -108,7 +108,11 @@ def lookahead(loader: Iterable, model_or_modules) -> Iterable:
         cur = next(it)
     except StopIteration:
         return
-    for nxt in it:
+    while True:  # not ``for nxt in it``: DeepSpeed's loader restarts itself in __iter__
+        try:
+            nxt = next(it)
+        except StopIteration:
+            break
         ids = _unique_ids(nxt)
         if ids is not None:
             for m in modules:

@@ -79,6 +79,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     engine, opt, loader, sched = _DEEPSPEED_INITIALIZE(args=_strip_args(args), model=model, optimizer=optimizer,
                                                        model_parameters=model_parameters, config=ds_config, **kwargs)
     if runtime is not None:
+        from ds_maximus.zero.lookahead import wrap_loader
+        loader = wrap_loader(loader, plan.swapped.values())
         runtime.engine = engine
         for m in modules.values():
             _configure_from_engine(m, engine, cfg)
