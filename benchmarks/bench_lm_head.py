@@ -194,20 +194,8 @@ def main():
     for key, name, fn, cost in providers:
         if key in skip:
             continue
-        if not budget.allows(cost * (1 if dev.type == "cuda" else 0.05), name):
-            bench.skip(name)
-        else:
-            progress(f"{name}: start ({budget.left():.0f} s left)")
-            try:
-                fn()
-            except Exception as e:  # a peer that cannot run is a row, not a crash
-                bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:80]}")
-            last = bench.results[-1]
-            progress(f"{last.name}: {f'{last.ms:.2f} ms' if last.ms else last.error}")
+        bench.run_budgeted(name, fn, cost * (1 if dev.type == "cuda" else 0.05), budget, out=a.out, baseline=base)
         clear()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        bench.checkpoint(a.out, baseline=base)   # a kill still leaves the rows measured so far
 
     text = bench.report(baseline=base)
     ours = next((r for r in bench.results if r.name.startswith("ours (resident") and r.ms), None)

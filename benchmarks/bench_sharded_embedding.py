@@ -17,7 +17,6 @@ optimizer when fused_adam is not built, and ZeRO-Offload builds cpu_adam only wh
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from pathlib import Path
 
@@ -179,21 +178,7 @@ def main(argv=None):
                  ("DeepSpeed ZeRO-2 + CPU optimizer offload", "zero2_offload", lambda: run_deepspeed(True))]
     progress(f"setup done ({len(batches)} batches, {uniq:.0f} unique ids/batch); budget {a.budget_s:.0f} s")
     for name, key, r in runs:
-        need = COST[key] * (1 if cuda else 0.1)
-        if not budget.allows(need, name):
-            bench.skip(name)
-        else:
-            progress(f"{name}: start ({budget.left():.0f} s left)")
-            try:
-                r()
-            except Exception as e:  # a peer that cannot run is a row, not a crash
-                bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:80]}")
-            last = bench.results[-1]
-            progress(f"{last.name}: {f'{last.ms:.2f} ms' if last.ms else last.error}")
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        bench.checkpoint(a.out, baseline=base)  # partial table after every provider: a kill leaves figures
+        bench.run_budgeted(name, r, COST[key] * (1 if cuda else 0.1), budget, out=a.out, baseline=base)
     text = bench.report(baseline=base)
     ours = next(r for r in bench.results if r.name.startswith("maximus"))
     dense = next((r for r in bench.results if r.name == base), None)

@@ -173,6 +173,25 @@ class Bench:
         """A peer left out (time budget, missing package): still a row of the table."""
         return self.add(name, None, error=reason, **extra)
 
+    def run_budgeted(self, name: str, fn: Callable[[], object], need_s: float, budget: "Budget",
+                     out=None, baseline: Optional[str] = None) -> None:
+        """Run one provider ``fn`` (which adds its row) if ``need_s`` seconds fit in ``budget``, else add a
+        "skipped" row; an exception becomes an error row. Then free memory and write the partial table."""
+        if not budget.allows(need_s, name):
+            self.skip(name)
+        else:
+            progress(f"{name}: start ({budget.left():.0f} s left)")
+            try:
+                fn()
+            except Exception as e:  # a peer that cannot run is a row, not a crash
+                self.add(name, None, error=f"{type(e).__name__}: {str(e)[:80]}")
+            last = self.results[-1]
+            progress(f"{last.name}: {f'{last.ms:.2f} ms' if last.ms else last.error}")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.checkpoint(out, baseline=baseline)  # a kill still leaves the rows measured so far
+
     def checkpoint(self, path=None, baseline: Optional[str] = None, tail: str = "") -> str:
         """Write the table so far (markdown to ``path`` when given, CSV under the output folder) without
         printing it; a benchmark calls this after every peer so a kill leaves a partial table."""
