@@ -126,6 +126,14 @@ class EmbeddingConfig(_Section):
     """Where the full table lives."""
 
 
+class ExpertOptimizerDevice(str, enum.Enum):
+    """Where the optimizer step of a trained expert runs: on the compute device (its fp32 master and
+    moments are streamed in and out), or on the CPU beside the CPU tier (only the gradient moves)."""
+
+    COMPUTE = "compute"
+    CPU = "cpu"
+
+
 class LMHeadConfig(_Section):
     enabled: bool = False
     """Compute the causal-LM loss with ``ShardedLMHead`` (no full logits)."""
@@ -153,6 +161,17 @@ class MoEConfig(_Section):
     """Train experts as swappable partitions (under ``ds_maximus.initialize``)."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     """Where the experts live."""
+    optimizer: EmbeddingOptimizerConfig = Field(default_factory=EmbeddingOptimizerConfig)
+    """With ``train``: optimizer of the experts (each expert is one row); ``exact`` mode equals dense AdamW."""
+    optimizer_device: ExpertOptimizerDevice = ExpertOptimizerDevice.COMPUTE
+    """With ``train``: where the experts' optimizer step runs (``compute``: GPU; ``cpu``: beside the CPU tier)."""
+    step_chunk_experts: int = Field(4, ge=1)
+    """With ``train``: experts stepped at once on the compute device (bounds the fp32 state staged there)."""
+    grads_follow_cache: bool = True
+    """With ``train``: an evicted expert's accumulated gradient moves to the CPU; ``false`` keeps every
+    gradient on the compute device until the step."""
+    backward_prefetch: bool = True
+    """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
 
 
 class IOConfig(_Section):

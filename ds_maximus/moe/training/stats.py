@@ -1,0 +1,89 @@
+"""Counters of expert training: experts moved per step, bytes, stall ms, cache hit rate, routing histogram.
+
+"Moved" counts the traffic between the CPU tier and the compute device: experts loaded into the
+expert cache (demand + prefetch, compute dtype), the optimizer's staging of masters and moments
+(``optimizer_device: compute``) or of gradients (``cpu``), and refreshes of resident slots after an
+update. On a CPU-only run the same traffic is counted (it is what would cross PCIe).
+
+    >>> s = ExpertTrainStats(num_layers=1, num_experts=4)
+    >>> s.route(0, [3, 0, 1, 0]); s.as_dict(None)["routing"]
+    [[3, 0, 1, 0]]
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class _Step:
+    experts_loaded: int = 0
+    bytes_loaded: int = 0
+    experts_stepped: int = 0
+    bytes_step: int = 0
+    bytes_refresh: int = 0
+    caught_up: int = 0
+    stall_ms: float = 0.0
+    step_ms: float = 0.0
+    hits: int = 0
+    lookups: int = 0
+
+
+class ExpertTrainStats:
+    def __init__(self, num_layers: int, num_experts: int):
+        self.routing = torch.zeros(num_layers, num_experts, dtype=torch.long)       # cumulative tokens
+        self.step_routing = torch.zeros(num_layers, num_experts, dtype=torch.long)  # this step's
+        self.steps = 0
+        self.experts_stepped = 0
+        self.bytes_step = 0
+        self.bytes_refresh = 0
+        self.caught_up = 0
+        self.last = _Step()
+        self._mark = {"loads": 0, "bytes": 0, "stall": 0.0, "hits": 0, "lookups": 0, "stepped": 0,
+                      "bytes_step": 0, "refresh": 0, "caught": 0}
+
+    def route(self, group: int, counts: List[int]) -> None:
+        c = torch.tensor(counts, dtype=torch.long)
+        self.routing[group] += c
+        self.step_routing[group] += c
+
+    def stepped(self, n: int, state_bytes_per_expert: int, grad_bytes_per_expert: int) -> None:
+        """``n`` experts updated; staged state (compute-device optimizer) or their gradient moved."""
+        self.experts_stepped += n
+        self.bytes_step += n * (2 * state_bytes_per_expert if state_bytes_per_expert else grad_bytes_per_expert)
+
+    def end_step(self, cache, step_ms: float) -> None:
+        s = cache.stats()
+        loads = s["demand_misses"] + s["prefetch_issued"]
+        m = self._mark
+        self.last = _Step(experts_loaded=loads - m["loads"], bytes_loaded=s["bytes_moved"] - m["bytes"],
+                          experts_stepped=self.experts_stepped - m["stepped"],
+                          bytes_step=self.bytes_step - m["bytes_step"],
+                          bytes_refresh=self.bytes_refresh - m["refresh"], caught_up=self.caught_up - m["caught"],
+                          stall_ms=s["stall_ms"] - m["stall"], step_ms=step_ms,
+                          hits=s["demand_hits"] - m["hits"], lookups=s["demand_lookups"] - m["lookups"])
+        self._mark = {"loads": loads, "bytes": s["bytes_moved"], "stall": s["stall_ms"], "hits": s["demand_hits"],
+                      "lookups": s["demand_lookups"], "stepped": self.experts_stepped, "bytes_step": self.bytes_step,
+                      "refresh": self.bytes_refresh, "caught": self.caught_up}
+        self.last_routing = self.step_routing.clone()
+        self.step_routing.zero_()
+        self.steps += 1
+
+    def as_dict(self, cache: Optional[object]) -> dict:
+        out = dict(cache.stats()) if cache is not None else {}
+        last = dataclasses.asdict(self.last)
+        last["bytes_moved"] = last["bytes_loaded"] + last["bytes_step"] + last["bytes_refresh"]
+        last["hit_rate"] = last["hits"] / last["lookups"] if last["lookups"] else 0.0
+        last["routing"] = getattr(self, "last_routing", self.step_routing).tolist()
+        out.update({"steps": self.steps, "experts_stepped": self.experts_stepped, "bytes_step": self.bytes_step,
+                    "bytes_refresh": self.bytes_refresh, "caught_up": self.caught_up,
+                    "routing": self.routing.tolist(), "last_step": last})
+        return out
+
+    def line(self) -> str:
+        s = self.last
+        return (f"moved {s.experts_loaded} experts ({s.bytes_loaded / 2**20:.1f} MiB) + step {s.experts_stepped} "
+                f"experts ({(s.bytes_step + s.bytes_refresh) / 2**20:.1f} MiB), hit rate "
+                f"{s.hits / s.lookups if s.lookups else 0.0:.2f}, stall {s.stall_ms:.1f} ms, step {s.step_ms:.1f} ms")

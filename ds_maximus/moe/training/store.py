@@ -1,0 +1,141 @@
+"""Where trained experts live: fp32 master + optimizer state in a tier, and the compute copy the cache loads.
+
+Each expert is one *row* of ``layout.numel`` elements, addressed by its uid (``layer * num_experts +
+expert``) like in the inference store. The tier (:class:`ds_maximus.cache.TensorTier` in pinned CPU
+memory, or :class:`ds_maximus.cache.store_tier.ShardStoreTier` on NVMe, one expert per shard) holds
+``weight`` (the fp32 master) and the optimizer's state tensors. When the compute dtype is fp32 and
+the tier is in memory, the expert cache loads straight from the master; otherwise a *shadow* copy
+in the compute dtype (bf16/fp16, pinned) is kept beside it and refreshed after every update, so a
+load moves 2 bytes per parameter, not 4 (ZeRO's bf16 optimizer keeps the same two copies).
+
+    >>> import torch
+    >>> from ds_maximus.moe.layout import ExpertLayout
+    >>> lay = ExpertLayout.from_stacked({"w": torch.zeros(2, 2, 2)}, num_experts=2)
+    >>> st = ExpertTrainStore(lay, num_uids=2, state_names=("exp_avg", "exp_avg_sq"), compute_dtype=torch.bfloat16)
+    >>> st.write_master(1, {"w": torch.ones(2, 2)})
+    >>> st.host_view(1).dtype, float(st.host_view(1)[:4].sum())
+    (torch.bfloat16, 4.0)
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ds_maximus.cache import TensorTier
+from ds_maximus.moe.expert_store import ExpertStore
+from ds_maximus.moe.layout import ExpertLayout
+
+
+class ExpertTrainStore(ExpertStore):
+    """fp32 masters + optimizer state of every expert (the tier) and their compute-dtype copies.
+
+    It is the :class:`ExpertStore` the training cache loads from: ``host_view(uid)`` is the compute
+    copy (the master itself when that is fp32 in memory), ``read_into`` reads it from NVMe otherwise.
+    """
+
+    def __init__(self, layout: ExpertLayout, num_uids: int, state_names: Sequence[str],
+                 compute_dtype: torch.dtype = torch.float32, nvme_path: Optional[str] = None,
+                 cpu_cache_shards: int = 8, pin_memory: bool = True):
+        self.num_uids = int(num_uids)
+        self.state_names = tuple(state_names)
+        self.names = ("weight", *self.state_names)
+        self.pin = bool(pin_memory and torch.cuda.is_available())
+        self.master_layout = ExpertLayout(layout.names, layout.shapes, layout.offsets, layout.numel, torch.float32)
+        n = layout.numel
+        if nvme_path is None:
+            self._tier = TensorTier({name: torch.zeros(self.num_uids, n, pin_memory=self.pin) for name in self.names},
+                                   pin_memory=False)
+            self._tier.pinned = self.pin
+        else:
+            from ds_maximus.cache.store_tier import ShardStoreTier
+            os.makedirs(nvme_path, exist_ok=True)
+            self._tier = ShardStoreTier.for_table(nvme_path, self.num_uids, n, self.state_names, rows_per_shard=1,
+                                                 cpu_cache_shards=cpu_cache_shards,
+                                                 init=lambda lo, hi: torch.zeros(hi - lo, n),
+                                                 pin_memory=pin_memory, overwrite=True)
+        self.tier = "cpu" if nvme_path is None else "nvme"  # the label ExpertStore users print
+        self.shadow: Optional[Tensor] = None
+        self.set_compute_dtype(compute_dtype)
+
+    # -- the compute copy (what ExpertCache loads) -------------------------------------------------
+    @property
+    def in_memory(self) -> bool:
+        return isinstance(self._tier, TensorTier)
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Compute copies in ``dtype`` (a shadow is built from the masters when it is not fp32 in memory)."""
+        self.layout = ExpertLayout(self.master_layout.names, self.master_layout.shapes, self.master_layout.offsets,
+                                   self.master_layout.numel, dtype)
+        if dtype == torch.float32 and self.in_memory:
+            self.shadow = None
+            return
+        self.shadow = torch.empty(self.num_uids, self.layout.numel, dtype=dtype, pin_memory=self.pin)
+        for uid in range(self.num_uids):
+            self.shadow[uid].copy_(self.master_row(uid))
+
+    def host_view(self, uid: int) -> Tensor:
+        if self.shadow is not None:
+            return self.shadow[uid]
+        return self._tier.tensors["weight"][uid]
+
+    def refresh(self, uid: int, master: Tensor) -> None:
+        """The master of ``uid`` changed to ``master`` (flat, any device): update the compute copy."""
+        if self.shadow is not None:
+            self.shadow[uid].copy_(master)
+
+    # -- masters ----------------------------------------------------------------------------------
+    def master_row(self, uid: int) -> Tensor:
+        """The fp32 master of ``uid`` (a view in memory, a copy from NVMe)."""
+        if self.in_memory:
+            return self._tier.tensors["weight"][uid]
+        out = {name: torch.empty(1, self.layout.numel) for name in self.names}
+        self._tier.read(torch.tensor([uid]), out)
+        return out["weight"][0]
+
+    def write_master(self, uid: int, tensors: Mapping[str, Tensor]) -> None:
+        """Set expert ``uid``'s master from its named tensors (optimizer state untouched)."""
+        flat = torch.zeros(self.layout.numel)
+        self.master_layout.pack_(flat, {k: v.detach().float().cpu() for k, v in tensors.items()})
+        self.write_rows(torch.tensor([uid]), {"weight": flat[None]}, names=("weight",))
+        self.refresh(uid, flat)
+
+    def read_rows(self, uids: Tensor, pin: bool = False) -> Dict[str, Tensor]:
+        """Copies of the masters and states of ``uids`` as ``{name: [n, numel] fp32}``."""
+        out = {name: torch.empty(uids.numel(), self.layout.numel, pin_memory=pin and self.pin) for name in self.names}
+        self._tier.read(uids, out)
+        return out
+
+    def write_rows(self, uids: Tensor, rows: Mapping[str, Tensor], names: Optional[Sequence[str]] = None) -> None:
+        names = tuple(names or self.names)
+        if self.in_memory:
+            for name in names:
+                self._tier.tensors[name].index_copy_(0, uids, rows[name][:uids.numel()].to("cpu"))
+            return
+        full = rows
+        if set(names) != set(self.names):  # the NVMe tier writes whole entries
+            full = self.read_rows(uids)
+            for name in names:
+                full[name].copy_(rows[name][:uids.numel()])
+        self._tier.write(uids, full)
+
+    def read_into(self, uid: int, dst: Tensor) -> None:
+        if self.shadow is not None:
+            dst.copy_(self.shadow[uid])
+        else:
+            dst.copy_(self.master_row(uid))
+
+    def flush(self) -> None:
+        self._tier.flush()
+
+    def state(self) -> Dict[str, Tensor]:
+        """Every table as one CPU tensor each (for checkpoints)."""
+        return {name: self._tier.materialize(name) for name in self.names}
+
+    def load_state(self, tensors: Mapping[str, Tensor]) -> None:
+        self._tier.load({name: tensors[name].float() for name in self.names})
+        if self.shadow is not None:
+            for uid in range(self.num_uids):
+                self.shadow[uid].copy_(self.master_row(uid))

@@ -1,0 +1,429 @@
+"""``ExpertTrainer``: MoE experts trained as swappable partitions (a maximus runtime module).
+
+Every expert's fp32 master and optimizer state live in the CPU tier (or on NVMe); the compute device
+holds an :class:`~ds_maximus.moe.expert_cache.ExpertCache` of compute copies. Per micro-batch and
+layer, after the router ran, only the routed experts are brought in (rounds of at most
+``gpu_experts_per_layer``), with speculative prefetch of the next layer's likely experts; backward
+brings an evicted expert back and accumulates its gradient (:class:`ExpertGrads`). At the step the
+experts that received gradient are updated by the row optimizer (each expert is one row of
+``numel`` elements; ``exact`` mode replays skipped steps when an expert is next routed, so unrouted
+experts end where dense AdamW puts them), and every copy of them (shadow, resident slot) refreshed.
+
+The engine drives it through the maximus module protocol (``sparse_step``, ``maximus_state_dict``, ...)
+like :class:`~ds_maximus.embedding.ShardedEmbedding`; the model sees one thin module per layer
+(:mod:`ds_maximus.moe.training.modules`).
+
+    >>> # built by ds_maximus.initialize when "moe": {"enabled": true, "train": true}; see
+    >>> # ds_maximus/moe/training/build.py and tests/moe_training/
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ds_maximus.config import ExpertOptimizerDevice, MaximusConfig, OffloadDevice
+from ds_maximus.errors import ConfigError
+from ds_maximus.moe.compute import rounds
+from ds_maximus.moe.expert_cache import ExpertCache
+from ds_maximus.moe.training.function import ExpertKind, ExpertRound
+from ds_maximus.moe.training.grads import ExpertGrads
+from ds_maximus.moe.training.stats import ExpertTrainStats
+from ds_maximus.moe.training.store import ExpertTrainStore
+from ds_maximus.optim import RowOptimizer
+
+logger = logging.getLogger("ds_maximus")
+SUBROW_MAX_ELEMS = 1 << 16  # the row-update op parallelises over rows: an expert is stepped as sub-rows
+
+
+@dataclasses.dataclass
+class LayerSpec:
+    """One MoE layer as the trainer sees it (built by an adapter)."""
+
+    name: str
+    kind: ExpertKind
+    num_experts: int
+    top_k: int
+    tensors: Callable[[int], Dict[str, Tensor]]              # initial tensors of expert e
+    router_weight: Optional[Callable[[], Optional[Tensor]]] = None  # for speculative prefetch
+
+
+def _subrow(numel: int) -> int:
+    """Largest multiple of 256 dividing ``numel`` and at most ``SUBROW_MAX_ELEMS``."""
+    units = numel // 256
+    best = 1
+    for k in range(1, SUBROW_MAX_ELEMS // 256 + 1):
+        if units % k == 0:
+            best = k
+    return 256 * best if numel % 256 == 0 else numel
+
+
+class ExpertTrainer(nn.Module):
+    """The experts of every MoE layer of a model, trained through an expert cache (see module docstring)."""
+
+    def __init__(self, layers: Sequence[LayerSpec], cfg: MaximusConfig, device, dtype=torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        mcfg = cfg.moe
+        self.layers = list(layers)
+        self.num_layers = len(self.layers)
+        self.num_experts = self.layers[0].num_experts
+        layout = self.layers[0].kind.layout
+        for spec in self.layers[1:]:
+            if spec.num_experts != self.num_experts or spec.kind.layout != layout:
+                raise ConfigError(f"MoE layer '{spec.name}' differs in expert count or shapes from "
+                                  f"'{self.layers[0].name}'; layers with different experts are not supported")
+        self.numel = layout.numel
+        self.sub = _subrow(self.numel)
+        self.num_uids = self.num_layers * self.num_experts
+        self.optimizer_config = mcfg.optimizer
+        self.row_optimizer = RowOptimizer(mcfg.optimizer, self.num_uids)
+        off = mcfg.offload
+        self.store = ExpertTrainStore(layout, self.num_uids, self.row_optimizer.state_names, torch.float32,
+                                      nvme_path=off.nvme_path if off.device == OffloadDevice.NVME else None,
+                                      cpu_cache_shards=off.cpu_cache_shards, pin_memory=off.pin_memory)
+        with torch.no_grad():
+            for gi, spec in enumerate(self.layers):
+                for e in range(self.num_experts):
+                    self.store.write_master(gi * self.num_experts + e, spec.tensors(e))
+        self.slots = mcfg.gpu_experts_per_layer
+        if mcfg.gpu_expert_bytes is not None:
+            self.slots = max(1, mcfg.gpu_expert_bytes // layout.nbytes)
+        self.compute_device = torch.device(device)
+        self._dtype = torch.float32
+        self.store.set_compute_dtype(dtype)
+        self._dtype = dtype
+        self.cache: Optional[ExpertCache] = None
+        self._build_cache()
+        self.grads = ExpertGrads(self.compute_device, mcfg.grads_follow_cache)
+        self.counters = ExpertTrainStats(self.num_layers, self.num_experts)
+        self.log_interval_steps = cfg.logging.interval_steps
+        self.carrier_host: Optional[nn.Module] = None
+        self._anchor_fn = None
+        self._cur_anchor: Optional[Tensor] = None
+        self._pending_prefetch = None
+        self._used: List[List[int]] = [[] for _ in self.layers]
+        self._bwd_prefetched: set = set()
+
+    # -- placement ----------------------------------------------------------------------------------
+    def _build_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.cache = ExpertCache(self.store, self.num_layers, self.num_experts, self.slots, self.compute_device,
+                                 self.cfg.moe.cache_policy)
+        self.cache.on_evict = self._on_evict
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @out_dtype.setter
+    def out_dtype(self, dtype: torch.dtype) -> None:
+        if dtype != self._dtype:
+            self.cache.synchronize()
+            self.store.set_compute_dtype(dtype)
+            self._dtype = dtype
+            self._build_cache()
+
+    def place(self, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
+        """Follow the model to ``device`` (and ``dtype``): called by the layer modules' ``_apply``."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device != self.compute_device:
+            self.compute_device = device
+            self.grads.device = device
+            self._build_cache()
+        if dtype is not None and dtype.is_floating_point:
+            self.out_dtype = dtype
+
+    def extra_repr(self) -> str:
+        return (f"layers={self.num_layers}, experts={self.num_experts}, slots_per_layer={self.cache.slots_per_group}, "
+                f"tier={self.store.tier}, optimizer={self.optimizer_config.type.value}/"
+                f"{self.optimizer_config.mode.value} on {self.cfg.moe.optimizer_device.value}, "
+                f"device={self.compute_device}, dtype={self._dtype}")
+
+    # -- forward --------------------------------------------------------------------------------------
+    def begin_layer(self, group: int, counts: List[int], hidden: Optional[Tensor] = None) -> List[int]:
+        """Routing of layer ``group`` is known (``counts`` tokens per expert): record it, bring routed experts
+        that skipped steps up to date, plan the next layer's prefetch. Returns the routed experts."""
+        used = [e for e in range(self.num_experts) if counts[e] > 0]
+        self.counters.route(group, counts)
+        self._used[group] = used
+        if group == 0:
+            self._bwd_prefetched.clear()
+            self._cur_anchor = None
+            if torch.is_grad_enabled() and self._anchor_fn is not None:
+                self._cur_anchor = self._anchor_fn()
+        self._catch_up(group, used)
+        self._pending_prefetch = self._plan_prefetch(group, hidden)
+        return used
+
+    def anchor(self, like: Tensor) -> Tensor:
+        if self._cur_anchor is not None:
+            return self._cur_anchor
+        return torch.zeros((), dtype=torch.float32, device=like.device)
+
+    def round(self, group: int, experts: List[int], counts: List[int], x: Tensor) -> Tensor:
+        """Experts ``experts`` of layer ``group`` on their rows ``x`` (autograd-tracked when training)."""
+        anchor = self.anchor(x)
+        if torch.is_grad_enabled() and (x.requires_grad or anchor.requires_grad):
+            return ExpertRound.apply(anchor, x, self, group, experts, counts)
+        return self.run_round(group, experts, counts, x)
+
+    def rounds(self, used: List[int]) -> List[List[int]]:
+        return rounds(used, self.cache.slots_per_group)
+
+    def run_round(self, group: int, experts: List[int], counts: List[int], x: Tensor) -> Tensor:
+        slots = self.cache.acquire(group, experts)
+        if self._pending_prefetch is not None:  # demand loads first, then the next layer's guesses
+            fn, self._pending_prefetch = self._pending_prefetch, None
+            fn()
+        try:
+            return self.layers[group].kind.compute(self.cache.slot_buffer(group), slots, counts, x)
+        finally:
+            self.cache.release(group, slots)
+
+    def backward_round(self, group: int, experts: List[int], counts: List[int], x: Tensor,
+                       grad_out: Tensor) -> Optional[Tensor]:
+        slots = self.cache.acquire(group, experts)   # a reload if it was evicted since forward
+        self._prefetch_backward(group)
+        try:
+            with torch.enable_grad():
+                buf = self.cache.slot_buffer(group).detach().requires_grad_(True)
+                xl = x.detach().requires_grad_(x.requires_grad)
+                y = self.layers[group].kind.compute(buf, slots, counts, xl)
+                inputs = (xl, buf) if x.requires_grad else (buf,)
+                grads = torch.autograd.grad(y, inputs, grad_out)
+        finally:
+            self.cache.release(group, slots)
+        gbuf = grads[-1]
+        base = group * self.num_experts
+        for e, s in zip(experts, slots):
+            self.grads.add(base + e, gbuf[s])
+        return grads[0] if x.requires_grad else None
+
+    # -- prefetch -------------------------------------------------------------------------------------
+    def _plan_prefetch(self, group: int, hidden: Optional[Tensor]):
+        mcfg = self.cfg.moe
+        if not mcfg.speculative_prefetch or hidden is None or group + 1 >= self.num_layers:
+            return None
+        getter = self.layers[group + 1].router_weight
+        w = getter() if getter is not None else None
+        if w is None or w.numel() == 0 or w.dim() != 2 or w.shape[1] != hidden.shape[-1]:
+            return None  # e.g. partitioned by ZeRO-3 outside its module's forward
+        k = min(mcfg.prefetch_top_k or self.layers[group + 1].top_k, self.num_experts, self.cache.slots_per_group)
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).to(w.dtype), w)
+            votes = torch.bincount(torch.topk(logits, k, dim=-1).indices.flatten(), minlength=self.num_experts)
+
+        def issue():
+            v = votes.tolist()
+            ranked = sorted((e for e in range(self.num_experts) if v[e] > 0), key=lambda e: -v[e])
+            self._prefetch(group + 1, ranked[:k])
+        return issue
+
+    def _prefetch(self, group: int, experts: List[int]) -> None:
+        """Load ``experts`` of ``group`` early, except those that skipped steps (their copy is not current)."""
+        if not experts:
+            return
+        uids = torch.tensor([group * self.num_experts + e for e in experts])
+        lag = self.row_optimizer.lagging(uids)
+        self.cache.prefetch(group, [e for e, stale in zip(experts, lag.tolist()) if not stale])
+
+    def _prefetch_backward(self, group: int) -> None:
+        if not self.cfg.moe.backward_prefetch or group == 0 or group in self._bwd_prefetched:
+            return
+        self._bwd_prefetched.add(group)
+        self._prefetch(group - 1, self._used[group - 1][-self.cache.slots_per_group:])
+
+    def _on_evict(self, group: int, experts: List[int]) -> None:
+        self.grads.evicted(group * self.num_experts + e for e in experts)
+
+    # -- optimizer ------------------------------------------------------------------------------------
+    def _row_views(self, flat_rows: Tensor) -> Tensor:
+        """``[n, numel]`` as ``[n * numel/sub, sub]`` (the op parallelises over rows)."""
+        return flat_rows.view(-1, self.sub)
+
+    def _sub_ids(self, uids: Tensor) -> Tensor:
+        return uids.repeat_interleave(self.numel // self.sub)
+
+    def _sub_slots(self, uids: Tensor) -> Tensor:
+        k = self.numel // self.sub
+        return (uids[:, None] * k + torch.arange(k)).flatten()
+
+    def _catch_up(self, group: int, experts: Sequence[int]) -> None:
+        """Exact mode: replay the steps these experts skipped (on the CPU tier), then refresh their copies."""
+        if not experts:
+            return
+        uids = torch.tensor([group * self.num_experts + e for e in experts])
+        lag = self.row_optimizer.lagging(uids)
+        if not bool(lag.any()):
+            return
+        self._catch_up_uids(uids[lag])
+
+    def _catch_up_uids(self, uids: Tensor) -> None:
+        opt, names = self.row_optimizer, self.row_optimizer.state_names
+        if self.store.in_memory:
+            t = self.store._tier.tensors
+            opt.catch_up(self._row_views(t["weight"]), [self._row_views(t[n]) for n in names],
+                         self._sub_slots(uids), self._sub_ids(uids))
+            masters = [t["weight"][u] for u in uids.tolist()]
+        else:
+            rows = self.store.read_rows(uids)
+            local = torch.arange(uids.numel())
+            opt.catch_up(self._row_views(rows["weight"]), [self._row_views(rows[n]) for n in names],
+                         self._sub_slots(local), self._sub_ids(uids))
+            self.store.write_rows(uids, rows)
+            masters = list(rows["weight"])
+        self.counters.caught_up += uids.numel()
+        self._refresh(uids.tolist(), masters)
+
+    def _refresh(self, uids: List[int], masters: Sequence[Tensor]) -> None:
+        for u, m in zip(uids, masters):
+            self.store.refresh(u, m)
+            if self.cache.write_slot(u // self.num_experts, u % self.num_experts, m):
+                self.counters.bytes_refresh += self.cache.layout.nbytes
+
+    def _step_device(self) -> torch.device:
+        if self.cfg.moe.optimizer_device == ExpertOptimizerDevice.CPU:
+            return torch.device("cpu")
+        return self.compute_device
+
+    def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
+        """Step every expert with gradient (AdamW on the compute device by default), refresh its copies."""
+        t0 = time.perf_counter()
+        opt = self.row_optimizer
+        opt.begin_step(lr, weight_decay)
+        self.cache.synchronize()
+        uids_all = self.grads.uids()
+        dev = self._step_device()
+        in_place = dev.type == "cpu" and self.store.in_memory
+        chunk = len(uids_all) if in_place else self.cfg.moe.step_chunk_experts
+        names = opt.state_names
+        state_bytes = 4 * self.numel * (1 + len(names))
+        for i in range(0, len(uids_all), max(chunk, 1)):
+            part = uids_all[i:i + chunk]
+            ids = torch.tensor(part)
+            g = torch.stack([self.grads.get(u, dev) for u in part])
+            if in_place:
+                t = self.store._tier.tensors
+                opt.update(self._row_views(t["weight"]), [self._row_views(t[n]) for n in names],
+                           self._sub_slots(ids), self._row_views(g), self._sub_ids(ids))
+                masters = [t["weight"][u] for u in part]
+            else:
+                rows = self.store.read_rows(ids, pin=True)
+                staged = {n: rows[n].to(dev, non_blocking=True) for n in rows}
+                opt.update(self._row_views(staged["weight"]), [self._row_views(staged[n]) for n in names],
+                           torch.arange(len(part) * (self.numel // self.sub)), self._row_views(g),
+                           self._sub_ids(ids))
+                for n in rows:
+                    rows[n].copy_(staged[n])
+                self.store.write_rows(ids, rows)
+                masters = list(staged["weight"])
+            self._refresh(part, masters)
+            self.counters.stepped(len(part), state_bytes if dev.type != "cpu" else 0,
+                                  4 * self.numel)
+        self.grads.clear()
+        self.counters.end_step(self.cache, (time.perf_counter() - t0) * 1e3)
+        if opt.step % self.log_interval_steps == 0:
+            logger.info("ExpertTrainer step %d: %s", opt.step, self.counters.line())
+
+    # -- the maximus module protocol ------------------------------------------------------------------
+    def set_grad_anchor(self, fn) -> None:
+        self._anchor_fn = fn
+
+    def sparse_grads(self):
+        """``(uids [U] CPU long, grads [U, numel] fp32)`` of the experts with gradient."""
+        uids = self.grads.uids()
+        if not uids:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, self.numel, device=self.compute_device)
+        return torch.tensor(uids), torch.stack([self.grads.get(u, self.compute_device) for u in uids])
+
+    def set_sparse_grads_(self, ids: Tensor, rows: Tensor) -> None:
+        self.grads.clear()
+        for u, r in zip(ids.tolist(), rows):
+            self.grads.add(int(u), r.to(self.compute_device))
+
+    def allreduce_sparse_grads_(self, group=None) -> None:
+        self.grads.allreduce_(self.num_uids, group)
+
+    def sparse_grad_norm_sq(self) -> Tensor:
+        return self.grads.norm_sq()
+
+    def scale_sparse_grads_(self, factor: float) -> None:
+        self.grads.scale_(factor)
+
+    def sparse_grads_finite(self) -> bool:
+        return self.grads.finite()
+
+    def zero_sparse_grads(self) -> None:
+        self.grads.clear()
+
+    def flush(self) -> None:
+        self.cache.synchronize()
+        self.store.flush()
+
+    def stats(self) -> dict:
+        """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing)."""
+        return self.counters.as_dict(self.cache)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _catch_up_all(self) -> None:
+        if self.row_optimizer.lazy or self.row_optimizer.step == 0:
+            return
+        self.cache.synchronize()
+        uids = torch.arange(self.num_uids)
+        lag = self.row_optimizer.lagging(uids)
+        if bool(lag.any()):
+            self._catch_up_uids(uids[lag])
+
+    def maximus_state_dict(self) -> dict:
+        """fp32 masters + optimizer state of every expert (brought to the current step) + step counters."""
+        self._catch_up_all()
+        self.flush()
+        return {"format_version": 1, "layers": self.num_layers, "num_experts": self.num_experts,
+                "numel": self.numel, "names": list(self.store.master_layout.names),
+                "tensors": self.store.state(), "optimizer": self.row_optimizer.state_dict()}
+
+    def load_maximus_state_dict(self, d: dict) -> None:
+        got = (d["layers"], d["num_experts"], d["numel"])
+        if got != (self.num_layers, self.num_experts, self.numel):
+            raise ConfigError(f"checkpoint experts are {got[0]} layers x {got[1]} experts x {got[2]} elements, this "
+                              f"model has {self.num_layers} x {self.num_experts} x {self.numel}; load a checkpoint "
+                              "of the same MoE architecture")
+        missing = [n for n in self.store.names if n not in d["tensors"]]
+        if missing:
+            raise ConfigError(f"checkpoint lacks expert optimizer tensors {missing}; was it saved with another "
+                              "moe.optimizer.type?")
+        self.cache.synchronize()
+        self.grads.clear()
+        self.store.load_state(d["tensors"])
+        self.row_optimizer.load_state_dict(d["optimizer"])
+        self._build_cache()
+
+    # -- whole experts (export) -----------------------------------------------------------------------
+    def expert_tensors(self, group: int) -> Dict[str, Tensor]:
+        """Layer ``group``'s experts as stacked tensors ``{name: [E, ...]}`` (fp32, current step)."""
+        self._catch_up_all()
+        lay = self.store.master_layout
+        out = {n: torch.empty(self.num_experts, *lay.shapes[n]) for n in lay.names}
+        for e in range(self.num_experts):
+            flat = self.store.master_row(group * self.num_experts + e)
+            for n in lay.names:
+                out[n][e].copy_(lay.view(flat, n))
+        return out
+
+    def load_expert_tensors(self, group: int, tensors: Dict[str, Tensor]) -> None:
+        """Overwrite layer ``group``'s masters from stacked tensors (optimizer state kept)."""
+        self.cache.synchronize()
+        for e in range(self.num_experts):
+            self.store.write_master(group * self.num_experts + e, {n: t[e] for n, t in tensors.items()})
+        self.row_optimizer.last_step[group * self.num_experts:(group + 1) * self.num_experts] = \
+            self.row_optimizer.step
+        self._build_cache()
+
