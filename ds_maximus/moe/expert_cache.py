@@ -216,22 +216,6 @@ class ExpertCache:
             self.on_evict(group, [int(i) for i in ids])
 
     # -- training: slots whose expert changed in the slow tier ---------------------------------
-    def invalidate(self, group: int, experts: Sequence[int]) -> None:
-        """Forget ``experts`` of ``group`` (their store copy changed); the next acquire reloads them.
-
-        In-flight loads of the group land first; an expert in use (pinned by acquire) cannot be dropped.
-        """
-        g = self.groups[group]
-        self._drain(g)
-        ids = torch.tensor([int(e) for e in experts], dtype=torch.long)
-        slots = g.map.slots_of(ids)
-        held = slots[slots >= 0]
-        if held.numel() and bool((g.map.pin_count.index_select(0, held) > 0).any()):
-            raise CapacityError(f"layer {group}: cannot invalidate experts {list(experts)} while they are in use")
-        g.map.evict(ids)
-        for s in held.tolist():
-            g.prefetched[s] = False
-
     def write_slot(self, group: int, expert: int, src: torch.Tensor) -> bool:
         """If ``expert`` is resident, overwrite its slot with ``src`` (flat, any dtype/device) on the compute
         stream and mark that as the slot's last use (a later load into the slot waits for it). Returns

@@ -54,8 +54,12 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         head = attach_lm_head(model, cfg)
         if head is not None and hasattr(head, "sparse_step") and getattr(head, "owns_weights", False):
             modules["lm_head"] = head
+    if cfg.moe.enabled and cfg.moe.train:  # experts become a runtime module; their params leave the model
+        from ds_maximus.moe.training import attach_expert_training
+        modules["moe"] = attach_expert_training(model, cfg)
     # the replaced head's weight (placement cpu) leaves the model like the embedding's
     removed = list(plan.removed_params) + list(getattr(modules.get("lm_head"), "removed_params", None) or [])
+    removed += list(getattr(modules.get("moe"), "removed_params", None) or [])
     if isinstance(optimizer, torch.optim.Optimizer) and removed:
         remove_params_from_optimizer(optimizer, removed)
     # parameters that left the model must not reach DeepSpeed either
@@ -68,8 +72,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         from ds_maximus.zero.norm_carrier import attach_carrier
         runtime = MaximusRuntime(None, modules, cfg)
         # the embedding runs last in backward: it carries the norm of every module's sparse grads
-        carrier = attach_carrier(next(iter(plan.swapped.values())) if plan.swapped else next(iter(modules.values())),
-                                 runtime)
+        # (else the experts' layer-0 module: every layer's backward feeds its anchor)
+        host = next(iter(plan.swapped.values())) if plan.swapped else \
+            modules["moe"].carrier_host if "moe" in modules else next(iter(modules.values()))
+        carrier = attach_carrier(host, runtime)
         if model_parameters is not None:
             model_parameters = _add_param(model_parameters, carrier)
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -84,6 +90,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         runtime.engine = engine
         for m in modules.values():
             _configure_from_engine(m, engine, cfg)
+        if "moe" in modules:
+            modules["moe"].configure_from_engine(engine)
         runtime.install()
     return engine, opt, loader, sched
 

@@ -99,6 +99,9 @@ class MaximusRuntime:
         if self._boundary and shared:
             group = self._dp_group()
             for m in shared:
+                if hasattr(m, "allreduce_sparse_grads_"):  # modules with their own dense-per-entry reduction
+                    m.allreduce_sparse_grads_(group)
+                    continue
                 ids, rows = m.sparse_grads()
                 ids, rows = allreduce_sparse_rows(ids, rows, group=group)
                 m.set_sparse_grads_(ids, rows)

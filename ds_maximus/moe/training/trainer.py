@@ -333,6 +333,18 @@ class ExpertTrainer(nn.Module):
         if opt.step % self.log_interval_steps == 0:
             logger.info("ExpertTrainer step %d: %s", opt.step, self.counters.line())
 
+    def configure_from_engine(self, engine) -> None:
+        """Betas/eps follow the DeepSpeed optimizer's unless ``moe.optimizer`` sets them (exact equals dense)."""
+        opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
+        groups = getattr(opt, "param_groups", None)
+        if not groups:
+            return
+        g, oc, ro = groups[0], self.optimizer_config, self.row_optimizer
+        if "betas" not in oc.model_fields_set and "betas" in g:
+            ro.beta1, ro.beta2 = (float(b) for b in g["betas"])
+        if "eps" not in oc.model_fields_set and "eps" in g:
+            ro.eps = float(g["eps"])
+
     # -- the maximus module protocol ------------------------------------------------------------------
     def set_grad_anchor(self, fn) -> None:
         self._anchor_fn = fn
