@@ -1,0 +1,86 @@
+"""Bytes moved per step scale with the routed experts, not with all experts (fine-grained 16-expert top-2
+model), and the NVMe tier trains exactly like the CPU tier. The trainer is driven directly (no engine)."""
+import pytest
+import torch
+
+from ds_maximus.config import MaximusConfig
+from ds_maximus.errors import ConfigError
+from ds_maximus.moe.training import attach_expert_training
+from tests.moe_training.moe_utils import VOCAB, moe_section, tiny_mixtral
+
+E, K, SLOTS = 16, 2, 4
+
+
+def _trainer(model, **moe):
+    return attach_expert_training(model, MaximusConfig.from_dict(moe_section(**moe)))
+
+
+def _count_routed(trainer):
+    """Independent count of distinct experts per layer, from the routing the experts modules receive."""
+    seen = {}
+    for g, layer in enumerate(m for m in trainer._model_layers):
+        def hook(mod, args, g=g):
+            seen.setdefault(g, set()).update(int(e) for e in args[1].flatten().tolist())
+        layer.register_forward_pre_hook(hook)
+    return seen
+
+
+def _step(model, trainer, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    trainer.sparse_step(lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 12])
+def test_bytes_scale_with_routed_experts(tokens):
+    model = tiny_mixtral(num_experts=E, top_k=K, layers=2, hidden=32, ffn=32)
+    t = _trainer(model, slots=SLOTS, speculative_prefetch=False, backward_prefetch=False)
+    t._model_layers = [layer.mlp.experts for layer in model.model.layers]
+    g = torch.Generator().manual_seed(3)
+    expert_bytes = t.cache.layout.nbytes
+    all_bytes = t.num_uids * expert_bytes
+    for _ in range(3):
+        seen = _count_routed(t)
+        _step(model, t, torch.randint(0, VOCAB, (1, tokens), generator=g))
+        last = t.stats()["last_step"]
+        distinct = sum(len(s) for s in seen.values())
+        assert last["experts_stepped"] == distinct
+        assert last["bytes_step"] == distinct * 4 * t.numel          # gradients to the CPU optimizer
+        lower = sum(max(0, len(s) - SLOTS) for s in seen.values())
+        assert lower <= last["experts_loaded"] <= 2 * distinct        # forward misses + backward re-fetches
+        assert last["bytes_loaded"] == last["experts_loaded"] * expert_bytes
+        assert last["bytes_refresh"] <= distinct * expert_bytes
+        assert last["bytes_moved"] <= 4 * distinct * expert_bytes
+        if tokens * K < E:  # a dense step moves every expert in and every expert's gradient out
+            assert last["bytes_moved"] < 2 * all_bytes
+        for g_, s in seen.items():
+            t._model_layers[g_]._forward_pre_hooks.clear()
+    assert sum(sum(1 for c in row if c) for row in last["routing"]) == distinct
+
+
+def test_nvme_tier_equals_cpu_tier(tmp_path):
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for off in ({}, {"offload": {"device": "nvme", "nvme_path": str(tmp_path / "experts")}}):
+        model = tiny_mixtral(num_experts=8)
+        t = _trainer(model, slots=2, **off)
+        for i in range(3):
+            _step(model, t, ids[:, i:i + 4])
+        runs.append({g: t.expert_tensors(g) for g in range(t.num_layers)})
+    assert t.store.tier == "nvme" and any((tmp_path / "experts").iterdir())
+    for g in runs[0]:
+        for n in runs[0][g]:
+            assert torch.equal(runs[0][g][n], runs[1][g][n])
+
+
+def test_no_moe_layer_is_a_config_error():
+    from tests.zero.llama_utils import tiny_llama
+    with pytest.raises(ConfigError, match="no MoE layer"):
+        _trainer(tiny_llama())
+
+
+def test_state_dict_shape_mismatch_is_clear():
+    a = _trainer(tiny_mixtral(num_experts=8))
+    b = _trainer(tiny_mixtral(num_experts=4))
+    with pytest.raises(ConfigError, match="8 experts"):
+        b.load_maximus_state_dict(a.maximus_state_dict())
