@@ -316,14 +316,11 @@ class ExpertTrainer(nn.Module):
                            self._sub_slots(ids), self._row_views(g), self._sub_ids(ids))
                 masters = [t["weight"][u] for u in part]
             else:
-                rows = self.store.read_rows(ids, pin=True)
-                staged = {n: rows[n].to(dev, non_blocking=True) for n in rows}
+                staged = self._stage_in(part, dev)
                 opt.update(self._row_views(staged["weight"]), [self._row_views(staged[n]) for n in names],
                            torch.arange(len(part) * (self.numel // self.sub)), self._row_views(g),
                            self._sub_ids(ids))
-                for n in rows:
-                    rows[n].copy_(staged[n])
-                self.store.write_rows(ids, rows)
+                self._stage_out(part, staged)
                 masters = list(staged["weight"])
             self._refresh(part, masters)
             self.counters.stepped(len(part), state_bytes if dev.type != "cpu" else 0,
@@ -344,6 +341,31 @@ class ExpertTrainer(nn.Module):
             ro.beta1, ro.beta2 = (float(b) for b in g["betas"])
         if "eps" not in oc.model_fields_set and "eps" in g:
             ro.eps = float(g["eps"])
+
+    def _stage_in(self, uids: List[int], dev: torch.device) -> Dict[str, Tensor]:
+        """Masters and moments of ``uids`` on ``dev`` (straight from the pinned tier rows when in memory)."""
+        if not self.store.in_memory:
+            rows = self.store.read_rows(torch.tensor(uids), pin=True)
+            return {n: rows[n].to(dev, non_blocking=True) for n in rows}
+        t = self.store._tier.tensors
+        out = {}
+        for n in self.store.names:
+            buf = torch.empty(len(uids), self.numel, device=dev)
+            for i, u in enumerate(uids):
+                buf[i].copy_(t[n][u], non_blocking=True)
+            out[n] = buf
+        return out
+
+    def _stage_out(self, uids: List[int], staged: Dict[str, Tensor]) -> None:
+        if not self.store.in_memory:
+            self.store.write_rows(torch.tensor(uids), {n: v.cpu() for n, v in staged.items()})
+            return
+        t = self.store._tier.tensors
+        for n, buf in staged.items():
+            for i, u in enumerate(uids):
+                t[n][u].copy_(buf[i], non_blocking=True)
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()  # the tier rows are read by the next loads
 
     # -- the maximus module protocol ------------------------------------------------------------------
     def set_grad_anchor(self, fn) -> None:

@@ -1,0 +1,219 @@
+"""Training tokens/s of MoE layers whose experts (with their optimizer state) do not fit on the GPU.
+
+    python -m benchmarks.bench_moe_training                      # Mixtral-shaped: H=4096, F=14336, 8 experts, top-2
+    python -m benchmarks.bench_moe_training --fine-grained       # 64 experts, top-4 (F=1792: the same expert bytes)
+    python -m benchmarks.bench_moe_training --tiny               # a CPU-sized smoke run of every peer
+
+The model is a stack of ``--layers`` Mixtral decoder layers (small vocabulary, bf16 on GPU), built on
+the CPU without HF's weight init. Every peer runs in its own subprocess (its own memory cap, a clean
+DeepSpeed, an OOM is a row), under one ``--budget-s``; the table is written after every peer.
+
+Peers, same model, same batches:
+  * all on GPU: plain DeepSpeed ZeRO-2, no memory cap (the ceiling, when it fits);
+  * DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on CPU, GPU capped at ``--cap-gib``;
+  * ours (``ds_maximus.initialize`` with ``"moe": {"train": true}``), ZeRO-2 for the dense part, capped
+    the same: the optimizer step on the GPU (``optimizer_device: compute``) and on the CPU (``cpu``).
+The cap (``torch.cuda.set_per_process_memory_fraction``) is below the experts' own bf16 bytes, so the
+experts do not fit; ours also reports peak GPU memory, so "no more GPU memory" is visible.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from benchmarks.harness import Bench, Budget, progress
+
+PEERS = {
+    "all on GPU (DeepSpeed ZeRO-2, no cap)": "gpu",
+    "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu": "zero3_offload",
+    "ours (experts in CPU tier, AdamW on GPU)": "ours_compute",
+    "ours (experts in CPU tier, AdamW on CPU)": "ours_cpu",
+}
+BASELINE = "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu"
+
+
+def build_model(a, dtype):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.initialization import no_init_weights
+    cfg = MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                        num_attention_heads=max(1, a.hidden // 128), num_key_value_heads=max(1, a.hidden // 512),
+                        num_local_experts=a.experts, num_experts_per_tok=a.top_k, vocab_size=a.vocab,
+                        max_position_embeddings=max(4096, a.seq), router_aux_loss_coef=0.0)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights():
+            model = MixtralForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.5 if "gate.weight" in n else cfg.initializer_range)
+    return model
+
+
+def ds_config(a, kind, bf16):
+    cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": a.gas,
+           "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": 2}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if kind == "zero3_offload":
+        cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    elif not torch.cuda.is_available():
+        cfg["optimizer"]["params"]["torch_adam"] = True  # no fused-Adam JIT on a CPU smoke run
+    if kind.startswith("ours"):
+        cfg["maximus"] = {"embedding": {"enabled": False}, "logging": {"interval_steps": 10**6},
+                          "moe": {"enabled": True, "train": True, "gpu_experts_per_layer": a.slots,
+                                  "optimizer_device": "cpu" if kind == "ours_cpu" else "compute",
+                                  "speculative_prefetch": True}}
+    return cfg
+
+
+def run_peer(a, kind) -> dict:
+    """One peer in this process: build, train ``--warmup`` + ``--steps`` steps, return its figures."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                 ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    import deepspeed
+    import ds_maximus
+    cuda = torch.cuda.is_available()
+    if cuda and kind != "gpu" and a.cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = build_model(a, dtype)
+    cfg = ds_config(a, kind, cuda)
+    fn = ds_maximus.initialize if kind.startswith("ours") else deepspeed.initialize
+    engine, *_ = fn(model=model, model_parameters=model.parameters(), config=cfg)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=g) for _ in range(4)]
+    dev = engine.device
+
+    def step(i):
+        for j in range(a.gas):
+            ids = data[(i * a.gas + j) % len(data)].to(dev)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        return float(loss.detach().float())
+
+    for i in range(a.warmup):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(a.steps):
+        loss = step(i)
+    if cuda:
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / a.steps
+    out = {"ms": dt * 1e3, "tokens/s": a.micro_batch * a.seq * a.gas / dt, "loss": round(loss, 4),
+           "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
+    if kind.startswith("ours"):
+        s = engine.maximus.modules["moe"].stats()["last_step"]
+        out.update({"experts moved/step": s["experts_loaded"], "MB moved/step": round(s["bytes_moved"] / 1e6, 1),
+                    "hit rate": round(s["hit_rate"], 3), "stall ms": round(s["stall_ms"], 1),
+                    "step ms": round(s["step_ms"], 1)})
+    return out
+
+
+def _child(a, kind, timeout_s):
+    cmd = [sys.executable, "-u", "-m", "benchmarks.bench_moe_training", "--peer", kind] + a.passthrough
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout_s:.0f} s"}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    err = (p.stderr or p.stdout).strip().splitlines()
+    tail = next((ln for ln in reversed(err) if "Error" in ln or "error" in ln), err[-1] if err else f"rc={p.returncode}")
+    if "out of memory" in (p.stderr or "").lower():
+        return {"error": "OOM"}
+    return {"error": tail[-120:]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--gas", type=int, default=1)
+    p.add_argument("--slots", type=int, default=2, help="GPU expert slots per layer (ours)")
+    p.add_argument("--cap-gib", type=float, default=None, help="GPU memory cap of the offloading peers "
+                   "(default: half of the experts' bf16 bytes + 3 GiB)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--fine-grained", action="store_true", help="64 experts, top-4, F=1792")
+    p.add_argument("--tiny", action="store_true", help="a CPU-sized smoke run")
+    p.add_argument("--peers", default=",".join(PEERS.values()), help="comma-separated peer keys")
+    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--peer", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.passthrough = [x for x in (argv if argv is not None else sys.argv[1:])]
+    if a.tiny:
+        a.hidden, a.ffn, a.vocab, a.seq, a.micro_batch, a.warmup, a.steps = 64, 96, 128, 32, 2, 1, 2
+    if a.fine_grained:
+        a.experts, a.top_k, a.ffn = 64, 4, a.ffn // 8
+    expert_gib = 3 * a.hidden * a.ffn * a.experts * a.layers * 2 / 2**30
+    if a.cap_gib is None:
+        a.cap_gib = round(expert_gib / 2 + 3, 1)
+    if a.peer is not None:
+        try:
+            res = run_peer(a, a.peer)
+        except torch.cuda.OutOfMemoryError:
+            res = {"error": "OOM"}
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    budget = Budget(a.budget_s)
+    bench = Bench("moe_training", dtype="bf16" if torch.cuda.is_available() else "fp32",
+                  sizes={"layers": a.layers, "H": a.hidden, "F": a.ffn, "E": a.experts, "top_k": a.top_k,
+                         "tokens/step": a.micro_batch * a.seq * a.gas, "expert GiB (bf16)": round(expert_gib, 2),
+                         "cap GiB": a.cap_gib, "slots/layer": a.slots},
+                  notes="ms = one optimizer step; offloading peers capped with set_per_process_memory_fraction")
+    keys = [k for k in a.peers.split(",") if k]
+    names = {v: k for k, v in PEERS.items()}
+    for i, key in enumerate(keys):
+        name = names[key]
+
+        def peer(name=name, key=key):
+            res = _child(a, key, budget.left() - 5)
+            if "error" in res:
+                bench.add(name, None, error=res["error"])
+                return
+            ms = res.pop("ms")
+            peak = res.pop("peak GiB")
+            bench.add(name, ms, peak, **res)
+        bench.run_budgeted(name, peer, need_s=20 if a.tiny else 60, budget=budget, out=a.out, baseline=BASELINE)
+    bench.report(baseline=BASELINE)
+    if a.out:
+        bench.checkpoint(a.out, baseline=BASELINE)
+
+
+if __name__ == "__main__":
+    main()
