@@ -3,9 +3,14 @@
 The cache knows nothing about what an entry is. It maps ids to slots (:class:`SlotMap`, on the
 host so no device sync is needed to decide), fills misses and writes dirty evictions back:
 
-* CUDA: copies run on a side stream through pinned staging buffers; the compute stream waits on
-  the fill event (``wait_fills``), never the host. A write-back is finished on the host lazily
-  (when the copy's event has completed, or when the same id is read again).
+* CUDA, pinned CPU tier: a fill is one kernel on the *fill stream* reading the pinned tier through
+  its mapped address (no host copy). A dirty eviction is first copied on the GPU into a staging
+  buffer (so the fill can reuse the slot at once), then written to the tier by a kernel on the
+  *write-back stream*: fills (H2D) and write-backs (D2H) overlap on the full-duplex link. The
+  compute stream waits only on the fills of the slots it reads (``wait_fills(slots)``), never the
+  host; a fill of an id whose write-back has not landed waits for it on the GPU.
+* CUDA, other tiers (NVMe): copies run on the fill stream through pinned staging buffers; a
+  write-back is finished on the host lazily (when its event has completed, or the id is read again).
 * CPU (CI machines): the same code path with plain copies, synchronous.
 
 Entries in use or in flight are pinned (never evicted) until unpinned.
@@ -20,6 +25,7 @@ Entries in use or in flight are pinned (never evicted) until unpinned.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Dict, List, Optional, Tuple
@@ -30,6 +36,7 @@ from torch import Tensor
 from ds_maximus.cache.policy import CacheCounters, SlotMap
 from ds_maximus.cache.tier import Tier
 from ds_maximus.config import CachePolicy
+from ds_maximus.ops import to_device
 
 
 @dataclasses.dataclass
@@ -61,8 +68,15 @@ class PartitionCache:
         self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
         self.traffic = TrafficCounters()
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._fill_event = None
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None      # fills
+        self.wb_stream = torch.cuda.Stream(device=self.device) if self.cuda else None   # UVA write-backs
+        # fill events by sequence number; _slot_seq[s] = the fill that last wrote slot s
+        self._fill_seq = 0
+        self._fill_events: "collections.OrderedDict[int, object]" = collections.OrderedDict()
+        self._slot_seq = torch.zeros(self.num_slots, dtype=torch.long)
+        self._waited_seq = 0
+        self._wb_event = None
+        self._uva_pending: List[Tuple[Tensor, object]] = []   # (ids, event) of UVA write-backs in flight
         self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
         self._stall_events: List[Tuple[object, object]] = []
@@ -97,21 +111,40 @@ class PartitionCache:
         if pin:
             self.map.pin(a.slots)
         if wait:
-            self.wait_fills()
+            self.wait_fills(a.slots)
         if not self.cuda:
             self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
         self._finish_write_backs(block=False)
         return a.slots
 
-    def wait_fills(self) -> None:
-        """Order the compute stream after every fill issued so far (no host wait)."""
-        if self.cuda and self._fill_event is not None:
-            cur = torch.cuda.current_stream(self.device)
-            before = torch.cuda.Event(enable_timing=True)
-            before.record(cur)
-            cur.wait_event(self._fill_event)
-            self._stall_events.append((before, self._fill_event))
-            self._fill_event = None
+    def wait_fills(self, slots: Optional[Tensor] = None) -> None:
+        """Order the compute stream after the fills of ``slots`` (CPU LongTensor; all fills when None).
+
+        No host wait: the compute stream waits on the fill stream's event. Fills run in order on one
+        stream, so waiting for the latest fill a slot needs covers every earlier one.
+        """
+        if not self.cuda or not self._fill_events:
+            return
+        if slots is None:
+            seq = self._fill_seq
+        else:
+            seq = int(self._slot_seq.index_select(0, slots.to("cpu", torch.long)).max()) if slots.numel() else 0
+        if seq <= self._waited_seq:
+            return
+        ev = self._fill_events[seq]
+        cur = torch.cuda.current_stream(self.device)
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(cur)
+        cur.wait_event(ev)
+        self._stall_events.append((before, ev))
+        self._waited_seq = seq
+        while self._fill_events and next(iter(self._fill_events)) <= seq:
+            self._fill_events.popitem(last=False)
+
+    def _register_fill(self, ev, slots: Tensor) -> None:
+        self._fill_seq += 1
+        self._fill_events[self._fill_seq] = ev
+        self._slot_seq.index_fill_(0, slots, self._fill_seq)
 
     def unpin(self, slots: Tensor) -> None:
         self.map.unpin(slots.to("cpu", torch.long))
@@ -127,7 +160,7 @@ class PartitionCache:
         """Write every dirty resident entry back (entries stay resident, now clean); sync."""
         slots = torch.nonzero(self.dirty).flatten()
         if slots.numel():
-            self._write_back(self.map.slot_to_id[slots], slots)
+            self._write_back(self.map.slot_to_id[slots], slots, stage=False)
         self._finish_write_backs(block=True)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
@@ -158,7 +191,12 @@ class PartitionCache:
         pin = self.cuda and torch.cuda.is_available()
         return {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=pin) for k, v in self.storage.items()}
 
-    def _write_back(self, ids: Tensor, slots: Tensor) -> None:
+    def _write_back(self, ids: Tensor, slots: Tensor, stage: bool = True) -> None:
+        """Write the dirty entries among ``slots`` (holding ``ids``) back to the tier.
+
+        ``stage`` (UVA path): copy them on the GPU first so the slots can be refilled at once; a
+        flush, which refills nothing, writes straight from the slots.
+        """
         dirty = torch.nonzero(self.dirty.index_select(0, slots)).squeeze(1)
         self.dirty.index_fill_(0, slots, False)
         ids, slots = ids.index_select(0, dirty), slots.index_select(0, dirty)
@@ -168,13 +206,7 @@ class PartitionCache:
         self.traffic.rows_written_back += n
         self.traffic.bytes_d2h += n * self.entry_bytes
         if self._uva is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                dslots = slots.pin_memory().to(self.device, non_blocking=True)
-                dids = ids.pin_memory().to(self.device, non_blocking=True)
-                for k, v in self.storage.items():
-                    self._uva.copy_rows(v, dslots, self.tier.tensors[k], dids)
-            self._uva_in_flight = True
+            self._uva_write_back(ids, slots, stage)
             return
         staging = self._staging(n)
         if not self.cuda:
@@ -185,7 +217,7 @@ class PartitionCache:
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # the compute stream's last writes to these slots come first
         with torch.cuda.stream(self.stream):
-            dslots = slots.pin_memory().to(self.device, non_blocking=True)
+            dslots = to_device(slots, self.device)
             for k, v in self.storage.items():
                 staging[k].copy_(v.index_select(0, dslots), non_blocking=True)
             ev = torch.cuda.Event()
@@ -193,10 +225,55 @@ class PartitionCache:
         self._pending.append((ids, staging, ev))
         self._pending_mask[ids] = True
 
+    def _uva_write_back(self, ids: Tensor, slots: Tensor, stage: bool) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        if stage:
+            # on the fill stream, before the fills that reuse these slots: a device-to-device copy
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                dslots = to_device(slots, self.device)
+                src = {k: v.index_select(0, dslots) for k, v in self.storage.items()}
+                src_idx = torch.arange(ids.numel(), device=self.device)
+                staged = torch.cuda.Event()
+                staged.record(self.stream)
+            self.wb_stream.wait_event(staged)
+        else:
+            self.wb_stream.wait_stream(cur)
+            src = self.storage
+            with torch.cuda.stream(self.wb_stream):
+                src_idx = to_device(slots, self.device)
+        with torch.cuda.stream(self.wb_stream):
+            dids = to_device(ids, self.device)
+            for k, v in src.items():
+                self._uva.copy_rows(v, src_idx, self.tier.tensors[k], dids)
+                if stage:
+                    v.record_stream(self.wb_stream)
+            if stage:
+                src_idx.record_stream(self.wb_stream)
+            ev = torch.cuda.Event()
+            ev.record(self.wb_stream)
+        self._wb_event = ev
+        self._uva_pending.append((ids, ev))
+        self._pending_mask[ids] = True
+
     def _finish_write_backs(self, block: bool) -> None:
+        """Retire write-backs whose copies have landed (``block``: wait for all, fills included)."""
+        if self._uva_pending:
+            keep = []
+            for i, (ids, ev) in enumerate(self._uva_pending):
+                if block or ev.query():
+                    if block and not ev.query():
+                        t0 = time.perf_counter()
+                        ev.synchronize()  # GPU-written rows of the tier are now visible to the host
+                        self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
+                    self._pending_mask[ids] = False
+                else:
+                    keep.extend(self._uva_pending[i:])  # one stream: they land in order
+                    break
+            self._uva_pending = keep
         if block and self._uva_in_flight:
             t0 = time.perf_counter()
-            self.stream.synchronize()  # GPU-written rows of the tier are now visible to the host
+            self.stream.synchronize()  # no fill is still reading the tier (the host may write it next)
             self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
             self._uva_in_flight = False
         keep = []
@@ -216,21 +293,25 @@ class PartitionCache:
     def _fill(self, ids: Tensor, slots: Tensor) -> None:
         n = int(ids.numel())
         self.traffic.rows_fetched += n
-        if self._pending and bool(self._pending_mask.index_select(0, ids).any()):
-            self._finish_write_backs(block=True)  # an id coming back before its write-back landed
         self.traffic.bytes_h2d += n * self.entry_bytes
         if self._uva is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._finish_write_backs(block=False)
+            back = bool(self._pending_mask.index_select(0, ids).any())
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier readers of these slots
+            if back:
+                self.stream.wait_event(self._wb_event)  # an id coming back before its write-back landed
             with torch.cuda.stream(self.stream):
-                dslots = slots.pin_memory().to(self.device, non_blocking=True)
-                dids = ids.pin_memory().to(self.device, non_blocking=True)
+                dslots = to_device(slots, self.device)
+                dids = to_device(ids, self.device)
                 for k, v in self.storage.items():
                     self._uva.copy_rows(self.tier.tensors[k], dids, v, dslots)
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.stream)
-            self._fill_event = ev
+            self._register_fill(ev, slots)
             self._uva_in_flight = True
             return
+        if self._pending and bool(self._pending_mask.index_select(0, ids).any()):
+            self._finish_write_backs(block=True)  # an id coming back before its write-back landed
         staging = self._staging(n)
         self.tier.read(ids, staging)
         if not self.cuda:
@@ -241,9 +322,10 @@ class PartitionCache:
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # earlier readers of these slots (a gather in flight) come first
         with torch.cuda.stream(self.stream):
-            dslots = slots.pin_memory().to(self.device, non_blocking=True)
+            dslots = to_device(slots, self.device)
             for k, v in self.storage.items():
                 v.index_copy_(0, dslots, staging[k].to(self.device, non_blocking=True))
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.stream)
-        self._fill_event = ev
+        self._register_fill(ev, slots)
+

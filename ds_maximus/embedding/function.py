@@ -25,39 +25,42 @@ def check_range(uniq_sorted_cpu: Tensor, vocab_size: int) -> None:
                          f"[0, {vocab_size})); check the tokenizer / TokenMap matches the model")
 
 
-def lookup(module, input: Tensor, pin: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gather the rows of ``input`` (any shape) -> ``(out [N, d], unique ids on CPU, inverse on device)``."""
-    from ds_maximus.ops import sharded_embedding as ops
+def lookup(module, input: Tensor, pin: bool):
+    """Gather the rows of ``input`` (any shape) -> ``(out [N, d], unique ids on CPU, backward plan)``."""
+    from ds_maximus.ops import sharded_embedding as ops, to_device
     dev = module.compute_device
     flat = input.reshape(-1).to(dev, torch.long)
-    uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-    uniq_cpu = uniq.cpu()  # the one host sync of the step
+    if dev.type == "cuda":
+        uniq_cpu, inverse, order, offsets = ops.sorted_unique(flat, module.num_embeddings)  # the one host sync of the step
+    else:
+        uniq_cpu, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        order = offsets = None
     check_range(uniq_cpu, module.num_embeddings)
     slots = module._resident(uniq_cpu, pin=pin)
     module._release_prefetch(slots)
     w = module.cache.storage["weight"]
-    slots_dev = slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots
-    out = ops.gather(w, slots_dev, inverse, module.out_dtype)
-    return out, uniq_cpu, inverse
+    out = ops.gather(w, to_device(slots, dev), inverse, module.out_dtype)
+    return out, uniq_cpu, (inverse, order, offsets)
 
 
 class ShardedEmbeddingFunction(torch.autograd.Function):
     """Identity on the gathered rows; backward reduces the output gradient per unique id into the module."""
 
     @staticmethod
-    def forward(ctx, anchor, out, module, uniq_cpu, inverse):
+    def forward(ctx, anchor, out, module, uniq_cpu, plan):
         ctx.module = module
         ctx.uniq_cpu = uniq_cpu
-        ctx.save_for_backward(inverse)
+        ctx.save_for_backward(*(t for t in plan if t is not None))
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
         from ds_maximus.ops import sharded_embedding as ops
-        (inverse,) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        inverse, order, offsets = (saved + (None, None))[:3]
         module, uniq = ctx.module, ctx.uniq_cpu
         grad = grad_out.reshape(-1, module.embedding_dim)
-        rows = ops.segment_reduce(grad, inverse, uniq.numel())
+        rows = ops.segment_reduce(grad, inverse, uniq.numel(), order=order, offsets=offsets)
         if module.padding_idx is not None:
             keep = uniq != module.padding_idx
             if not bool(keep.all()):

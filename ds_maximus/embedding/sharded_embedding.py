@@ -21,6 +21,11 @@ from ds_maximus.optim import RowOptimizer, SparseRowGrad
 logger = logging.getLogger("ds_maximus")
 
 
+def _masked(t: Tensor, mask: Tensor) -> Tensor:
+    """``t[mask]`` for CPU tensors through index_select (CPU boolean indexing costs milliseconds here)."""
+    return t.index_select(0, torch.nonzero(mask).squeeze(1))
+
+
 class ShardedEmbedding(nn.Module):
     """Embedding table with a row cache on the compute device and a row-sparse optimizer.
 
@@ -146,10 +151,10 @@ class ShardedEmbedding(nn.Module):
         if input.dtype not in (torch.long, torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"ShardedEmbedding expects integer token ids, got {input.dtype}")
         track = torch.is_grad_enabled()
-        out, uniq_cpu, inverse = lookup(self, input, pin=track)
+        out, uniq_cpu, plan = lookup(self, input, pin=track)
         if track:
             anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
-            out = ShardedEmbeddingFunction.apply(anchor, out, self, uniq_cpu, inverse)
+            out = ShardedEmbeddingFunction.apply(anchor, out, self, uniq_cpu, plan)
         return out.view(*input.shape, self.embedding_dim)
 
     def _resident(self, uniq_cpu: Tensor, pin: bool, wait: bool = True) -> Tensor:
@@ -168,7 +173,7 @@ class ShardedEmbedding(nn.Module):
         w, states = self._tables()
         changed = self.optimizer.catch_up(w, states, slots, uniq_cpu)
         if bool(changed.any()):
-            self.cache.mark_dirty(slots[changed])
+            self.cache.mark_dirty(_masked(slots, changed))
         return slots
 
     def prefetch(self, ids: Tensor) -> None:
@@ -189,9 +194,13 @@ class ShardedEmbedding(nn.Module):
 
     def _release_prefetch(self, used_slots: Tensor) -> None:
         """Unpin the prefetched sets this lookup consumed (all their rows are among ``used_slots``)."""
+        if not self._prefetched:
+            return
+        used = torch.zeros(self.cache.num_slots, dtype=torch.bool)
+        used.index_fill_(0, used_slots, True)  # a mask: torch.isin sorts both sides (~1 ms per lookup)
         keep = collections.deque()
         for s in self._prefetched:
-            if bool(torch.isin(s, used_slots).all()):
+            if bool(used.index_select(0, s).all()):
                 self.cache.unpin(s)
             else:
                 keep.append(s)
@@ -293,7 +302,7 @@ class ShardedEmbedding(nn.Module):
         w, states = self._tables()
         changed = self.optimizer.catch_up(w, states, slots, ids)
         if bool(changed.any()):
-            self.cache.mark_dirty(slots[changed])
+            self.cache.mark_dirty(_masked(slots, changed))
 
     def flush(self) -> None:
         """Write every dirty cached row back to the tier (and the tier to disk)."""

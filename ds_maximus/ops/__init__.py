@@ -6,6 +6,17 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import torch
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``; a CPU tensor goes to CUDA through pinned memory with no host sync (a plain
+    ``.to("cuda")`` of pageable memory waits for the whole stream)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
 
 def op_builder_module():
     """``ds_maximus.op_builder``: installed by ``pip install -e .``, or found next to the package

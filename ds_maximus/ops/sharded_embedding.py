@@ -64,24 +64,61 @@ def gather(table: Tensor, slots: Tensor, inverse: Tensor, out_dtype: torch.dtype
     return out
 
 
-def segment_reduce(grad: Tensor, inverse: Tensor, num_unique: int) -> Tensor:
-    """Sum ``grad`` rows per unique id (token order within an id) into fp32 ``[num_unique, d]``."""
+def segment_reduce(grad: Tensor, inverse: Tensor, num_unique: int, order: Optional[Tensor] = None,
+                   offsets: Optional[Tensor] = None) -> Tensor:
+    """Sum ``grad`` rows per unique id (token order within an id) into fp32 ``[num_unique, d]``.
+
+    CUDA: ``order`` (token positions sorted stably by id) and ``offsets`` ([U + 1] segment starts),
+    when the caller has them from its own sort (:func:`sorted_unique`), save a second sort.
+    """
     op = op_for(grad)
     if op is None:
         return ref.segment_reduce_ref(grad, inverse, num_unique)
     grad = grad.contiguous()
     out = torch.empty(num_unique, grad.shape[1], dtype=torch.float32, device=grad.device)
     if grad.is_cuda:
-        order = torch.argsort(inverse, stable=True)
-        sorted_inv = inverse.index_select(0, order)
-        counts = torch.bincount(inverse, minlength=num_unique)
-        offsets = torch.zeros(num_unique + 1, dtype=torch.long, device=grad.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
+        if order is None or offsets is None:
+            order = torch.argsort(inverse, stable=True)
+            sorted_inv = inverse.index_select(0, order)
+            # segment starts by binary search (bincount would sync the host to size its output)
+            offsets = torch.searchsorted(sorted_inv, torch.arange(num_unique + 1, device=grad.device))
         op.segment_reduce(grad, order, offsets, out)
-        del sorted_inv
     else:
         op.segment_reduce_cpu(grad, inverse, out)
     return out
+
+
+def sorted_unique(flat: Tensor, bound: Optional[int] = None):
+    """Unique ids of CUDA ``flat`` with one host sync: ``(uniq on CPU, inverse, order, offsets)`` (device).
+
+    ``order`` sorts token positions stably by id and ``offsets`` are the segment starts: the backward
+    reuses them (:func:`segment_reduce`). ``torch.unique`` would sync twice and sort again in backward.
+    With ``bound`` (the vocabulary size) below 2**31 and every id in ``[0, bound)`` (checked on the
+    device, reported in the same sync), the sort runs on 32-bit keys (half the radix passes); any id
+    outside falls back to the 64-bit sort, so the caller's range check sees it unchanged.
+    """
+    from ds_maximus.ops import to_device
+    n = flat.numel()
+    narrow = bound is not None and bound < 2**31
+    keys = torch.where((flat >= 0) & (flat < bound), flat, -1).to(torch.int32) if narrow else flat
+    sorted_ids, order = torch.sort(keys, stable=True)
+    flag = torch.ones(n, dtype=torch.bool, device=flat.device)
+    if n > 1:
+        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=flag[1:])
+    seg = torch.cumsum(flag, 0) - 1
+    inverse = torch.empty_like(seg).index_copy_(0, order, seg)
+    host_ids = torch.empty(n, dtype=sorted_ids.dtype, pin_memory=True)
+    host_flag = torch.empty(n, dtype=torch.bool, pin_memory=True)
+    host_ids.copy_(sorted_ids, non_blocking=True)
+    host_flag.copy_(flag, non_blocking=True)
+    torch.cuda.current_stream(flat.device).synchronize()  # the one host sync of the lookup
+    if narrow and n and int(host_ids[0]) < 0:  # an id outside [0, bound): the caller's range check names it
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        return uniq.cpu(), inverse, None, None
+    starts = torch.nonzero(host_flag).squeeze(1)
+    uniq = host_ids.index_select(0, starts).long()
+    offsets = to_device(torch.cat([starts, torch.tensor([n])]), flat.device)
+    return uniq, inverse, order, offsets
 
 
 def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optional[Tensor],
@@ -94,12 +131,13 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
         return ref.row_update_ref(weight, states, slots, grads, last_step, step=step, lr_hist=lr_hist,
                                   wd_hist=wd_hist, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                                   eps=eps, optimizer=optimizer, lazy=lazy)
+    from ds_maximus.ops import to_device
     dev = weight.device
     empty_f = torch.empty(0, dtype=torch.float32, device=dev)
     empty_d = torch.empty(0, dtype=torch.float64, device=dev)
     s1 = states[1] if len(states) > 1 else empty_f
-    op.row_update(weight, states[0], s1, slots.to(dev), grads.float().contiguous() if grads is not None else empty_f,
-                  last_step.to(dev) if last_step is not None else torch.empty(0, dtype=torch.long, device=dev),
+    op.row_update(weight, states[0], s1, to_device(slots, dev), grads.float().contiguous() if grads is not None else empty_f,
+                  to_device(last_step, dev) if last_step is not None else torch.empty(0, dtype=torch.long, device=dev),
                   lr_hist if lr_hist is not None else empty_d, wd_hist if wd_hist is not None else empty_d,
                   int(step), float(lr), float(weight_decay), float(beta1), float(beta2), float(eps),
                   int(optimizer), bool(lazy), grads is not None)

@@ -40,19 +40,30 @@ __global__ void gather_kernel(const float* __restrict__ table, const int64_t* __
     }
 }
 
-// One block per unique id; each thread sums its columns over the id's tokens in token order
-// (deterministic, same order as the CPU kernel and the reference).
+// Blocks over (unique ids, column tiles); each thread sums one column over the id's tokens in token
+// order (deterministic, same order as the CPU kernel and the reference). A frequent id (thousands of
+// tokens under Zipf) is spread over d / blockDim column tiles, and its token loop issues kUnroll loads
+// ahead of the in-order additions, so one hot id does not serialise the kernel.
 template <typename T>
 __global__ void segment_reduce_kernel(const T* __restrict__ grad, const int64_t* __restrict__ order,
                                       const int64_t* __restrict__ offsets, float* __restrict__ out, int64_t U,
                                       int64_t d) {
+    constexpr int kUnroll = 8;
+    const int64_t j = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= d) return;
     for (int64_t u = blockIdx.x; u < U; u += gridDim.x) {
         const int64_t lo = offsets[u], hi = offsets[u + 1];
-        for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-            float acc = 0.f;
-            for (int64_t i = lo; i < hi; ++i) acc += static_cast<float>(grad[order[i] * d + j]);
-            out[u * d + j] = acc;
+        float acc = 0.f;
+        int64_t i = lo;
+        for (; i + kUnroll <= hi; i += kUnroll) {
+            float g[kUnroll];
+#pragma unroll
+            for (int k = 0; k < kUnroll; ++k) g[k] = static_cast<float>(grad[order[i + k] * d + j]);
+#pragma unroll
+            for (int k = 0; k < kUnroll; ++k) acc += g[k];
         }
+        for (; i < hi; ++i) acc += static_cast<float>(grad[order[i] * d + j]);
+        out[u * d + j] = acc;
     }
 }
 
@@ -179,8 +190,11 @@ void segment_reduce_cuda(const at::Tensor& grad, const at::Tensor& order, const 
     auto stream = c10::cuda::getCurrentCUDAStream();
     auto ord = order.contiguous();
     auto off = offsets.contiguous();
+    const int64_t tiles = (d + kThreads - 1) / kThreads;
+    TORCH_CHECK(tiles <= 65535, "segment_reduce: embedding_dim ", d, " is too large");
+    const dim3 grid((unsigned)std::min<int64_t>(U, 65535), (unsigned)tiles);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "maximus_segment_reduce_cuda", [&] {
-        segment_reduce_kernel<scalar_t><<<grid_for(U), kThreads, 0, stream>>>(
+        segment_reduce_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
             grad.data_ptr<scalar_t>(), ord.data_ptr<int64_t>(), off.data_ptr<int64_t>(), out.data_ptr<float>(), U, d);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();

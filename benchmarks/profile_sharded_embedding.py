@@ -1,0 +1,130 @@
+"""Where a ShardedEmbedding training step spends its time (GPU): link bandwidth of the cache's copy
+kernels, and a torch.profiler breakdown of host and device time per step.
+
+    python -m benchmarks.profile_sharded_embedding                  # bench_sharded_embedding's sizes
+    python -m benchmarks.profile_sharded_embedding --steps 6 --out prof.txt
+
+Prints (1) the bandwidth of the UVA ``copy_rows`` kernel host->device, device->host and both at once
+(the fill and write-back paths of the cache) against a pinned ``copy_``; (2) ms per step with and
+without the profiler; (3) the profiler's top host ops and device kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.bench_sharded_embedding import zipf_batches
+
+
+def _bw(fn, nbytes: int, repeat: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return nbytes * repeat / (time.perf_counter() - t0) / 1e9
+
+
+def link_table(d: int, rows: int, table_rows: int) -> str:
+    from ds_maximus.ops.sharded_embedding import load_op
+    op = load_op("cuda")
+    host = torch.empty(table_rows, d, pin_memory=True).normal_()
+    dev = torch.empty(rows, d, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randperm(table_rows, generator=g)[:rows].cuda()
+    slots = torch.arange(rows, device="cuda")
+    nbytes = rows * d * 4
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    dev2 = torch.empty_like(dev)
+    host_flat = torch.empty(rows, d, pin_memory=True)
+
+    def both():
+        with torch.cuda.stream(s1):
+            op.copy_rows(host, ids, dev, slots)
+        with torch.cuda.stream(s2):
+            op.copy_rows(dev2, slots, host, ids)
+        torch.cuda.current_stream().wait_stream(s1)
+        torch.cuda.current_stream().wait_stream(s2)
+
+    def uva_h2d_dma_d2h():
+        with torch.cuda.stream(s1):
+            op.copy_rows(host, ids, dev, slots)
+        with torch.cuda.stream(s2):
+            host_flat.copy_(dev2, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(s1)
+        torch.cuda.current_stream().wait_stream(s2)
+
+    lines = [f"link: {rows} rows x {d} fp32 ({nbytes / 2**20:.0f} MiB) per copy",
+             f"  copy_rows H2D (UVA gather from pinned)  {_bw(lambda: op.copy_rows(host, ids, dev, slots), nbytes):6.1f} GB/s",
+             f"  copy_rows D2H (UVA scatter to pinned)   {_bw(lambda: op.copy_rows(dev2, slots, host, ids), nbytes):6.1f} GB/s",
+             f"  copy_rows both directions at once       {_bw(both, 2 * nbytes):6.1f} GB/s (sum)",
+             f"  copy_rows H2D + DMA copy_ D2H at once   {_bw(uva_h2d_dma_d2h, 2 * nbytes):6.1f} GB/s (sum)",
+             f"  pinned contiguous copy_ D2H             {_bw(lambda: host_flat.copy_(dev2, non_blocking=True), nbytes):6.1f} GB/s",
+             f"  pinned contiguous copy_ H2D             {_bw(lambda: dev.copy_(host_flat, non_blocking=True), nbytes):6.1f} GB/s"]
+    del host, dev, dev2, host_flat
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--vocab", type=int, default=262144)
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--cache-frac", type=float, default=0.10)
+    ap.add_argument("--policy", default="lfu")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.embedding import ShardedEmbedding
+    V, d = a.vocab, a.dim
+    out = [link_table(d, 3500, V)]
+    batches = zipf_batches(V, a.batch * a.seq, 3 * a.steps + 2, a.zipf)
+    dev_batches = [b.view(a.batch, a.seq).cuda() for b in batches]
+    grad = torch.randn(a.batch, a.seq, d, device="cuda") * 1e-3
+    emb = ShardedEmbedding(V, d, config=EmbeddingConfig(gpu_cache_rows=int(V * a.cache_frac), cache_policy=a.policy,
+                                                        optimizer={"lr": 1e-3, "weight_decay": 0.01}), device="cuda")
+    i = [0]
+
+    def step():
+        k = i[0]
+        i[0] += 1
+        emb.prefetch(batches[k + 1])
+        emb(dev_batches[k]).backward(grad)
+        emb.sparse_step(lr=1e-3)
+
+    for _ in range(a.steps):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3 / a.steps
+    s = emb.stats()["last_step"]
+    out.append(f"step: {ms:.2f} ms (no profiler); last step fetched {s['rows_fetched']} evicted {s['rows_evicted']} "
+               f"rows, H2D {s['bytes_h2d'] / 2**20:.0f} MiB, D2H {s['bytes_d2h'] / 2**20:.0f} MiB, "
+               f"stall {s['stall_ms']:.2f} ms")
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    out.append(f"profiler, {a.steps} steps (times are totals over them):")
+    out.append(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    out.append(ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    text = "\n".join(out)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
