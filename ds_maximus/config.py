@@ -165,11 +165,12 @@ class MoEConfig(_Section):
     """With ``train``: optimizer of the experts (each expert is one row); ``exact`` mode equals dense AdamW."""
     optimizer_device: ExpertOptimizerDevice = ExpertOptimizerDevice.COMPUTE
     """With ``train``: where the experts' optimizer step runs (``compute``: GPU; ``cpu``: beside the CPU tier)."""
-    step_chunk_experts: int = Field(4, ge=1)
-    """With ``train``: experts stepped at once on the compute device (bounds the fp32 state staged there)."""
-    grads_follow_cache: bool = True
-    """With ``train``: an evicted expert's accumulated gradient moves to the CPU; ``false`` keeps every
-    gradient on the compute device until the step."""
+    step_chunk_bytes: int = Field(512 << 20, ge=1 << 16)
+    """With ``train`` and ``optimizer_device: compute``: fp32 masters, moments and gradients staged on the
+    device at once (a large expert is stepped in pieces)."""
+    gpu_grad_experts: Optional[int] = Field(None, ge=1)
+    """With ``train``: accumulated expert gradients (fp32) kept on the compute device, most recently used
+    first; older ones move to pinned CPU memory until the step. ``None``: ``gpu_experts_per_layer``."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
 

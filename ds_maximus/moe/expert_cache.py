@@ -90,7 +90,6 @@ class ExpertCache:
         self.groups = [_Group(self.slots_per_group, self.num_experts, self.layout.numel, self.layout.dtype,
                               self.device, policy) for _ in range(self.num_groups)]
         self.counters = ExpertCacheStats()
-        self.on_evict = None  # optional callback(group, expert_ids): training moves their gradients out
 
     # -- views -----------------------------------------------------------------------------
     def slot(self, group: int, slot: int) -> torch.Tensor:
@@ -154,7 +153,6 @@ class ExpertCache:
         c.demand_misses += len(miss_slots)
         c.demand_hits += len(experts) - len(miss_slots)
         c.evictions += int(a.evicted_ids.numel())
-        self._evicted(group, a.evicted_ids)
         slots = [int(s) for s in a.slots]
         for e, s in zip(experts, slots):
             if s in miss_slots:
@@ -199,7 +197,6 @@ class ExpertCache:
         except CapacityError:
             return 0
         self.counters.evictions += int(a.evicted_ids.numel())
-        self._evicted(group, a.evicted_ids)
         started = []
         for e, s in zip(a.miss_ids.tolist(), a.miss_slots.tolist()):
             g.inflight[s] = self._load(group, g, s, e)
@@ -211,21 +208,17 @@ class ExpertCache:
         self.counters.bytes_prefetch += len(started) * self.layout.nbytes
         return len(started)
 
-    def _evicted(self, group: int, ids: torch.Tensor) -> None:
-        if self.on_evict is not None and ids.numel():
-            self.on_evict(group, [int(i) for i in ids])
-
     # -- training: slots whose expert changed in the slow tier ---------------------------------
-    def write_slot(self, group: int, expert: int, src: torch.Tensor) -> bool:
-        """If ``expert`` is resident, overwrite its slot with ``src`` (flat, any dtype/device) on the compute
-        stream and mark that as the slot's last use (a later load into the slot waits for it). Returns
-        whether it was resident."""
+    def write_slot(self, group: int, expert: int, src: torch.Tensor, offset: int = 0) -> bool:
+        """If ``expert`` is resident, overwrite its slot from element ``offset`` with ``src`` (flat, any
+        dtype/device) on the compute stream, and mark that as the slot's last use (a later load into the
+        slot waits for it). Returns whether it was resident."""
         g = self.groups[group]
         self._drain(g)
         s = int(g.map.id_to_slot[int(expert)])
         if s < 0:
             return False
-        g.buffer[s].copy_(src, non_blocking=True)
+        g.buffer[s][offset:offset + src.numel()].copy_(src, non_blocking=True)
         g.use_ev[s] = self.transfer.record_use()
         return True
 

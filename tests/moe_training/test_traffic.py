@@ -61,13 +61,15 @@ def test_bytes_scale_with_routed_experts(tokens):
 def test_nvme_tier_equals_cpu_tier(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
     runs = []
-    for off in ({}, {"offload": {"device": "nvme", "nvme_path": str(tmp_path / "experts")}}):
+    nvme = {"offload": {"device": "nvme", "nvme_path": str(tmp_path / "experts")}, "step_chunk_bytes": 1 << 16}
+    for off in ({}, nvme):  # the NVMe tier is stepped staged, in pieces smaller than one expert
         model = tiny_mixtral(num_experts=8)
         t = _trainer(model, slots=2, **off)
         for i in range(3):
             _step(model, t, ids[:, i:i + 4])
         runs.append({g: t.expert_tensors(g) for g in range(t.num_layers)})
     assert t.store.tier == "nvme" and any((tmp_path / "experts").iterdir())
+    assert t.numel > (1 << 16) // 16  # more than one piece per expert
     for g in runs[0]:
         for n in runs[0][g]:
             assert torch.equal(runs[0][g][n], runs[1][g][n])

@@ -49,10 +49,10 @@ class ExpertTrainStats:
         self.routing[group] += c
         self.step_routing[group] += c
 
-    def stepped(self, n: int, state_bytes_per_expert: int, grad_bytes_per_expert: int) -> None:
-        """``n`` experts updated; staged state (compute-device optimizer) or their gradient moved."""
-        self.experts_stepped += n
-        self.bytes_step += n * (2 * state_bytes_per_expert if state_bytes_per_expert else grad_bytes_per_expert)
+    def add_step_traffic(self, experts: int, nbytes: int) -> None:
+        """``experts`` more experts updated; ``nbytes`` of state (staged in and out) or gradient moved."""
+        self.experts_stepped += experts
+        self.bytes_step += nbytes
 
     def end_step(self, cache, step_ms: float) -> None:
         s = cache.stats()

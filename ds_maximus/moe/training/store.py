@@ -81,10 +81,10 @@ class ExpertTrainStore(ExpertStore):
             return self.shadow[uid]
         return self._tier.tensors["weight"][uid]
 
-    def refresh(self, uid: int, master: Tensor) -> None:
-        """The master of ``uid`` changed to ``master`` (flat, any device): update the compute copy."""
+    def refresh(self, uid: int, master: Tensor, offset: int = 0) -> None:
+        """Elements ``offset:`` of ``uid``'s master changed to ``master`` (flat, any device): update the copy."""
         if self.shadow is not None:
-            self.shadow[uid].copy_(master)
+            self.shadow[uid][offset:offset + master.numel()].copy_(master)
 
     # -- masters ----------------------------------------------------------------------------------
     def master_row(self, uid: int) -> Tensor:

@@ -53,13 +53,12 @@ class LayerSpec:
 
 
 def _subrow(numel: int) -> int:
-    """Largest multiple of 256 dividing ``numel`` and at most ``SUBROW_MAX_ELEMS``."""
-    units = numel // 256
-    best = 1
-    for k in range(1, SUBROW_MAX_ELEMS // 256 + 1):
-        if units % k == 0:
-            best = k
-    return 256 * best if numel % 256 == 0 else numel
+    """Largest multiple of 256 dividing ``numel``, at most ``SUBROW_MAX_ELEMS`` and ``numel / 64`` (so even a
+    small expert is 64 rows for the op's threads)."""
+    if numel % 256:
+        return numel
+    units, cap = numel // 256, max(1, min(SUBROW_MAX_ELEMS, numel // 64) // 256)
+    return 256 * max(k for k in range(1, cap + 1) if units % k == 0)
 
 
 class ExpertTrainer(nn.Module):
@@ -99,7 +98,7 @@ class ExpertTrainer(nn.Module):
         self._dtype = dtype
         self.cache: Optional[ExpertCache] = None
         self._build_cache()
-        self.grads = ExpertGrads(self.compute_device, mcfg.grads_follow_cache)
+        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots)
         self.counters = ExpertTrainStats(self.num_layers, self.num_experts)
         self.log_interval_steps = cfg.logging.interval_steps
         self.carrier_host: Optional[nn.Module] = None
@@ -115,7 +114,6 @@ class ExpertTrainer(nn.Module):
             self.cache.close()
         self.cache = ExpertCache(self.store, self.num_layers, self.num_experts, self.slots, self.compute_device,
                                  self.cfg.moe.cache_policy)
-        self.cache.on_evict = self._on_evict
 
     @property
     def out_dtype(self) -> torch.dtype:
@@ -241,9 +239,6 @@ class ExpertTrainer(nn.Module):
         self._bwd_prefetched.add(group)
         self._prefetch(group - 1, self._used[group - 1][-self.cache.slots_per_group:])
 
-    def _on_evict(self, group: int, experts: List[int]) -> None:
-        self.grads.evicted(group * self.num_experts + e for e in experts)
-
     # -- optimizer ------------------------------------------------------------------------------------
     def _row_views(self, flat_rows: Tensor) -> Tensor:
         """``[n, numel]`` as ``[n * numel/sub, sub]`` (the op parallelises over rows)."""
@@ -281,13 +276,15 @@ class ExpertTrainer(nn.Module):
             self.store.write_rows(uids, rows)
             masters = list(rows["weight"])
         self.counters.caught_up += uids.numel()
-        self._refresh(uids.tolist(), masters)
+        for u, m in zip(uids.tolist(), masters):
+            self.refresh(u, m)
 
-    def _refresh(self, uids: List[int], masters: Sequence[Tensor]) -> None:
-        for u, m in zip(uids, masters):
-            self.store.refresh(u, m)
-            if self.cache.write_slot(u // self.num_experts, u % self.num_experts, m):
-                self.counters.bytes_refresh += self.cache.layout.nbytes
+    def refresh(self, uid: int, master: Tensor, offset: int = 0) -> None:
+        """Elements ``offset:`` of ``uid``'s master were updated to ``master``: refresh the shadow and, when
+        resident, the cache slot (so no stale copy is ever computed with)."""
+        self.store.refresh(uid, master, offset)
+        if self.cache.write_slot(uid // self.num_experts, uid % self.num_experts, master, offset):
+            self.counters.bytes_refresh += master.numel() * self.cache.layout.nbytes // self.numel
 
     def _step_device(self) -> torch.device:
         if self.cfg.moe.optimizer_device == ExpertOptimizerDevice.CPU:
@@ -296,35 +293,17 @@ class ExpertTrainer(nn.Module):
 
     def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
         """Step every expert with gradient (AdamW on the compute device by default), refresh its copies."""
+        from ds_maximus.moe.training.step import step_in_place, step_staged
         t0 = time.perf_counter()
         opt = self.row_optimizer
         opt.begin_step(lr, weight_decay)
         self.cache.synchronize()
-        uids_all = self.grads.uids()
+        uids = self.grads.uids()
         dev = self._step_device()
-        in_place = dev.type == "cpu" and self.store.in_memory
-        chunk = len(uids_all) if in_place else self.cfg.moe.step_chunk_experts
-        names = opt.state_names
-        state_bytes = 4 * self.numel * (1 + len(names))
-        for i in range(0, len(uids_all), max(chunk, 1)):
-            part = uids_all[i:i + chunk]
-            ids = torch.tensor(part)
-            g = torch.stack([self.grads.get(u, dev) for u in part])
-            if in_place:
-                t = self.store._tier.tensors
-                opt.update(self._row_views(t["weight"]), [self._row_views(t[n]) for n in names],
-                           self._sub_slots(ids), self._row_views(g), self._sub_ids(ids))
-                masters = [t["weight"][u] for u in part]
-            else:
-                staged = self._stage_in(part, dev)
-                opt.update(self._row_views(staged["weight"]), [self._row_views(staged[n]) for n in names],
-                           torch.arange(len(part) * (self.numel // self.sub)), self._row_views(g),
-                           self._sub_ids(ids))
-                self._stage_out(part, staged)
-                masters = list(staged["weight"])
-            self._refresh(part, masters)
-            self.counters.stepped(len(part), state_bytes if dev.type != "cpu" else 0,
-                                  4 * self.numel)
+        if uids and dev.type == "cpu" and self.store.in_memory:
+            step_in_place(self, uids)
+        elif uids:
+            step_staged(self, uids, dev)
         self.grads.clear()
         self.counters.end_step(self.cache, (time.perf_counter() - t0) * 1e3)
         if opt.step % self.log_interval_steps == 0:
@@ -341,31 +320,6 @@ class ExpertTrainer(nn.Module):
             ro.beta1, ro.beta2 = (float(b) for b in g["betas"])
         if "eps" not in oc.model_fields_set and "eps" in g:
             ro.eps = float(g["eps"])
-
-    def _stage_in(self, uids: List[int], dev: torch.device) -> Dict[str, Tensor]:
-        """Masters and moments of ``uids`` on ``dev`` (straight from the pinned tier rows when in memory)."""
-        if not self.store.in_memory:
-            rows = self.store.read_rows(torch.tensor(uids), pin=True)
-            return {n: rows[n].to(dev, non_blocking=True) for n in rows}
-        t = self.store._tier.tensors
-        out = {}
-        for n in self.store.names:
-            buf = torch.empty(len(uids), self.numel, device=dev)
-            for i, u in enumerate(uids):
-                buf[i].copy_(t[n][u], non_blocking=True)
-            out[n] = buf
-        return out
-
-    def _stage_out(self, uids: List[int], staged: Dict[str, Tensor]) -> None:
-        if not self.store.in_memory:
-            self.store.write_rows(torch.tensor(uids), {n: v.cpu() for n, v in staged.items()})
-            return
-        t = self.store._tier.tensors
-        for n, buf in staged.items():
-            for i, u in enumerate(uids):
-                t[n][u].copy_(buf[i], non_blocking=True)
-        if buf.is_cuda:
-            torch.cuda.current_stream(buf.device).synchronize()  # the tier rows are read by the next loads
 
     # -- the maximus module protocol ------------------------------------------------------------------
     def set_grad_anchor(self, fn) -> None:
