@@ -9,15 +9,16 @@ the same forward: the experts left DeepSpeed (they live in the expert tier), so 
 handling (expert parameter groups, expert-parallel all-reduce, and the ZeRO-3 refusal of native MoE)
 must not apply to what remains (the gate and any residual MLP are ordinary dense parameters).
 
-    >>> import torch
-    >>> from deepspeed.moe.layer import MoE
-    >>> net = torch.nn.Sequential(MoE(8, torch.nn.Linear(8, 8), num_experts=4, k=1))
-    >>> [(i.name, i.num_experts, i.top_k) for i in find_deepspeed_moe_layers(net)]
-    [('0', 4, 1)]
+Example (tests/moe_training/test_equality.py trains one)::
+
+    from deepspeed.moe.layer import MoE
+    net = torch.nn.Sequential(MoE(8, torch.nn.Linear(8, 8), num_experts=4, k=1))
+    [(i.name, i.num_experts, i.top_k) for i in find_deepspeed_moe_layers(net)]   # [('0', 4, 1)]
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Dict, List
 
 import torch
@@ -46,10 +47,10 @@ class DeepSpeedMoEInfo:
 
 def find_deepspeed_moe_layers(model: nn.Module) -> List[DeepSpeedMoEInfo]:
     """Every ``deepspeed.moe.layer.MoE`` of ``model``, in module order."""
-    try:
-        from deepspeed.moe.layer import MoE
-    except ImportError:  # pragma: no cover - deepspeed is a dependency
+    layer_mod = sys.modules.get("deepspeed.moe.layer")
+    if layer_mod is None:  # not imported: the model cannot hold one (and importing DeepSpeed prints)
         return []
+    MoE = layer_mod.MoE
     found = []
     for name, mod in model.named_modules():
         if not isinstance(mod, MoE):
