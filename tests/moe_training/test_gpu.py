@@ -35,3 +35,18 @@ def test_bf16_on_cuda_built_on_cpu():
     assert t.cache.device.type == "cuda" and t.cache.slot_buffer(0).dtype == torch.bfloat16
     assert train(got, data) == pytest.approx(train(ref, data), rel=3e-2)
     assert t.stats()["gpu_stall_ms"] >= 0.0
+
+
+def test_device_gradient_budget():
+    """At most gpu_grad_experts accumulated gradients stay on the GPU; the rest wait in pinned memory."""
+    from ds_maximus.config import MaximusConfig
+    from ds_maximus.moe.training import attach_expert_training
+    model = tiny_mixtral(num_experts=8).cuda()
+    t = attach_expert_training(model, MaximusConfig.from_dict(moe_section(slots=2, gpu_grad_experts=2)))
+    ids = batches(1, batch=4, seqlen=8)[0].cuda()
+    model(input_ids=ids, labels=ids).loss.backward()
+    on_gpu = [u for u, g in t.grads.g.items() if g.is_cuda]
+    assert len(t.grads.g) > 2 and len(on_gpu) <= 2
+    assert all(g.is_pinned() for g in t.grads.g.values() if not g.is_cuda)
+    t.sparse_step(lr=1e-3, weight_decay=0.0)
+    assert not t.grads

@@ -86,3 +86,32 @@ def test_state_dict_shape_mismatch_is_clear():
     b = _trainer(tiny_mixtral(num_experts=4))
     with pytest.raises(ConfigError, match="8 experts"):
         b.load_maximus_state_dict(a.maximus_state_dict())
+
+
+def test_deepspeed_moe_expert_parallel_is_clear():
+    from deepspeed.moe.layer import MoE
+    net = torch.nn.Sequential(MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2, k=1))
+    with pytest.raises(ConfigError, match="ep_size=2"):
+        _trainer(net)
+
+
+def test_state_dict_holds_current_experts_under_hf_names():
+    """model.state_dict() / save_pretrained give a complete HF checkpoint; loading it sets the masters."""
+    model = tiny_mixtral(num_experts=4)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    t = _trainer(model, slots=2)
+    sd = model.state_dict()
+    assert set(sd) == set(ref)
+    for k in ref:
+        assert torch.equal(sd[k], ref[k]), k
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    _step(model, t, ids)
+    after = model.state_dict()
+    key = "model.layers.1.mlp.experts.down_proj"
+    assert not torch.equal(after[key], ref[key])
+    assert torch.equal(after[key], t.expert_tensors(1)["down_proj"])
+    fresh = tiny_mixtral(num_experts=4, seed=5)
+    t2 = _trainer(fresh, slots=2)
+    fresh.load_state_dict(after)
+    assert torch.equal(t2.expert_tensors(1)["down_proj"], after[key])
+    assert t2.store.host_view(4).equal(t2.store.master_row(4))

@@ -31,6 +31,35 @@ class _TrainedExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.group}, experts={self.trainer.num_experts}, slots={self.trainer.cache.slots_per_group}"
 
+    # the experts appear in the model's state_dict under their original names (a complete HF / DeepSpeed
+    # checkpoint from model.state_dict() or save_pretrained), current to the last step
+    def _expert_items(self, stacked):
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        stacked = self.trainer.expert_tensors(self.group)
+        for key, t in self._expert_items(stacked):
+            destination[prefix + key] = t.to(self.trainer.out_dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        shapes = {n: (self.trainer.num_experts, *sh) for n, sh in self.trainer.store.master_layout.shapes.items()}
+        empty = {n: torch.empty(sh) for n, sh in shapes.items()}
+        keys = [k for k, _ in self._expert_items(empty)]
+        present = [k for k in keys if prefix + k in state_dict]
+        if present and len(present) == len(keys):
+            stacked = self._stack_loaded({k: state_dict[prefix + k] for k in keys}, shapes)
+            if isinstance(stacked, str):
+                error_msgs.append(f"{prefix}: {stacked}")
+            else:
+                self.trainer.load_expert_tensors(self.group, stacked)
+        elif strict:
+            missing_keys.extend(prefix + k for k in keys if prefix + k not in state_dict)
+        rest = {k: v for k, v in state_dict.items() if not (k.startswith(prefix) and k[len(prefix):] in keys)}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
 
 class TrainedFusedExperts(_TrainedExperts):
     """Drop-in for an HF fused experts module; weights, gradients and optimizer state live in the trainer."""
@@ -40,6 +69,15 @@ class TrainedFusedExperts(_TrainedExperts):
         self.num_experts = trainer.num_experts
         self.act_fn = getattr(original, "act_fn", None)
         self.__dict__["_original"] = original  # config and _apply_gate; its weights were removed
+
+    def _expert_items(self, stacked):
+        return list(stacked.items())  # gate_up_proj [E, 2F, H], down_proj [E, H, F]
+
+    def _stack_loaded(self, tensors, shapes):
+        for n, t in tensors.items():
+            if tuple(t.shape) != shapes[n]:
+                return f"size mismatch for {n}: checkpoint {tuple(t.shape)}, model {shapes[n]}"
+        return {n: t.detach().float().cpu() for n, t in tensors.items()}
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -79,6 +117,18 @@ class TrainedModuleExperts(_TrainedExperts):
         super().__init__(trainer, group)
         self.num_local_experts = trainer.num_experts
         self.__dict__["_moe_layer"] = moe_layer
+
+    def _expert_items(self, stacked):
+        return [(f"deepspeed_experts.{e}.{n}", t[e]) for e in range(self.num_local_experts) for n, t in stacked.items()]
+
+    def _stack_loaded(self, tensors, shapes):
+        out = {}
+        for n, sh in shapes.items():
+            parts = [tensors[f"deepspeed_experts.{e}.{n}"] for e in range(self.num_local_experts)]
+            if any(tuple(p.shape) != sh[1:] for p in parts):
+                return f"size mismatch for expert parameter {n}: model {sh[1:]}"
+            out[n] = torch.stack([p.detach().float().cpu() for p in parts])
+        return out
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         t = self.trainer
