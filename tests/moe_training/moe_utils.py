@@ -76,6 +76,8 @@ def ds_config(stage: int, dtype: str = "fp32", gas: int = 1, micro: int = 2, cli
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if maximus is not None:
         cfg["maximus"] = maximus
     return cfg

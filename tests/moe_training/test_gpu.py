@@ -50,3 +50,23 @@ def test_device_gradient_budget():
     assert all(g.is_pinned() for g in t.grads.g.values() if not g.is_cuda)
     t.sparse_step(lr=1e-3, weight_decay=0.0)
     assert not t.grads
+
+
+def test_fp16_overflow_skips_the_expert_step():
+    """fp16: expert grads are unscaled with the dense ones, and an overflow skips both sides."""
+    data = [ids.cuda() for ids in batches(4, batch=2, seqlen=8)]
+    e = build(tiny_mixtral(num_experts=8), 2, dtype="fp16", clip=1.0, maximus=moe_section(slots=2), lr=1e-3)
+    t = e.maximus.modules["moe"]
+    for ids in data[:2]:
+        e.backward(e(input_ids=ids, labels=ids).loss)
+        e.step()
+    assert e.skipped_steps == 0 and t.row_optimizer.step == 2
+    before = mixtral_experts(e)
+    e.backward(e(input_ids=data[2], labels=data[2]).loss * 1e30)
+    e.step()
+    assert e.skipped_steps == 1 and t.row_optimizer.step == 2 and not t.grads
+    after = mixtral_experts(e)
+    assert all(torch.equal(after[g][n], before[g][n]) for g in before for n in before[g])
+    e.backward(e(input_ids=data[3], labels=data[3]).loss)
+    e.step()
+    assert t.row_optimizer.step == 3
