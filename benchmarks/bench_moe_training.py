@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Bench, Budget, progress
+from benchmarks.harness import Bench, Budget
 
 PEERS = {
     "all on GPU (DeepSpeed ZeRO-2, no cap)": "gpu",

@@ -53,10 +53,12 @@ class OffloadDevice(str, enum.Enum):
 
 
 class HeadPlacement(str, enum.Enum):
-    """Where the LM head's weight lives: on the GPU, or in the CPU tier streamed chunk by chunk."""
+    """Where the LM head's weight lives: on the GPU, or in the CPU tier streamed chunk by chunk, or its fp32
+    master on the GPU with only the AdamW moments and gradient in the CPU tier (``cpu_optimizer``)."""
 
     GPU = "gpu"
     CPU = "cpu"
+    CPU_OPTIMIZER = "cpu_optimizer"
 
 
 class ShardMode(str, enum.Enum):
@@ -140,7 +142,9 @@ class LMHeadConfig(_Section):
     chunk_rows: int = Field(16384, ge=1)
     """Vocabulary rows per chunk of the streamed cross-entropy."""
     placement: HeadPlacement = HeadPlacement.GPU
-    """Where the head's weight lives (``gpu`` resident, or ``cpu`` streamed chunk by chunk)."""
+    """Where the head's weight lives: ``gpu`` (a resident Parameter), ``cpu`` (fp32 master, AdamW moments and
+    gradient in the CPU tier, streamed chunk by chunk), or ``cpu_optimizer`` (the fp32 master stays on the GPU,
+    4 B/param, and only the moments and gradient cross PCIe: 20 instead of 38 B/param per step)."""
 
 
 class MoEConfig(_Section):
@@ -173,6 +177,13 @@ class MoEConfig(_Section):
     first; older ones move to pinned CPU memory until the step. ``None``: ``gpu_experts_per_layer``."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
+
+    @model_validator(mode="after")
+    def _train_needs_enabled(self):
+        if self.train and not self.enabled:
+            raise ValueError("moe.train is true but moe.enabled is false; set \"enabled\": true to train the "
+                             "experts as swappable partitions, or drop \"train\"")
+        return self
 
 
 class IOConfig(_Section):

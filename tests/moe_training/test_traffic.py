@@ -115,3 +115,8 @@ def test_state_dict_holds_current_experts_under_hf_names():
     fresh.load_state_dict(after)
     assert torch.equal(t2.expert_tensors(1)["down_proj"], after[key])
     assert t2.store.host_view(4).equal(t2.store.master_row(4))
+
+
+def test_train_without_enabled_is_a_config_error():
+    with pytest.raises(ConfigError, match="moe.enabled is false"):
+        MaximusConfig.from_dict({"moe": {"train": True}})

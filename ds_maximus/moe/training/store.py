@@ -4,9 +4,10 @@ Each expert is one *row* of ``layout.numel`` elements, addressed by its uid (``l
 expert``) like in the inference store. The tier (:class:`ds_maximus.cache.TensorTier` in pinned CPU
 memory, or :class:`ds_maximus.cache.store_tier.ShardStoreTier` on NVMe, one expert per shard) holds
 ``weight`` (the fp32 master) and the optimizer's state tensors. When the compute dtype is fp32 and
-the tier is in memory, the expert cache loads straight from the master; otherwise a *shadow* copy
-in the compute dtype (bf16/fp16, pinned) is kept beside it and refreshed after every update, so a
-load moves 2 bytes per parameter, not 4 (ZeRO's bf16 optimizer keeps the same two copies).
+the tier is in memory, the expert cache loads straight from the master; in bf16/fp16 a *shadow* copy
+in the compute dtype (pinned) is kept beside it and refreshed after every update, so a load moves 2
+bytes per parameter, not 4 (ZeRO's bf16 optimizer keeps the same two copies). From NVMe, a load reads
+the master through the tier's CPU shard cache and casts it (no full copy in CPU memory).
 
     >>> import torch
     >>> from ds_maximus.moe.layout import ExpertLayout
@@ -69,17 +70,17 @@ class ExpertTrainStore(ExpertStore):
         """Compute copies in ``dtype`` (a shadow is built from the masters when it is not fp32 in memory)."""
         self.layout = ExpertLayout(self.master_layout.names, self.master_layout.shapes, self.master_layout.offsets,
                                    self.master_layout.numel, dtype)
-        if dtype == torch.float32 and self.in_memory:
+        if dtype == torch.float32 or not self.in_memory:  # NVMe: loads read the tier (its CPU shard cache)
             self.shadow = None
             return
         self.shadow = torch.empty(self.num_uids, self.layout.numel, dtype=dtype, pin_memory=self.pin)
         for uid in range(self.num_uids):
             self.shadow[uid].copy_(self.master_row(uid))
 
-    def host_view(self, uid: int) -> Tensor:
+    def host_view(self, uid: int) -> Optional[Tensor]:
         if self.shadow is not None:
             return self.shadow[uid]
-        return self._tier.tensors["weight"][uid]
+        return self._tier.tensors["weight"][uid] if self.in_memory else None
 
     def refresh(self, uid: int, master: Tensor, offset: int = 0) -> None:
         """Elements ``offset:`` of ``uid``'s master changed to ``master`` (flat, any device): update the copy."""
