@@ -94,10 +94,11 @@ class ShardedLMHead(nn.Module):
         if weight is None:
             bound = 1.0 / math.sqrt(self.hidden_size)   # nn.Linear's default initialisation
             weight = torch.empty(self.vocab_size, self.hidden_size).uniform_(-bound, bound)
-        if cfg.placement == HeadPlacement.CPU:
-            self.placement = "cpu"
+        if cfg.placement in (HeadPlacement.CPU, HeadPlacement.CPU_OPTIMIZER):
+            self.placement = cfg.placement.value
             self.tier = HeadTier(weight, self.chunk_rows, optimizer or opt_cfg, update_device=update_device,
-                                 update_rows=update_rows)
+                                 update_rows=update_rows,
+                                 master_on_device=cfg.placement == HeadPlacement.CPU_OPTIMIZER)
             self.source = self.tier
         else:
             self.placement = "gpu"
@@ -227,12 +228,12 @@ class ShardedLMHead(nn.Module):
             self.tier.sync()
 
     def full_weight(self) -> torch.Tensor:
-        """The head's rows as a CPU fp32 tensor (the CPU tier's master itself for ``placement: cpu``)."""
+        """The head's rows as a CPU fp32 tensor (the CPU tier's master itself for ``placement: cpu``, a copy
+        of the GPU master for ``cpu_optimizer``)."""
         if self.placement == "tied":
             return self.tied_to[0].full_weight()
         if self.tier is not None:
-            self.tier.sync()
-            return self.tier.weight
+            return self.tier.master_cpu()
         return self.weight.detach().float().cpu()
 
     # -- checkpoints: the CPU tier's rows appear as "weight" in the module's state_dict -----------
@@ -244,6 +245,7 @@ class ShardedLMHead(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         if self.tier is not None and prefix + "weight" in state_dict:
+            self.tier.sync()
             self.tier.weight.copy_(state_dict[prefix + "weight"])
             for mirror in self.tier._mirrors.values():
                 mirror.copy_(self.tier.weight)

@@ -42,8 +42,13 @@ class HeadTier:
     """fp32 master rows, AdamW state and gradient of a CPU-placed head; a streaming ChunkSource."""
 
     def __init__(self, weight: torch.Tensor, chunk_rows: int, optimizer: Optional[EmbeddingOptimizerConfig] = None,
-                 pin_memory: bool = True, update_device="auto", update_rows: int = 4096):
+                 pin_memory: bool = True, update_device="auto", update_rows: int = 4096,
+                 master_on_device: bool = False):
         w = weight.detach().to("cpu", torch.float32).contiguous()
+        # ``master_on_device`` (placement cpu_optimizer): the fp32 rows move to the compute device on first
+        # use and stay there; chunks are cast from them, the step updates them in place, and only the
+        # AdamW moments and the gradient live here.
+        self.master_on_device = bool(master_on_device)
         self.vocab_size, self.dim = w.shape
         self.chunk_rows = int(chunk_rows)
         self.pin = pin_memory
@@ -94,8 +99,25 @@ class HeadTier:
             self._streams[(idx, kind)] = torch.cuda.Stream(device=idx)
         return self._streams[(idx, kind)]
 
+    def _ensure_master(self, device: torch.device) -> bool:
+        """Move the fp32 master to ``device`` (cpu_optimizer, once); True when it lives there."""
+        if not self.master_on_device or device.type != "cuda":
+            return False
+        if self.weight.device != device:
+            self.sync()
+            self.weight = self.weight.to(device)
+            self._mirrors.clear()
+        return True
+
+    def master_cpu(self) -> torch.Tensor:
+        """The fp32 master rows on the CPU (the tensor itself, or a copy of the device master)."""
+        self.sync()
+        return self.weight if self.weight.device.type == "cpu" else self.weight.cpu()
+
     def prefetch(self, lo: int, hi: int, device: torch.device, dtype: torch.dtype) -> None:
         device = torch.device(device)
+        if self._ensure_master(device):
+            return                               # cast from the device master on fetch
         key = (lo, hi, dtype, device)
         if device.type != "cuda" or key in self._staged:
             return
@@ -114,6 +136,12 @@ class HeadTier:
 
     def fetch(self, lo: int, hi: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         device = torch.device(device)
+        if self._ensure_master(device):
+            cur = torch.cuda.current_stream(device)
+            if self._step_event is not None:
+                cur.wait_event(self._step_event)  # the in-flight step writes the master in place
+            self.counters["rows_fetched"] += hi - lo
+            return self.weight[lo:hi].to(dtype, copy=True)
         if device.type != "cuda" and self._step_event is not None:
             self.sync()
         if device.type != "cuda":
@@ -306,12 +334,15 @@ class HeadTier:
             self._pending.clear()
             if self._step_event is not None:
                 self._staged_opt.h2d.wait_event(self._step_event)
+            if self.weight.device == dev:        # forward/backward reads of the master come first
+                self._staged_opt.opt.wait_stream(torch.cuda.current_stream(dev))
         host = {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
         self._step_event = self._staged_opt.step(
             host, self.grad_rows.clone(), self._mirrors, step=self.step, lr=lr, beta1=b1, beta2=b2,
             eps=self.eps, weight_decay=wd, grad_scale=self._grad_scale, after=after)
-        self.counters["bytes_h2d"] += self.vocab_size * self.dim * 16
-        self.counters["bytes_d2h"] += self.vocab_size * self.dim * (12 + sum(
+        resident = 4 if self.weight.device == dev else 0
+        self.counters["bytes_h2d"] += self.vocab_size * self.dim * (16 - resident)
+        self.counters["bytes_d2h"] += self.vocab_size * self.dim * (12 - resident + sum(
             torch.empty((), dtype=dt).element_size() for dt in self._mirrors))
         self.lr_history.append(lr)
         self.grad_rows.zero_()
@@ -319,8 +350,7 @@ class HeadTier:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        self.sync()
-        return {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
+        return {"weight": self.master_cpu(), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
                 "step": self.step, "lr_history": list(self.lr_history)}
 
     def load_state_dict(self, d: dict) -> None:

@@ -56,12 +56,12 @@ class StagedAdamW:
         self.opt = torch.cuda.Stream(device=self.device) if cuda else None
         self.d2h = torch.cuda.Stream(device=self.device) if cuda else None
 
-    def _buf(self, i: int, mirror_dtypes) -> Dict[str, torch.Tensor]:
+    def _buf(self, i: int, mirror_dtypes, resident=()) -> Dict[str, torch.Tensor]:
         while len(self._bufs) <= i:
             self._bufs.append({})
         b = self._bufs[i]
         for name in _STATE + ("grad",):
-            if name not in b:
+            if name not in b and name not in resident:
                 b[name] = torch.empty(self.rows, self.dim, dtype=torch.float32, device=self.device)
         for dt in mirror_dtypes:
             if dt not in b:
@@ -82,6 +82,8 @@ class StagedAdamW:
 
         Rows whose ``grad_rows`` flag is False take a zero-gradient step (as the host path). ``after``:
         an event the first host->device copy waits for (the gradient copies of the backward pass).
+        A state tensor already on this device (the fp32 master of ``placement: cpu_optimizer``) is updated
+        in place and never copied.
         Returns the event that marks the step's end on the device (``None`` on CPU: done on return).
         """
         vocab = host["weight"].shape[0]
@@ -89,16 +91,19 @@ class StagedAdamW:
         if after is not None and self.h2d is not None:
             self.h2d.wait_event(after)
         nb = self.device.type == "cuda"
+        resident = tuple(n for n in _STATE if host[n].device == self.device)
         for i, (lo, hi) in enumerate(blocks):
             k = i % 2
-            b = self._buf(k, list(mirrors))
+            b = self._buf(k, list(mirrors), resident)
             n = hi - lo
             dev = {name: t[:n] for name, t in b.items()}
+            dev.update({name: host[name][lo:hi] for name in resident})
             if self.h2d is not None and self._free[k] is not None:
                 self.h2d.wait_event(self._free[k])       # the set's previous block has left the device
             with _ctx(self.h2d):
                 for name in _STATE + ("grad",):
-                    dev[name].copy_(host[name][lo:hi], non_blocking=nb)
+                    if name not in resident:
+                        dev[name].copy_(host[name][lo:hi], non_blocking=nb)
                 loaded = torch.cuda.Event() if nb else None
                 if nb:
                     loaded.record(self.h2d)
@@ -123,7 +128,8 @@ class StagedAdamW:
                 self.d2h.wait_event(done)
             with _ctx(self.d2h):
                 for name in _STATE:
-                    host[name][lo:hi].copy_(dev[name], non_blocking=nb)
+                    if name not in resident:
+                        host[name][lo:hi].copy_(dev[name], non_blocking=nb)
                 for dt, m in mirrors.items():
                     m[lo:hi].copy_(dev[dt], non_blocking=nb)
                 if nb:

@@ -143,7 +143,7 @@ def patch_causal_lm_loss(model: nn.Module, head=None, config: Union[LMHeadConfig
             raise TypeError(f"{type(model).__name__} has no .{attr}; patch_causal_lm_loss needs an HF XForCausalLM")
     if head is not None:
         model.lm_head = head
-    elif cfg.placement == HeadPlacement.CPU and not _is_sharded_head(model.lm_head):
+    elif cfg.placement in (HeadPlacement.CPU, HeadPlacement.CPU_OPTIMIZER) and not _is_sharded_head(model.lm_head):
         head = _build_cpu_head(model, cfg, config)
     elif _is_sharded_head(model.lm_head):
         head = model.lm_head

@@ -183,3 +183,47 @@ def test_train_llama_cpu_head_equals_plain_deepspeed(tmp_path):
     assert len(losses[False]) == 6
     assert losses[False][-1] < losses[False][0]
     torch.testing.assert_close(torch.tensor(losses[False]), torch.tensor(losses[True]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_master_on_device_matches_host_step_and_fetch_sees_the_update():
+    """placement cpu_optimizer: the fp32 master moves to the GPU on first use and is updated in place there;
+    only moments and gradient are staged. Same tolerance as the staged step; the chunk fetched after a step
+    (the next forward) carries that step's update."""
+    w0 = torch.randn(V * 40, D * 8)
+    host = HeadTier(w0, CHUNK * 40, update_device="host")
+    gpu = HeadTier(w0, CHUNK * 40, update_device="cuda", update_rows=100, master_on_device=True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        for lo in range(0, w0.shape[0], CHUNK * 40):
+            hi = min(w0.shape[0], lo + CHUNK * 40)
+            grad = torch.randn(hi - lo, w0.shape[1], generator=g)
+            torch.testing.assert_close(gpu.fetch(lo, hi, torch.device("cuda"), torch.float32).cpu(),
+                                       host.weight[lo:hi], rtol=1e-6, atol=1e-7)
+            host.add_grad_(lo, hi, grad)
+            gpu.add_grad_(lo, hi, grad.cuda())
+        host.step_(lr=1e-3, weight_decay=0.1)
+        gpu.step_(lr=1e-3, weight_decay=0.1)
+    assert gpu.weight.is_cuda and gpu.exp_avg.device.type == "cpu"
+    assert gpu.counters["bytes_h2d"] == 4 * V * 40 * D * 8 * 12  # moments + gradient only
+    torch.testing.assert_close(gpu.master_cpu(), host.weight, rtol=1e-6, atol=1e-7)
+    for name in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(getattr(gpu, name), getattr(host, name), rtol=1e-6, atol=1e-7)
+    state = gpu.state_dict()
+    assert state["weight"].device.type == "cpu"
+
+
+def test_cpu_optimizer_placement_equals_cpu_placement_on_cpu():
+    """On a machine without a GPU the cpu_optimizer head is the cpu head (master stays where the rows are)."""
+    w = torch.randn(V, D)
+    heads = [ShardedLMHead(config={"placement": p, "chunk_rows": CHUNK}, weight=w, update_device="cpu")
+             for p in ("cpu", "cpu_optimizer")]
+    assert heads[1].placement == "cpu_optimizer" and heads[1].owns_weights
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        h, y = torch.randn(7, D, generator=g), torch.randint(0, V, (7,), generator=g)
+        for head in heads:
+            head(h, y).backward()
+            head.sparse_step(lr=1e-2, weight_decay=0.1)
+    assert torch.equal(heads[0].full_weight(), heads[1].full_weight())
