@@ -7,7 +7,7 @@
 #      (reference), then ZeRO-2 / ZeRO-3 CPU offload capped; 10 steps each (3 warm-up), own processes
 #   3. 200-step loss curve, maximus (capped) vs plain ZeRO-2 (uncapped), same seed, at vocab 262144,
 #      hidden 1024, 4 layers, 8 x 512 tokens (the full model's 200 steps would take ~4 min alone)
-# -> $OUT/headline.md (+ CSV, + the full log in $OUT/headline.log). About 300 s wall on an H200.
+# -> $OUT/headline.md (+ CSV, + the full log in $OUT/headline.log). About 420 s wall on an H200.
 set -x
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/bench_out}"
@@ -26,8 +26,8 @@ ds_build=$!
 timeout 120 python -u -c "from ds_maximus.ops import sharded_embedding as o; print('op', o.load_op('cuda') is not None)" \
   > "$OUT/headline_build.txt" 2>&1
 tail -3 "$OUT/headline_build.txt"
-timeout 290 python -u -m benchmarks.bench_headline --out "$OUT/headline.md" --steps 10 --warmup 3 \
-  --config-timeout-s 75 --offload-timeout-s 45 --curve-steps 200 --budget-s 270 2>&1 | tee "$OUT/headline.log"
+timeout 430 python -u -m benchmarks.bench_headline --out "$OUT/headline.md" --steps 10 --warmup 3 \
+  --config-timeout-s 75 --offload-timeout-s 45 --curve-steps 200 --budget-s 410 2>&1 | tee "$OUT/headline.log"
 bench_rc=${PIPESTATUS[0]}
 kill "$ds_build" 2>/dev/null; wait "$ds_build" 2>/dev/null
 tail -3 "$OUT/headline_ds_ops_build.log"
