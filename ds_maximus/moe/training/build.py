@@ -15,6 +15,7 @@ model (``trainer.removed_params``: ``ds_maximus.initialize`` keeps them away fro
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ds_maximus.config import MaximusConfig
@@ -74,6 +75,8 @@ def attach_expert_training(model: nn.Module, cfg: MaximusConfig) -> ExpertTraine
             info.layer.register_forward_pre_hook(_keep_input)
         hide_from_engine(model, ds)
     trainer.carrier_host = (hf[0].block.experts if hf else ds[0].layer.experts)
+    for p in removed:  # the trainer holds the experts now: free the model's copy, keep the identity (filters)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     trainer.removed_params = removed
     return trainer
 
