@@ -33,6 +33,14 @@ def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return t
 
 
+def _norm(device) -> torch.device:
+    """``device`` with its index ("cuda" and "cuda:0" compare unequal)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _zeros(shape, pin: bool) -> torch.Tensor:
     """fp32 zeros on the CPU, allocated pinned in place (no second copy) when CUDA is there."""
     return torch.zeros(shape, dtype=torch.float32, pin_memory=bool(pin and torch.cuda.is_available()))
@@ -103,6 +111,7 @@ class HeadTier:
         """Move the fp32 master to ``device`` (cpu_optimizer, once); True when it lives there."""
         if not self.master_on_device or device.type != "cuda":
             return False
+        device = _norm(device)
         if self.weight.device != device:
             self.sync()
             self.weight = self.weight.to(device)
@@ -224,8 +233,8 @@ class HeadTier:
             return None
         if self.update_device == "auto":
             d = self._grad_device
-            return d if d is not None and d.type == "cuda" else None
-        return self.update_device
+            return _norm(d) if d is not None and d.type == "cuda" else None
+        return _norm(self.update_device)
 
     def _apply_scale(self) -> None:
         """Apply a deferred gradient scale to the host gradient (before anyone reads it there)."""
@@ -334,13 +343,13 @@ class HeadTier:
             self._pending.clear()
             if self._step_event is not None:
                 self._staged_opt.h2d.wait_event(self._step_event)
-            if self.weight.device == dev:        # forward/backward reads of the master come first
+            if self.weight.device == self._staged_opt.device:  # forward/backward reads of the master first
                 self._staged_opt.opt.wait_stream(torch.cuda.current_stream(dev))
         host = {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
         self._step_event = self._staged_opt.step(
             host, self.grad_rows.clone(), self._mirrors, step=self.step, lr=lr, beta1=b1, beta2=b2,
             eps=self.eps, weight_decay=wd, grad_scale=self._grad_scale, after=after)
-        resident = 4 if self.weight.device == dev else 0
+        resident = 4 if self.weight.device == self._staged_opt.device else 0
         self.counters["bytes_h2d"] += self.vocab_size * self.dim * (16 - resident)
         self.counters["bytes_d2h"] += self.vocab_size * self.dim * (12 - resident + sum(
             torch.empty((), dtype=dt).element_size() for dt in self._mirrors))

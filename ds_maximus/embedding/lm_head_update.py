@@ -47,6 +47,8 @@ class StagedAdamW:
 
     def __init__(self, device: torch.device, rows: int, dim: int):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" in comparisons
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.rows = int(rows)
         self.dim = int(dim)
         self._bufs: List[Dict[str, torch.Tensor]] = []
