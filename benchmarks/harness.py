@@ -42,6 +42,9 @@ GIB = float(1 << 30)
 
 
 def git_commit() -> str:
+    """``MAXIMUS_COMMIT`` when set (device runs: pass it in, their copy of .git is stale), else git's HEAD."""
+    if os.environ.get("MAXIMUS_COMMIT"):
+        return os.environ["MAXIMUS_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                                        stderr=subprocess.DEVNULL, text=True).strip()

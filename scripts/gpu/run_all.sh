@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 FINAL_OUT="${OUT:-$PWD/bench_out}"
 export OUT="$FINAL_OUT/work"
 mkdir -p "$OUT"
-export MAXIMUS_COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+export MAXIMUS_COMMIT="${MAXIMUS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}"
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 for item in $1; do
