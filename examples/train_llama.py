@@ -59,6 +59,8 @@ def parse_args(argv=None):
     ap.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
     ap.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the tokens/s figure")
     ap.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds of training")
+    ap.add_argument("--profile", default=None, help="folder: profile 2 steps after the warm-up (torch.profiler "
+                    "tables + chrome trace there) and print per-phase times on the GPU stream")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.add_config_arguments(ap)
     return ap.parse_args(argv)
@@ -165,7 +167,23 @@ def train(args):
         data = lookahead(data, engine.module)
     losses, t_start, tokens, t_train = [], None, 0, time.perf_counter()
     steps_done = 0
+    prof, phases = None, []
+    cuda = torch.cuda.is_available()
+
+    def mark():
+        if not cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
     for step in range(args.steps):
+        if args.profile and step == args.warmup_steps:
+            from torch.profiler import ProfilerActivity, profile
+            prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            prof.__enter__()
+        if prof is not None and step == args.warmup_steps + 2:
+            _write_profile(prof, args.profile, rank)
+            prof = None
         if step == args.warmup_steps:  # skip warm-up (op JIT, allocator) in the throughput figure
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -175,16 +193,30 @@ def train(args):
             break
         for _ in range(gas):
             ids = next(data).to(engine.device)
+            m0 = mark()
             loss = engine(input_ids=ids, labels=ids).loss
+            m1 = mark()
             engine.backward(loss)
+            m2 = mark()
             engine.step()
+            if args.profile and step >= args.warmup_steps:
+                phases.append((m0, m1, m2, mark()))
             tokens += ids.numel() * world
         losses.append(float(loss.detach().float()))
         steps_done = step + 1
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d} loss {losses[-1]:.4f} ({time.perf_counter() - t_train:.1f} s)", flush=True)
+    if prof is not None:
+        _write_profile(prof, args.profile, rank)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if phases and rank == 0:
+        def span(a, b):
+            return a.elapsed_time(b) if cuda else (b - a) * 1e3
+        names = ("forward", "backward", "step")
+        avg = [sum(span(p[i], p[i + 1]) for p in phases) / len(phases) for i in range(3)]
+        print("phases (GPU stream, mean of %d micro-steps): " % len(phases)
+              + ", ".join(f"{n} {a:.1f} ms" for n, a in zip(names, avg)), flush=True)
     elapsed = time.perf_counter() - t_start if t_start else float("nan")
     tps = tokens / elapsed if t_start else float("nan")
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
@@ -200,6 +232,19 @@ def train(args):
                 json.dump({"losses": losses, "tokens_per_s": tps, "peak_gib": peak, "steps": steps_done,
                            "params": n_params}, f)
     return losses
+
+
+def _write_profile(prof, folder: str, rank: int) -> None:
+    """Stop ``prof`` and write its tables (self CPU, self CUDA) and a chrome trace into ``folder``."""
+    prof.__exit__(None, None, None)
+    os.makedirs(folder, exist_ok=True)
+    ka = prof.key_averages()
+    with open(os.path.join(folder, f"profile_rank{rank}.txt"), "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
+        if torch.cuda.is_available():
+            f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70) + "\n")
+    prof.export_chrome_trace(os.path.join(folder, f"trace_rank{rank}.json"))
+    print(f"profile written to {folder}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Where the headline's maximus step spends its time: examples/train_llama.py with the headline's sizes and
+# config under the 16 GiB cap, --profile over 2 steps after 3 warm-up steps (torch.profiler tables and a
+# chrome trace in $OUT/headline_profile/, per-phase GPU-stream times in the log). Then the same for plain
+# ZeRO-2 uncapped. About 2 x 40 s on an H200.
+set -x
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$PWD/bench_out}"
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
+export DS_ACCELERATOR=cuda MASTER_ADDR=127.0.0.1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+args="--deepspeed_config ds_configs/llama_262k_16gib.json --vocab 262144 --hidden 2048 --layers 16 --heads 16
+  --ffn 2816 --seq 2048 --micro-batch 8 --zipf 1.1 --seed 0 --grad-checkpointing --steps 6 --warmup-steps 3 --log-every 1"
+MASTER_PORT=29701 timeout 120 python -u examples/train_llama.py $args --cap-gib 16 \
+  --profile "$OUT/headline_profile/maximus" > "$OUT/headline_profile_maximus.log" 2>&1
+MASTER_PORT=29702 timeout 120 python -u examples/train_llama.py $args --plain \
+  --profile "$OUT/headline_profile/plain" > "$OUT/headline_profile_plain.log" 2>&1
+grep -h "phases\|done:" "$OUT"/headline_profile_*.log
+tar czf "$OUT/headline_profile.tgz" -C "$OUT" headline_profile && rm -rf "$OUT/headline_profile"
