@@ -41,28 +41,48 @@ PEERS = {  # in run order: the baseline and ours first, so a short budget still 
 BASELINE = "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu"
 
 
+FILL_CHUNK_ELEMS = 1 << 24  # random init in pieces of 16M elements, one generator each, on every core
+
+
+def _fill_random_(params) -> None:
+    """Norms 1, router N(0, 0.5), the rest N(0, 0.02): CPU ``normal_`` is one thread, so the pieces run on a
+    thread pool (2.9B parameters: ~20 s on one core, ~2 s on 16), each with its own seeded generator."""
+    from concurrent.futures import ThreadPoolExecutor
+    jobs = []
+    for n, p in params:
+        flat = p.data.view(-1)
+        if p.dim() == 1:
+            flat.fill_(1.0)
+            continue
+        std = 0.5 if "gate.weight" in n else 0.02
+        jobs += [(flat, lo, min(lo + FILL_CHUNK_ELEMS, flat.numel()), std)
+                 for lo in range(0, flat.numel(), FILL_CHUNK_ELEMS)]
+
+    def one(i):
+        flat, lo, hi, std = jobs[i]
+        flat[lo:hi].normal_(0.0, std, generator=torch.Generator().manual_seed(i))
+    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as ex:
+        list(ex.map(one, range(len(jobs))))
+
+
 def build_model(a, dtype):
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.initialization import no_init_weights
     cfg = MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
                         num_attention_heads=max(1, a.hidden // 128), num_key_value_heads=max(1, a.hidden // 512),
                         num_local_experts=a.experts, num_experts_per_tok=a.top_k, vocab_size=a.vocab,
-                        max_position_embeddings=max(4096, a.seq), router_aux_loss_coef=0.0)
+                        max_position_embeddings=max(4096, a.seq), router_aux_loss_coef=0.0,
+                        initializer_range=0.02)
     cfg._experts_implementation = "grouped_mm"
-    torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with no_init_weights():
+        with no_init_weights():  # the weights are written once, below (HF's init would write them twice)
             model = MixtralForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.5 if "gate.weight" in n else cfg.initializer_range)
+        _fill_random_(list(model.named_parameters()))
     return model
 
 
@@ -88,9 +108,29 @@ def ds_config(a, kind, bf16):
     return cfg
 
 
+T0 = time.perf_counter()
+
+
+def phase(name: str) -> None:
+    """A child's phase begins: one ``PHASE`` line the parent echoes to its log and names on a timeout."""
+    print(f"PHASE {time.perf_counter() - T0:.1f} {name}", flush=True)
+
+
+def _log_to_stdout() -> None:
+    """ds_maximus's INFO lines (the expert tier's allocation and copies) into the child's output, timed."""
+    import logging
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter("%(relativeCreated)8.0f ms %(name)s: %(message)s"))
+    lg = logging.getLogger("ds_maximus")
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+
+
 def run_peer(a, kind) -> dict:
     """One peer in this process: build, train ``--warmup`` + ``--steps`` steps, return its figures."""
     import socket
+    phase("imports")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -99,13 +139,17 @@ def run_peer(a, kind) -> dict:
         os.environ.setdefault(k, v)
     import deepspeed
     import ds_maximus
+    _log_to_stdout()
     cuda = torch.cuda.is_available()
-    if cuda and kind != "gpu" and a.cap_gib:
+    if cuda and kind != "gpu" and a.cap_gib:  # the same cap for every offloading peer
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total))
+        print(f"GPU cap {a.cap_gib} GiB of {total / 2**30:.1f}", flush=True)
     dtype = torch.bfloat16 if cuda else torch.float32
+    phase("model build")
     model = build_model(a, dtype)
     cfg = ds_config(a, kind, cuda)
+    phase("ds_maximus.initialize (experts into the CPU tier)" if kind.startswith("ours") else "deepspeed.initialize")
     fn = ds_maximus.initialize if kind.startswith("ours") else deepspeed.initialize
     engine, *_ = fn(model=model, model_parameters=model.parameters(), config=cfg)
     g = torch.Generator().manual_seed(1)
@@ -121,16 +165,19 @@ def run_peer(a, kind) -> dict:
         return float(loss.detach().float())
 
     for i in range(a.warmup):
+        phase(f"warm-up step {i + 1}/{a.warmup}")
         step(i)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for i in range(a.steps):
+        phase(f"timed step {i + 1}/{a.steps}")
         loss = step(i)
     if cuda:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / a.steps
+    phase("done")
     out = {"ms": dt * 1e3, "tokens/s": a.micro_batch * a.seq * a.gas / dt, "loss": round(loss, 4),
            "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
     if kind.startswith("ours"):
@@ -142,19 +189,51 @@ def run_peer(a, kind) -> dict:
 
 
 def _child(a, kind, timeout_s):
+    """Run peer ``kind`` in a subprocess; its output goes to this log as it comes (prefixed with the peer
+    and the seconds since its start), and a timeout names the phase it was in."""
+    import collections
+    import signal
+    import threading
     cmd = [sys.executable, "-u", "-m", "benchmarks.bench_moe_training", "--peer", kind] + a.passthrough
+    start = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                         start_new_session=True)
+    seen = {"phase": "start-up", "since": start, "result": None, "oom": False}
+    tail = collections.deque(maxlen=40)
+
+    def pump():
+        for line in p.stdout:
+            line = line.rstrip("\n")
+            print(f"  [{kind} {time.perf_counter() - start:6.1f}s] {line}", flush=True)
+            if line.startswith("PHASE "):
+                seen["phase"], seen["since"] = line.split(" ", 2)[2], time.perf_counter()
+            elif line.startswith("RESULT "):
+                seen["result"] = json.loads(line[7:])
+            else:
+                tail.append(line)
+                seen["oom"] |= "out of memory" in line.lower()
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, timeout_s))
+        p.wait(timeout=max(5.0, timeout_s))
     except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout_s:.0f} s"}
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    err = (p.stderr or p.stdout).strip().splitlines()
-    tail = next((ln for ln in reversed(err) if "Error" in ln or "error" in ln), err[-1] if err else f"rc={p.returncode}")
-    if "out of memory" in (p.stderr or "").lower():
-        return {"error": "OOM"}
-    return {"error": tail[-120:]}
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        reader.join(5)
+        now = time.perf_counter()
+        return {"error": f"timeout after {now - start:.0f} s in {seen['phase']} ({now - seen['since']:.0f} s)"}
+    reader.join(10)
+    where = f" in {seen['phase']}"
+    res = seen["result"]
+    if res is not None:
+        if "error" in res:
+            res["error"] += where
+        return res
+    if seen["oom"]:
+        return {"error": f"OOM{where}"}
+    lines = [ln for ln in tail if ln.strip()]
+    msg = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+    return {"error": f"rc={p.returncode}{where}: {msg.strip()[-100:]}"}
 
 
 def main(argv=None):
@@ -193,7 +272,8 @@ def main(argv=None):
     if a.peer is not None:
         try:
             res = run_peer(a, a.peer)
-        except torch.cuda.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError as e:
+            print(str(e).splitlines()[0] if str(e) else "CUDA out of memory", flush=True)
             res = {"error": "OOM"}
         print("RESULT " + json.dumps(res), flush=True)
         return

@@ -31,7 +31,7 @@ from ds_maximus.moe.training.trainer import ExpertTrainer, LayerSpec
 def _stacked_spec(name, tensors, kind_fn, num_experts, top_k, router_weight):
     layout = ExpertLayout.from_stacked(tensors, num_experts)
     return LayerSpec(name, kind_fn(layout), num_experts, top_k,
-                     tensors=lambda e, t=tensors: {n: v[e] for n, v in t.items()}, router_weight=router_weight)
+                     tensors=lambda t=tensors: t, router_weight=router_weight)
 
 
 def attach_expert_training(model: nn.Module, cfg: MaximusConfig) -> ExpertTrainer:

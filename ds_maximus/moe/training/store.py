@@ -11,6 +11,7 @@ the master through the tier's CPU shard cache and casts it (no full copy in CPU 
 
     >>> import torch
     >>> from ds_maximus.moe.layout import ExpertLayout
+from ds_maximus.moe.training.host_memory import host_tensor
     >>> lay = ExpertLayout.from_stacked({"w": torch.zeros(2, 2, 2)}, num_experts=2)
     >>> st = ExpertTrainStore(lay, num_uids=2, state_names=("exp_avg", "exp_avg_sq"), compute_dtype=torch.bfloat16)
     >>> st.write_master(1, {"w": torch.ones(2, 2)})
@@ -26,8 +27,10 @@ import torch
 from torch import Tensor
 
 from ds_maximus.cache import TensorTier
+from ds_maximus.errors import ConfigError
 from ds_maximus.moe.expert_store import ExpertStore
 from ds_maximus.moe.layout import ExpertLayout
+from ds_maximus.moe.training.host_memory import host_tensor
 
 
 class ExpertTrainStore(ExpertStore):
@@ -46,9 +49,9 @@ class ExpertTrainStore(ExpertStore):
         self.pin = bool(pin_memory and torch.cuda.is_available())
         self.master_layout = ExpertLayout(layout.names, layout.shapes, layout.offsets, layout.numel, torch.float32)
         n = layout.numel
-        if nvme_path is None:
-            self._tier = TensorTier({name: torch.zeros(self.num_uids, n, pin_memory=self.pin) for name in self.names},
-                                   pin_memory=False)
+        if nvme_path is None:  # every table in one exact-size allocation, page-locked once
+            tables = host_tensor((len(self.names), self.num_uids, n), torch.float32, pin=self.pin)
+            self._tier = TensorTier(dict(zip(self.names, tables)), pin_memory=False)
             self._tier.pinned = self.pin
         else:
             from ds_maximus.cache.store_tier import ShardStoreTier
@@ -73,9 +76,9 @@ class ExpertTrainStore(ExpertStore):
         if dtype == torch.float32 or not self.in_memory:  # NVMe: loads read the tier (its CPU shard cache)
             self.shadow = None
             return
-        self.shadow = torch.empty(self.num_uids, self.layout.numel, dtype=dtype, pin_memory=self.pin)
-        for uid in range(self.num_uids):
-            self.shadow[uid].copy_(self.master_row(uid))
+        self.shadow = None  # the old one (if any) is freed before the new one is allocated
+        self.shadow = host_tensor((self.num_uids, self.layout.numel), dtype, pin=self.pin,
+                                  init=lambda t: t.copy_(self._tier.tensors["weight"]))
 
     def host_view(self, uid: int) -> Optional[Tensor]:
         if self.shadow is not None:
@@ -102,6 +105,31 @@ class ExpertTrainStore(ExpertStore):
         self.master_layout.pack_(flat, {k: v.detach().float().cpu() for k, v in tensors.items()})
         self.write_rows(torch.tensor([uid]), {"weight": flat[None]}, names=("weight",))
         self.refresh(uid, flat)
+
+    def write_layer(self, first_uid: int, tensors: Mapping[str, Tensor]) -> None:
+        """Set the masters of experts ``first_uid, first_uid + 1, ...`` from stacked tensors ``{name: [E, ...]}``
+        (any dtype/device): in memory, one strided copy per tensor into the table, one into the shadow."""
+        lay = self.master_layout
+        missing = [name for name in lay.names if name not in tensors]
+        if missing:
+            raise ConfigError(f"expert tensors {missing} are missing (got {sorted(tensors)}); pass every tensor of "
+                              f"the layout {list(lay.names)}")
+        e = int(tensors[lay.names[0]].shape[0])
+        for name in lay.names:
+            if tuple(tensors[name].shape) != (e, *lay.shapes[name]):
+                raise ConfigError(f"expert tensor '{name}' has shape {tuple(tensors[name].shape)}; this store expects "
+                                  f"[{e}, {', '.join(map(str, lay.shapes[name]))}]")
+        if not 0 <= first_uid <= self.num_uids - e:
+            raise IndexError(f"experts {first_uid}..{first_uid + e - 1} are outside the store's {self.num_uids} uids")
+        if not self.in_memory:
+            for i in range(e):
+                self.write_master(first_uid + i, {name: tensors[name][i] for name in lay.names})
+            return
+        rows = self._tier.tensors["weight"][first_uid:first_uid + e]
+        for name in lay.names:
+            lay.stacked_view(rows, name).copy_(tensors[name].detach())
+        if self.shadow is not None:
+            self.shadow[first_uid:first_uid + e].copy_(rows)
 
     def read_rows(self, uids: Tensor, pin: bool = False) -> Dict[str, Tensor]:
         """Copies of the masters and states of ``uids`` as ``{name: [n, numel] fp32}``."""
@@ -138,5 +166,4 @@ class ExpertTrainStore(ExpertStore):
     def load_state(self, tensors: Mapping[str, Tensor]) -> None:
         self._tier.load({name: tensors[name].float() for name in self.names})
         if self.shadow is not None:
-            for uid in range(self.num_uids):
-                self.shadow[uid].copy_(self.master_row(uid))
+            self.shadow.copy_(self._tier.tensors["weight"])

@@ -48,7 +48,7 @@ class LayerSpec:
     kind: ExpertKind
     num_experts: int
     top_k: int
-    tensors: Callable[[int], Dict[str, Tensor]]              # initial tensors of expert e
+    tensors: Optional[Callable[[], Dict[str, Tensor]]]       # initial tensors, stacked {name: [E, ...]}
     router_weight: Optional[Callable[[], Optional[Tensor]]] = None  # for speculative prefetch
 
 
@@ -82,13 +82,25 @@ class ExpertTrainer(nn.Module):
         self.optimizer_config = mcfg.optimizer
         self.row_optimizer = RowOptimizer(mcfg.optimizer, self.num_uids)
         off = mcfg.offload
+        t0 = time.perf_counter()
+        gb = (1 + len(self.row_optimizer.state_names)) * 4 * self.num_uids * self.numel / 1e9
+        logger.info("ExpertTrainer: allocating %d experts x %d elements, fp32 master + %s: %.1f GB %s",
+                    self.num_uids, self.numel, "/".join(self.row_optimizer.state_names) or "no state", gb,
+                    off.nvme_path if off.device == OffloadDevice.NVME else
+                    ("pinned CPU" if off.pin_memory and torch.cuda.is_available() else "CPU"))
         self.store = ExpertTrainStore(layout, self.num_uids, self.row_optimizer.state_names, torch.float32,
                                       nvme_path=off.nvme_path if off.device == OffloadDevice.NVME else None,
                                       cpu_cache_shards=off.cpu_cache_shards, pin_memory=off.pin_memory)
+        t1 = time.perf_counter()
+        logger.info("ExpertTrainer: tier allocated in %.1f s; copying the experts of %d layers", t1 - t0,
+                    self.num_layers)
         with torch.no_grad():
             for gi, spec in enumerate(self.layers):
-                for e in range(self.num_experts):
-                    self.store.write_master(gi * self.num_experts + e, spec.tensors(e))
+                self.store.write_layer(gi * self.num_experts, spec.tensors())
+                spec.tensors = None  # the master is the trainer's copy now: the model's may be freed
+        t2 = time.perf_counter()
+        logger.info("ExpertTrainer: experts copied in %.1f s; building the %s compute copy", t2 - t1,
+                    str(dtype).replace("torch.", ""))
         self.slots = mcfg.gpu_experts_per_layer
         if mcfg.gpu_expert_bytes is not None:
             self.slots = max(1, mcfg.gpu_expert_bytes // layout.nbytes)
@@ -98,6 +110,8 @@ class ExpertTrainer(nn.Module):
         self._dtype = dtype
         self.cache: Optional[ExpertCache] = None
         self._build_cache()
+        logger.info("ExpertTrainer: compute copy and expert cache in %.1f s (set-up %.1f s)",
+                    time.perf_counter() - t2, time.perf_counter() - t0)
         self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots)
         self.counters = ExpertTrainStats(self.num_layers, self.num_experts)
         self.log_interval_steps = cfg.logging.interval_steps
@@ -409,8 +423,7 @@ class ExpertTrainer(nn.Module):
     def load_expert_tensors(self, group: int, tensors: Dict[str, Tensor]) -> None:
         """Overwrite layer ``group``'s masters from stacked tensors (optimizer state kept)."""
         self.cache.synchronize()
-        for e in range(self.num_experts):
-            self.store.write_master(group * self.num_experts + e, {n: t[e] for n, t in tensors.items()})
+        self.store.write_layer(group * self.num_experts, tensors)
         self.row_optimizer.last_step[group * self.num_experts:(group + 1) * self.num_experts] = \
             self.row_optimizer.step
         self._build_cache()
