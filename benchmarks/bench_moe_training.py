@@ -5,8 +5,11 @@
     python -m benchmarks.bench_moe_training --tiny               # a CPU-sized smoke run of every peer
 
 The model is a stack of ``--layers`` Mixtral decoder layers (small vocabulary, bf16 on GPU), built on
-the CPU without HF's weight init. Every peer runs in its own subprocess (its own memory cap, a clean
-DeepSpeed, an OOM is a row), under one ``--budget-s``; the table is written after every peer.
+the CPU without HF's weight init and filled once with random weights on every core. Every peer runs in
+its own subprocess (its own memory cap, a clean DeepSpeed, an OOM is a row), under one ``--budget-s``
+and at most ``--slot-s`` each; the table is written after every peer. A peer's output streams into
+this log, prefixed with its key and seconds, with ``PHASE`` lines (imports, model build, initialize,
+warm-up / timed steps) and ds_maximus's set-up lines; a timeout or OOM row names the phase it hit.
 
 Peers, same model, same batches:
   * all on GPU: plain DeepSpeed ZeRO-2, no memory cap (the ceiling, when it fits);
@@ -15,9 +18,12 @@ Peers, same model, same batches:
     the same: the optimizer step on the GPU (``optimizer_device: compute``) and on the CPU (``cpu``).
 The cap (``torch.cuda.set_per_process_memory_fraction``, default 0.9 x the experts' bf16 bytes) is below
 the experts' own weights, let alone their gradients and AdamW state; every peer reports its peak GPU
-memory, so "at no more GPU memory" is visible. Host RAM: ~17 B per expert parameter for ours (fp32
-master + moments, bf16 copy), more for ZeRO-3 offload (+ fp32 gradients): 3 Mixtral-shaped layers
-(4.2B expert parameters) need ~75-100 GB.
+memory, so "at no more GPU memory" is visible. Host RAM: ~14 B per expert parameter for ours (fp32
+master + moments, bf16 copy; the model's own bf16 copy is freed once copied), more for ZeRO-3 offload
+(+ fp32 gradients): 3 Mixtral-shaped layers (4.2B expert parameters) need ~60-90 GB.
+Set-up on an H200 host (16 cores), estimated: ~25 s to the first step for ours with 3 layers (random
+init ~4 s, the 51 GB tier faulted in and pinned ~8-10 s, copies ~2 s, DeepSpeed ~5 s), steps of a few
+seconds; scripts/gpu/moe_training.sh gives each peer 95 s.
 """
 from __future__ import annotations
 
@@ -138,6 +144,7 @@ def run_peer(a, kind) -> dict:
                  ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     import deepspeed
+    import transformers.models.mixtral.modeling_mixtral  # noqa: F401  (seconds of import: not the model build)
     import ds_maximus
     _log_to_stdout()
     cuda = torch.cuda.is_available()
@@ -236,6 +243,17 @@ def _child(a, kind, timeout_s):
     return {"error": f"rc={p.returncode}{where}: {msg.strip()[-100:]}"}
 
 
+def _slots(spec: str, keys) -> dict:
+    """``--slot-s``: ``"90"`` -> every peer 90 s; ``"zero3_offload=120,ours_compute=80"`` -> those two only."""
+    if "=" not in spec:
+        return {k: float(spec) for k in keys}
+    out = dict((k.strip(), float(v)) for k, v in (item.split("=", 1) for item in spec.split(",") if item))
+    unknown = sorted(set(out) - set(PEERS.values()))
+    if unknown:
+        raise SystemExit(f"--slot-s names unknown peers {unknown}; peers are {sorted(PEERS.values())}")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--layers", type=int, default=3)
@@ -257,7 +275,10 @@ def main(argv=None):
     p.add_argument("--fine-grained", action="store_true", help="64 experts, top-4, F=1792")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized smoke run")
     p.add_argument("--peers", default=",".join(PEERS.values()), help="comma-separated peer keys")
-    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget of the whole run (every peer)")
+    p.add_argument("--slot-s", default="100", help="most seconds a peer may take (it is killed after and its row "
+                   "names the phase it was in), so a slow baseline leaves time to the others: one number for every "
+                   "peer, or 'key=s,key=s' (peers not named get the rest of the budget)")
     p.add_argument("--out", default=None)
     p.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -276,7 +297,8 @@ def main(argv=None):
             print(str(e).splitlines()[0] if str(e) else "CUDA out of memory", flush=True)
             res = {"error": "OOM"}
         print("RESULT " + json.dumps(res), flush=True)
-        return
+        sys.stderr.flush()
+        os._exit(0)  # the figures are out: skip tearing down tens of GB of pinned tiers and DeepSpeed's state
     budget = Budget(a.budget_s)
     bench = Bench("moe_training", dtype="bf16" if torch.cuda.is_available() else "fp32",
                   sizes={"layers": a.layers, "H": a.hidden, "F": a.ffn, "E": a.experts, "top_k": a.top_k,
@@ -284,19 +306,20 @@ def main(argv=None):
                          "cap GiB": a.cap_gib, "slots/layer": a.slots},
                   notes="ms = one optimizer step; offloading peers capped with set_per_process_memory_fraction")
     keys = [k for k in a.peers.split(",") if k]
+    slots = _slots(a.slot_s, keys)
     names = {v: k for k, v in PEERS.items()}
     for i, key in enumerate(keys):
         name = names[key]
 
         def peer(name=name, key=key):
-            res = _child(a, key, budget.left() - 5)
+            res = _child(a, key, min(slots.get(key, float("inf")), budget.left() - 5))
             if "error" in res:
                 bench.add(name, None, error=res["error"])
                 return
             ms = res.pop("ms")
             peak = res.pop("peak GiB")
             bench.add(name, ms, peak, **res)
-        bench.run_budgeted(name, peer, need_s=20 if a.tiny else 60, budget=budget, out=a.out, baseline=BASELINE)
+        bench.run_budgeted(name, peer, need_s=20 if a.tiny else 40, budget=budget, out=a.out, baseline=BASELINE)
     bench.report(baseline=BASELINE)
     if a.out:
         bench.checkpoint(a.out, baseline=BASELINE)

@@ -58,6 +58,10 @@ def host_tensor(shape: Sequence[int], dtype: torch.dtype = torch.float32, pin: b
     except (OSError, ValueError) as e:
         raise CapacityError(f"cannot map {nbytes / 2**30:.2f} GiB of CPU memory for a {tuple(shape)} {dtype} "
                             f"table ({e}); use the NVMe tier (moe.offload.device = 'nvme') or fewer experts") from e
+    try:  # 2 MiB pages where the kernel allows: 512x fewer page faults when the table is first written
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # not Linux, or a kernel without transparent huge pages
+        pass
     t = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)  # keeps buf alive: unmapped with its last view
     if init is not None:
         init(t)
