@@ -11,7 +11,6 @@ the master through the tier's CPU shard cache and casts it (no full copy in CPU 
 
     >>> import torch
     >>> from ds_maximus.moe.layout import ExpertLayout
-from ds_maximus.moe.training.host_memory import host_tensor
     >>> lay = ExpertLayout.from_stacked({"w": torch.zeros(2, 2, 2)}, num_experts=2)
     >>> st = ExpertTrainStore(lay, num_uids=2, state_names=("exp_avg", "exp_avg_sq"), compute_dtype=torch.bfloat16)
     >>> st.write_master(1, {"w": torch.ones(2, 2)})
