@@ -1,7 +1,7 @@
 """Large CPU tables for the expert tier: exact-size, written in parallel, then page-locked in place.
 
 ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which rounds every
-request up to a power of two (a 16.9 GB master table of 3 Mixtral layers takes 32 GiB) and has the
+request up to a power of two (the 11.3 GB master table of 2 Mixtral layers takes 16 GiB) and has the
 driver fault in and lock every page from one thread before the data is written. For tables of tens
 of GB that is both too much memory and most of the set-up time. :func:`host_tensor` instead maps
 exactly the bytes asked for (anonymous memory: zeros, no page touched yet), lets the caller fill it
