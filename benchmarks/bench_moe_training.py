@@ -21,9 +21,9 @@ the experts' own weights, let alone their gradients and AdamW state; every peer 
 memory, so "at no more GPU memory" is visible. Host RAM: ~14 B per expert parameter for ours (fp32
 master + moments, bf16 copy; the model's own bf16 copy is freed once copied), more for ZeRO-3 offload
 (+ fp32 gradients): 3 Mixtral-shaped layers (4.2B expert parameters) need ~60-90 GB.
-Set-up on an H200 host (16 cores), estimated: ~25 s to the first step for ours with 3 layers (random
-init ~4 s, the 51 GB tier faulted in and pinned ~8-10 s, copies ~2 s, DeepSpeed ~5 s), steps of a few
-seconds; scripts/gpu/moe_training.sh gives each peer 95 s.
+Set-up on an H200 host (16 cores), estimated: ~25-35 s to the first step for ours with 3 layers (imports
+~6 s, random init ~3 s, the 51 GB tier + 8.5 GB bf16 copy faulted in and pinned ~10-20 s, copies ~1 s,
+DeepSpeed ~5 s), then steps of a few seconds; scripts/gpu/moe_training.sh sets the per-peer slots.
 """
 from __future__ import annotations
 
