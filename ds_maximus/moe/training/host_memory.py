@@ -4,7 +4,8 @@
 request up to a power of two (the 11.3 GB master table of 2 Mixtral layers takes 16 GiB) and has the
 driver fault in and lock every page from one thread before the data is written. For tables of tens
 of GB that is both too much memory and most of the set-up time. :func:`host_tensor` instead maps
-exactly the bytes asked for (anonymous memory: zeros, no page touched yet), lets the caller fill it
+exactly the bytes asked for (private anonymous memory: zeros, no page touched yet, huge pages where the
+kernel allows; not inherited by forked workers once pinned), lets the caller fill it
 with ordinary multi-threaded torch copies (which fault the pages in parallel), and only then
 registers it with ``cudaHostRegister``, so H2D/D2H copies from it are asynchronous DMA like from any
 pinned tensor. The registration is undone when the last tensor viewing the memory is freed.
@@ -53,8 +54,10 @@ def host_tensor(shape: Sequence[int], dtype: torch.dtype = torch.float32, pin: b
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    # private anonymous memory: ordinary pages (transparent huge pages allowed), unlike mmap's default shared map
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
     try:
-        buf = _Mapping(-1, nbytes)
+        buf = _Mapping(-1, nbytes, **private)
     except (OSError, ValueError) as e:
         raise CapacityError(f"cannot map {nbytes / 2**30:.2f} GiB of CPU memory for a {tuple(shape)} {dtype} "
                             f"table ({e}); use the NVMe tier (moe.offload.device = 'nvme') or fewer experts") from e
@@ -68,6 +71,10 @@ def host_tensor(shape: Sequence[int], dtype: torch.dtype = torch.float32, pin: b
     if pin and torch.cuda.is_available():
         if init is None:
             t.zero_()  # fault the pages in with every thread; registering untouched memory faults them in one
+        try:  # a fork (DataLoader workers) would otherwise copy every DMA-pinned private page into the child
+            buf.madvise(mmap.MADV_DONTFORK)
+        except (AttributeError, OSError):
+            pass
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, HOST_REGISTER_PORTABLE)
         if int(rc) != 0:
             raise CapacityError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (cudaError {int(rc)}): the "
