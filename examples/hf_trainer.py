@@ -2,6 +2,7 @@
 
     python examples/hf_trainer.py --steps 6                       # one process
     deepspeed --num_gpus 2 examples/hf_trainer.py --steps 6       # two ranks (CPU ranks on a CPU machine)
+    python examples/hf_trainer.py --steps 6 --moe                 # a tiny Mixtral, experts trained as partitions
 
 The Trainer reaches ``deepspeed.initialize`` through accelerate; after ``ds_maximus.enable()`` that call
 swaps the large embedding for ``ShardedEmbedding`` and drives its sparse update at every optimizer step.
@@ -22,10 +23,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=40000)
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "maximus_hf_trainer"))
+    ap.add_argument("--moe", action="store_true", help="a tiny Mixtral whose experts train as partitions "
+                    "(maximus.moe.train) instead of a Llama with a sharded embedding")
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args(argv)
 
-    from transformers import (DataCollatorWithPadding, LlamaConfig, LlamaForCausalLM, Trainer,
+    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Trainer,
                               TrainingArguments)
     ds_maximus.enable()
     ds_config = {
@@ -36,8 +39,16 @@ def main(argv=None):
         "maximus": {"embedding": {"gpu_cache_rows": 4096}, "logging": {"interval_steps": 2}},
     }
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
+    if args.moe:  # 8 experts per layer, 2 GPU slots: the cache is smaller than one layer's experts
+        ds_config["maximus"] = {"embedding": {"enabled": False}, "logging": {"interval_steps": 2},
+                                "moe": {"enabled": True, "train": True, "gpu_experts_per_layer": 2}}
+        args.vocab = min(args.vocab, 1024)
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=args.vocab, hidden_size=64, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                                 num_local_experts=8, num_experts_per_tok=2))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": ids.clone()}
             for ids in torch.randint(0, args.vocab, (64, 32), generator=g)]
