@@ -24,21 +24,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ds_maximus.config import EmbeddingOptimizerConfig
-from ds_maximus.embedding.lm_head_update import StagedAdamW
+from ds_maximus.embedding.lm_head_update import StagedAdamW, device_with_index
 
 
 def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
     if pin and torch.cuda.is_available() and not t.is_pinned():
         return t.pin_memory()
     return t
-
-
-def _norm(device) -> torch.device:
-    """``device`` with its index ("cuda" and "cuda:0" compare unequal)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _zeros(shape, pin: bool) -> torch.Tensor:
@@ -111,7 +103,7 @@ class HeadTier:
         """Move the fp32 master to ``device`` (cpu_optimizer, once); True when it lives there."""
         if not self.master_on_device or device.type != "cuda":
             return False
-        device = _norm(device)
+        device = device_with_index(device)
         if self.weight.device != device:
             self.sync()
             self.weight = self.weight.to(device)
@@ -233,8 +225,8 @@ class HeadTier:
             return None
         if self.update_device == "auto":
             d = self._grad_device
-            return _norm(d) if d is not None and d.type == "cuda" else None
-        return _norm(self.update_device)
+            return device_with_index(d) if d is not None and d.type == "cuda" else None
+        return device_with_index(self.update_device)
 
     def _apply_scale(self) -> None:
         """Apply a deferred gradient scale to the host gradient (before anyone reads it there)."""

@@ -38,6 +38,14 @@ from ds_maximus.optim.sparse_adamw import adamw_rows_
 _STATE = ("weight", "exp_avg", "exp_avg_sq")
 
 
+def device_with_index(device) -> torch.device:
+    """``device`` with its index ("cuda" and "cuda:0" compare unequal)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _ctx(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -46,9 +54,7 @@ class StagedAdamW:
     """Double-buffered device staging for one tier; buffers are made on first use and kept."""
 
     def __init__(self, device: torch.device, rows: int, dim: int):
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" in comparisons
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device_with_index(device)
         self.rows = int(rows)
         self.dim = int(dim)
         self._bufs: List[Dict[str, torch.Tensor]] = []
