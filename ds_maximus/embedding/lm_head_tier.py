@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ds_maximus.config import EmbeddingOptimizerConfig
-from ds_maximus.embedding.lm_head_update import StagedAdamW, device_with_index
+from ds_maximus.embedding.lm_head_update import PendingStep, StagedAdamW, device_with_index
 
 
 def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -81,6 +81,18 @@ class HeadTier:
         self._grad_scale = 1.0                                # deferred clipping scale (device update)
         self._sq: Dict[Tuple[int, int], torch.Tensor] = {}    # chunk -> sum of squares of its grad
         self._sq_ok = True                                    # _sq covers exactly the rows with grads
+
+    @property
+    def _step_event(self) -> Optional[torch.cuda.Event]:
+        """End event of the in-flight device step (joins the thread still issuing it, if any)."""
+        p = self._step_pending
+        if isinstance(p, PendingStep):
+            self._step_pending = p = p.event()
+        return p
+
+    @_step_event.setter
+    def _step_event(self, value) -> None:
+        self._step_pending = value
 
     # -- rows out ------------------------------------------------------------------------------
     def host_rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
@@ -340,7 +352,7 @@ class HeadTier:
         host = {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
         self._step_event = self._staged_opt.step(
             host, self.grad_rows.clone(), self._mirrors, step=self.step, lr=lr, beta1=b1, beta2=b2,
-            eps=self.eps, weight_decay=wd, grad_scale=self._grad_scale, after=after)
+            eps=self.eps, weight_decay=wd, grad_scale=self._grad_scale, after=after, background=True)
         resident = 4 if self.weight.device == self._staged_opt.device else 0
         self.counters["bytes_h2d"] += self.vocab_size * self.dim * (16 - resident)
         self.counters["bytes_d2h"] += self.vocab_size * self.dim * (12 - resident + sum(

@@ -9,6 +9,7 @@ OUT="${OUT:-$PWD/bench_out}"
 mkdir -p "$OUT"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"  # as bench_headline
 export DS_ACCELERATOR=cuda MASTER_ADDR=127.0.0.1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 args="--deepspeed_config ds_configs/llama_262k_16gib.json --vocab 262144 --hidden 2048 --layers 16 --heads 16

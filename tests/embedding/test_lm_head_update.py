@@ -227,3 +227,36 @@ def test_cpu_optimizer_placement_equals_cpu_placement_on_cpu():
             head(h, y).backward()
             head.sparse_step(lr=1e-2, weight_decay=0.1)
     assert torch.equal(heads[0].full_weight(), heads[1].full_weight())
+
+
+def test_pending_step_returns_the_result_and_re_raises_the_workers_error():
+    from ds_maximus.embedding.lm_head_update import PendingStep
+    assert PendingStep(lambda: 42).event() == 42
+
+    def boom():
+        raise RuntimeError("disk on fire")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        PendingStep(boom).event()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_background_step_equals_foreground_step_bitwise():
+    """The worker-thread issue (throttled to two queued blocks) runs the very same kernels in the same order."""
+    from ds_maximus.embedding.lm_head_update import PendingStep, StagedAdamW
+    g = torch.Generator().manual_seed(3)
+    w0, grad = torch.randn(1000, 64, generator=g), torch.randn(1000, 64, generator=g)
+    outs = []
+    for background in (False, True):
+        host = {"weight": w0.clone().pin_memory(), "exp_avg": torch.zeros(1000, 64).pin_memory(),
+                "exp_avg_sq": torch.zeros(1000, 64).pin_memory(), "grad": grad.clone().pin_memory()}
+        opt = StagedAdamW(torch.device("cuda"), 96, 64)
+        for step in (1, 2, 3):
+            r = opt.step(host, torch.ones(1000, dtype=torch.bool), {}, step=step, lr=1e-2, beta1=0.9, beta2=0.99,
+                         eps=1e-8, weight_decay=0.1, grad_scale=0.5, background=background)
+            assert isinstance(r, PendingStep) == background
+            ev = r.event() if background else r
+            ev.synchronize()
+        outs.append({k: v.clone() for k, v in host.items()})
+    for k in outs[0]:
+        assert torch.equal(outs[0][k], outs[1][k]), k
