@@ -16,9 +16,14 @@ Peers, same model, same batches:
   * DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on CPU, GPU capped at ``--cap-gib``;
   * ours (``ds_maximus.initialize`` with ``"moe": {"train": true}``), ZeRO-2 for the dense part, capped
     the same: the optimizer step on the GPU (``optimizer_device: compute``) and on the CPU (``cpu``).
-The cap (``torch.cuda.set_per_process_memory_fraction``, default 0.9 x the experts' bf16 bytes) is below
-the experts' own weights, let alone their gradients and AdamW state; every peer reports its peak GPU
-memory, so "at no more GPU memory" is visible. Host RAM: ~14 B per expert parameter for ours (fp32
+The cap (``torch.cuda.set_per_process_memory_fraction``, default 1.5 x the experts' bf16 bytes: 11.8 GiB
+for 3 Mixtral-shaped layers) holds the experts' bf16 weights but not with their fp32 masters, gradients
+and AdamW moments (16 B per parameter: 63 GiB), nor beside the dense part and the activations (all on
+GPU peaks at 90 GiB). A first H200 run at 0.9 x (below the weights alone) left no peer running: ZeRO-3
+offload and ours both need a few GiB for the dense part, activations and staging. Every peer reports its
+peak GPU memory, so "at no more GPU memory" is visible. ZeRO-3 builds its model under
+``deepspeed.zero.Init`` (parameters offloaded as made; DeepSpeed would otherwise move the whole model to the
+GPU in ``initialize``). Host RAM: ~14 B per expert parameter for ours (fp32
 master + moments, bf16 copy; the model's own bf16 copy is freed once copied), more for ZeRO-3 offload
 (+ fp32 gradients): 3 Mixtral-shaped layers (4.2B expert parameters) need ~60-90 GB.
 Set-up on an H200 host (16 cores), estimated: ~25-35 s to the first step for ours with 3 layers (imports
@@ -56,8 +61,9 @@ def _fill_random_(params) -> None:
     from concurrent.futures import ThreadPoolExecutor
     jobs = []
     for n, p in params:
-        flat = p.data.view(-1)
-        if p.dim() == 1:
+        # a ZeRO-3 parameter built under zero.Init holds its data in ``ds_tensor`` (one rank: all of it)
+        flat = (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).view(-1)
+        if len(getattr(p, "ds_shape", p.shape)) == 1:
             flat.fill_(1.0)
             continue
         std = 0.5 if "gate.weight" in n else 0.02
@@ -71,7 +77,11 @@ def _fill_random_(params) -> None:
         list(ex.map(one, range(len(jobs))))
 
 
-def build_model(a, dtype):
+def build_model(a, dtype, zero3_config=None):
+    """The Mixtral-shaped model on the CPU; with ``zero3_config`` under ``deepspeed.zero.Init`` (parameters
+    partitioned and offloaded as they are made: ZeRO-3 + offload_param never holds the model on the GPU,
+    which DeepSpeed would otherwise do in ``initialize`` before partitioning)."""
+    import contextlib
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.initialization import no_init_weights
     cfg = MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
@@ -82,8 +92,13 @@ def build_model(a, dtype):
     cfg._experts_implementation = "grouped_mm"
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    ctx = contextlib.nullcontext()
+    if zero3_config is not None:
+        import deepspeed
+        ctx = deepspeed.zero.Init(config_dict_or_path=zero3_config, remote_device="cpu", pin_memory=True,
+                                  dtype=dtype)
     try:
-        with no_init_weights():  # the weights are written once, below (HF's init would write them twice)
+        with no_init_weights(), ctx:  # the weights are written once, below (HF's init would write them twice)
             model = MixtralForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
@@ -154,8 +169,10 @@ def run_peer(a, kind) -> dict:
         print(f"GPU cap {a.cap_gib} GiB of {total / 2**30:.1f}", flush=True)
     dtype = torch.bfloat16 if cuda else torch.float32
     phase("model build")
-    model = build_model(a, dtype)
     cfg = ds_config(a, kind, cuda)
+    if kind == "zero3_offload":
+        deepspeed.init_distributed()
+    model = build_model(a, dtype, cfg if kind == "zero3_offload" else None)
     phase("ds_maximus.initialize (experts into the CPU tier)" if kind.startswith("ours") else "deepspeed.initialize")
     fn = ds_maximus.initialize if kind.startswith("ours") else deepspeed.initialize
     engine, *_ = fn(model=model, model_parameters=model.parameters(), config=cfg)
@@ -269,7 +286,7 @@ def main(argv=None):
     p.add_argument("--grad-experts", type=int, default=None, help="expert gradients kept on the GPU (ours; "
                    "default: half the slots per layer)")
     p.add_argument("--cap-gib", type=float, default=None, help="GPU memory cap of the offloading peers "
-                   "(default: 0.9 x the experts' bf16 bytes, so not even their weights fit)")
+                   "(default: 1.5 x the experts' bf16 bytes: their weights fit, their training state does not)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--fine-grained", action="store_true", help="64 experts, top-4, F=1792")
@@ -289,7 +306,7 @@ def main(argv=None):
         a.experts, a.top_k, a.ffn = 64, 4, a.ffn // 8
     expert_gib = 3 * a.hidden * a.ffn * a.experts * a.layers * 2 / 2**30
     if a.cap_gib is None:
-        a.cap_gib = max(1.0, round(0.9 * expert_gib, 1))
+        a.cap_gib = max(1.0, round(1.5 * expert_gib, 1))
     if a.peer is not None:
         try:
             res = run_peer(a, a.peer)
