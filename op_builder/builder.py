@@ -7,7 +7,11 @@ A builder is declarative (``NAME``, ``BUILD_VAR``, ``sources()``, ``include_path
 * ``maximus_`` op names and ``DS_BUILD_MAXIMUS_<OP>`` build variables,
 * a sanitised ``TORCH_CUDA_ARCH_LIST`` (``9.0a`` crashes DeepSpeed's parser),
 * a JIT cache folder inside the checkout's ignored ``build/`` unless ``TORCH_EXTENSIONS_DIR`` is set,
-* :class:`ds_maximus.errors.OpBuildError` with the compiler log and the fix when a build fails.
+* :class:`ds_maximus.errors.OpBuildError` with the compiler log and the fix when a build fails,
+* recovery from a stale JIT build lock: torch's ``FileBaton`` leaves ``<dir>/lock`` behind when a build
+  is killed (Ctrl-C, a ``timeout``), and every later load then waits on it forever. Our loads write
+  ``lock.owner`` (host and pid); a lock whose owner is gone, or an ownerless lock older than
+  ``MAXIMUS_STALE_BUILD_LOCK_S`` (default 1200 s), is removed with a warning.
 
 Ops load once per process (DeepSpeed's ``_loaded_ops``) and are reused between processes
 through torch's JIT cache.
@@ -16,10 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
+import socket
 import sys
+import time
 from pathlib import Path
+from typing import List, Optional
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
@@ -46,6 +54,58 @@ def sanitize_cuda_arch_list(value: str | None) -> str | None:
             continue  # names such as "Hopper" are not understood by DeepSpeed's builder either
         out.append(f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}")
     return ";".join(dict.fromkeys(out)) or None
+
+
+def _owner_pid(owner: Path) -> Optional[int]:
+    """The pid in ``lock.owner`` when it was written on this host, else None."""
+    try:
+        host, pid = owner.read_text().split()
+        return int(pid) if host == socket.gethostname() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clear_stale_build_locks(ext_dir, name: str, max_age_s: Optional[float] = None) -> List[Path]:
+    """Remove JIT build locks of op ``name`` (folders ``name*`` under ``ext_dir``) that no build holds;
+    returns the locks removed. A lock is stale when the process named in its ``lock.owner`` is gone, or,
+    without an owner on this host, when it is older than ``max_age_s``."""
+    if max_age_s is None:
+        max_age_s = float(os.environ.get("MAXIMUS_STALE_BUILD_LOCK_S", 1200))
+    removed = []
+    root = Path(ext_dir)
+    if not root.is_dir():
+        return removed
+    for d in root.glob(f"{name}*"):
+        lock, owner = d / "lock", d / "lock.owner"
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            continue
+        pid = _owner_pid(owner)
+        if pid is not None:
+            why = f"its build (pid {pid}) is gone" if not _alive(pid) else None
+        else:
+            why = f"it is {age:.0f} s old and names no live build" if age > max_age_s else None
+        if why is None:
+            continue
+        with contextlib.suppress(OSError):
+            lock.unlink()
+            removed.append(lock)
+        with contextlib.suppress(OSError):
+            owner.unlink()
+        logging.getLogger("ds_maximus").warning("removed the stale JIT build lock %s (%s; a killed build leaves "
+                                                "it, and every later load would wait on it forever)", lock, why)
+    return removed
 
 
 class _MaximusBuilderMixin:
@@ -86,6 +146,15 @@ class _MaximusBuilderMixin:
         if not self.is_compatible(verbose):
             from ds_maximus.errors import OpBuildError
             raise OpBuildError(self.name, "not compatible with this machine", fix=self.error_log or "")
+        ext_dir = os.environ["TORCH_EXTENSIONS_DIR"]
+        clear_stale_build_locks(ext_dir, self.name)
+        owner = Path(ext_dir) / self.name / "lock.owner"
+        mine = None
+        with contextlib.suppress(OSError):
+            if not (owner.parent / "lock").exists():
+                owner.parent.mkdir(parents=True, exist_ok=True)
+                mine = f"{socket.gethostname()} {os.getpid()}"
+                owner.write_text(mine)
         log = io.StringIO()
         try:
             # torch prints the compiler output on failure; keep it for the error as well
@@ -96,6 +165,10 @@ class _MaximusBuilderMixin:
             text = f"{log.getvalue()}\n{e}"
             raise OpBuildError(self.name, type(e).__name__ + ": " + str(e).splitlines()[0] if str(e) else "",
                                log=text, fix=_fix_for(text)) from e
+        finally:
+            with contextlib.suppress(OSError):
+                if mine is not None and owner.read_text() == mine:
+                    owner.unlink()
 
 
 class _Tee(io.TextIOBase):

@@ -62,3 +62,64 @@ def test_deepspeed_builders_still_load_with_ours_imported():
     assert FusedAdamBuilder().is_compatible()
     op = CPUAdamBuilder().load()
     assert hasattr(op, "create_adam")
+
+
+def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path):
+    """A killed JIT build leaves ``lock`` behind and every later load would wait forever: a lock whose owner
+    pid is gone, or an ownerless one older than the limit, is removed; a live owner's or a young one stays."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from ds_maximus.op_builder.builder import clear_stale_build_locks
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cases = {"maximus_x": dead.pid, "maximus_x_cuda": os.getpid(), "maximus_x_old": None, "maximus_x_new": None,
+             "other_op": dead.pid}
+    for name, pid in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "lock").write_text("")
+        if pid is not None:
+            (tmp_path / name / "lock.owner").write_text(f"{socket.gethostname()} {pid}")
+    old = time.time() - 3600
+    os.utime(tmp_path / "maximus_x_old" / "lock", (old, old))
+    removed = clear_stale_build_locks(tmp_path, "maximus_x", max_age_s=600)
+    assert sorted(p.parent.name for p in removed) == ["maximus_x", "maximus_x_old"]
+    assert not (tmp_path / "maximus_x" / "lock").exists() and not (tmp_path / "maximus_x" / "lock.owner").exists()
+    for kept in ("maximus_x_cuda", "maximus_x_new", "other_op"):
+        assert (tmp_path / kept / "lock").exists(), kept
+
+
+def test_a_load_after_a_killed_build_does_not_hang(tmp_path):
+    """The real sequence: a build killed mid-way leaves torch's lock; the next load clears it and builds
+    (a tiny pybind11 op, a few seconds of compile)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    ext = tmp_path / "ext"
+    src = tmp_path / "tiny.cpp"
+    src.write_text("#include <pybind11/pybind11.h>\nint answer() { return 42; }\n"
+                   "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"answer\", &answer); }\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
+    code = ("from ds_maximus.ops import op_builder_module\n"
+            "class Tiny(op_builder_module().builder.MaximusOpBuilder):\n"
+            "    NAME = 'tiny_lock_test'\n"
+            f"    def sources(self): return [{str(src)!r}]\n"
+            "print('answer', Tiny().load().answer())\n")
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    lock = None
+    for _ in range(1200):  # the lock appears once torch starts the build
+        locks = list(ext.glob("*/lock"))
+        if locks:
+            lock = locks[0]
+            break
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert lock is not None and lock.exists(), "the killed build left no lock (nothing to test)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "answer 42" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "stale JIT build lock" in out.stderr
