@@ -57,7 +57,8 @@ def extend_token_map(tm, tokens: Sequence[str], stores=(), progress: bool = True
     pieces = [tm.encode(t) for t in tokens]
 
     # the new tokenizer first (nothing written yet), so a failure here changes nothing
-    tok = tm.tokenizer.__class__.from_str(tm.tokenizer.to_str())
+    from ds_maximus.tokenmap.token_map import _from_json
+    tok = _from_json(json.loads(tm.tokenizer.to_str()))  # a copy (Unigram scores kept exact)
     tok.add_tokens([AddedToken(t, single_word=single_word) for t in tokens])
     new_ids = [tok.token_to_id(t) for t in tokens]
     if new_ids != list(range(V, V + len(tokens))):
