@@ -166,7 +166,6 @@ def test_unigram_scores_survive_the_json_round_trip_exactly():
     from ds_maximus.tokenmap.token_map import _from_json
     vocab = [("<unk>", 0.0), ("=", -5.372414213484765), ("=" * 15, -7.6145106463098715), ("a", -3.0)]
     tok = Tokenizer(models.Unigram(vocab, 0, False))
-    plain = json.loads(Tokenizer.from_str(tok.to_str()).to_str())["model"]["vocab"]
-    assert plain[2][1] != vocab[2][1], "tokenizers now parses floats exactly; _from_json's rebuild can go"
+    # (tokenizers 0.23.3 reads this score back as -7.614510646309872 through Tokenizer.from_str)
     ours = json.loads(_from_json(json.loads(tok.to_str())).to_str())["model"]["vocab"]
     assert [tuple(x) for x in ours] == vocab
