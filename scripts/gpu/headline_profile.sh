@@ -19,4 +19,9 @@ MASTER_PORT=29701 timeout 120 python -u examples/train_llama.py $args --cap-gib 
 MASTER_PORT=29702 timeout 120 python -u examples/train_llama.py $args --plain \
   --profile "$OUT/headline_profile/plain" > "$OUT/headline_profile_plain.log" 2>&1
 grep -h "phases\|done:" "$OUT"/headline_profile_*.log
+# timelines as text (a trace is ~30 MB): per-stream busy time and 20 ms buckets
+for k in maximus plain; do
+  python -m benchmarks.trace_timeline "$OUT/headline_profile/$k/trace_rank0.json" > "$OUT/headline_profile/$k/timeline.txt"
+  gzip "$OUT/headline_profile/$k/trace_rank0.json"
+done
 tar czf "$OUT/headline_profile.tgz" -C "$OUT" headline_profile && rm -rf "$OUT/headline_profile"

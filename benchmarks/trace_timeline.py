@@ -1,0 +1,90 @@
+"""Per-stream busy time and a bucketed timeline of a torch.profiler chrome trace (plain or .gz).
+
+    python -m benchmarks.trace_timeline trace_rank0.json.gz --bucket-ms 20
+    python -m benchmarks.trace_timeline trace.json --window 500 660 --min-ms 0.3   # host ops in a window
+
+The first form prints, for each CUDA stream, its busy milliseconds split by kind (kernels, each memcpy
+direction, memsets), then one line per bucket with each stream's occupancy: where the compute stream
+idles and what the copy streams do meanwhile. The second prints the host-side ops and CUDA runtime calls
+longer than ``--min-ms`` that overlap the window (ms from the first GPU event), e.g. the synchronize that
+holds the host. Written to read the headline's profile (``scripts/gpu/headline_profile.sh``) without
+bringing a 30 MB trace back from the GPU machine.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from typing import List
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+
+
+def load(path: str) -> List[dict]:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)["traceEvents"]
+
+
+def _kind(e: dict) -> str:
+    return e["name"][:20] if e["cat"] == "gpu_memcpy" else e["cat"]
+
+
+def timeline(events: List[dict], bucket_ms: float = 20.0, streams: int = 6) -> str:
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    if not gpu:
+        return "no GPU events in the trace"
+    t0 = min(e["ts"] for e in gpu)
+    t1 = max(e["ts"] + e["dur"] for e in gpu)
+    by = collections.defaultdict(list)
+    for e in gpu:
+        by[e["tid"]].append(e)
+    order = sorted(by, key=lambda t: -sum(e["dur"] for e in by[t]))[:streams]
+    lines = [f"span {(t1 - t0) / 1e3:.1f} ms, {len(gpu)} GPU events"]
+    for tid in order:
+        kinds = collections.Counter()
+        for e in by[tid]:
+            kinds[_kind(e)] += e["dur"] / 1e3
+        split = ", ".join(f"{k} {v:.1f}" for k, v in kinds.most_common())
+        lines.append(f"stream {tid}: busy {sum(kinds.values()):.1f} ms ({split})")
+    nb = int((t1 - t0) / 1e3 / bucket_ms) + 1
+    occ = {t: [0.0] * nb for t in order}
+    for t in order:
+        for e in by[t]:
+            s, f = (e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3
+            while s < f:
+                b = int(s / bucket_ms)
+                end = min(f, (b + 1) * bucket_ms)
+                occ[t][b] += end - s
+                s = end
+    lines.append("ms      " + " ".join(f"{str(t):>8}" for t in order))
+    for b in range(nb):
+        lines.append(f"{b * bucket_ms:6.0f}  " + " ".join(f"{100 * occ[t][b] / bucket_ms:7.0f}%" for t in order))
+    return "\n".join(lines)
+
+
+def window(events: List[dict], lo: float, hi: float, min_ms: float = 0.3) -> str:
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    t0 = min(e["ts"] for e in gpu)
+    sel = [e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS and e["dur"] > min_ms * 1e3
+           and (e["ts"] - t0) / 1e3 < hi and (e["ts"] + e["dur"] - t0) / 1e3 > lo]
+    sel.sort(key=lambda e: e["ts"])
+    return "\n".join(f"{(e['ts'] - t0) / 1e3:8.1f} {e['dur'] / 1e3:8.1f} ms  {e['cat'][:12]:12} {e['name'][:100]}"
+                     for e in sel)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--bucket-ms", type=float, default=20.0)
+    ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--window", type=float, nargs=2, metavar=("FROM_MS", "TO_MS"))
+    ap.add_argument("--min-ms", type=float, default=0.3)
+    a = ap.parse_args(argv)
+    ev = load(a.trace)
+    print(window(ev, *a.window, a.min_ms) if a.window else timeline(ev, a.bucket_ms, a.streams))
+
+
+if __name__ == "__main__":
+    main()
