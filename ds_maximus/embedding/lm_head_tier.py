@@ -81,10 +81,18 @@ class HeadTier:
         self._grad_scale = 1.0                                # deferred clipping scale (device update)
         self._sq: Dict[Tuple[int, int], torch.Tensor] = {}    # chunk -> sum of squares of its grad
         self._sq_ok = True                                    # _sq covers exactly the rows with grads
+        # ``defer_steps``: a device step is prepared at ``step_`` but its copies start at
+        # ``launch_deferred_step()`` (the runtime calls it when the next forward's embedding has issued its
+        # own host->device copies) or at the first use of the state, whichever comes first
+        self.defer_steps = False
+        self._deferred = None
 
     @property
     def _step_event(self) -> Optional[torch.cuda.Event]:
-        """End event of the in-flight device step (joins the thread still issuing it, if any)."""
+        """End event of the in-flight device step: launches a deferred one, joins the thread still issuing it."""
+        launch, self._deferred = self._deferred, None
+        if launch is not None:
+            launch()
         p = self._step_pending
         if isinstance(p, PendingStep):
             self._step_pending = p = p.event()
@@ -93,6 +101,10 @@ class HeadTier:
     @_step_event.setter
     def _step_event(self, value) -> None:
         self._step_pending = value
+
+    def launch_deferred_step(self) -> None:
+        """Start the copies of a step ``defer_steps`` held back (no-op when none is)."""
+        self._step_event  # noqa: B018 - the getter launches
 
     # -- rows out ------------------------------------------------------------------------------
     def host_rows(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
@@ -338,7 +350,7 @@ class HeadTier:
         """The step by :class:`StagedAdamW` on ``dev``; returns before a GPU finishes (see ``_step_event``)."""
         if self._staged_opt is None or self._staged_opt.device != dev:
             self._staged_opt = StagedAdamW(dev, min(self.update_rows, self.vocab_size), self.dim)
-        after = None
+        after = reads = None
         if dev.type == "cuda":
             key = (dev.index if dev.index is not None else torch.cuda.current_device(), "d2h")
             if key in self._streams:              # the backward's gradient copies
@@ -348,11 +360,21 @@ class HeadTier:
             if self._step_event is not None:
                 self._staged_opt.h2d.wait_event(self._step_event)
             if self.weight.device == self._staged_opt.device:  # forward/backward reads of the master first
-                self._staged_opt.opt.wait_stream(torch.cuda.current_stream(dev))
+                reads = torch.cuda.Event()
+                reads.record(torch.cuda.current_stream(dev))
         host = {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
-        self._step_event = self._staged_opt.step(
-            host, self.grad_rows.clone(), self._mirrors, step=self.step, lr=lr, beta1=b1, beta2=b2,
-            eps=self.eps, weight_decay=wd, grad_scale=self._grad_scale, after=after, background=True)
+        staged, grad_rows, mirrors = self._staged_opt, self.grad_rows.clone(), self._mirrors
+        kw = dict(step=self.step, lr=lr, beta1=b1, beta2=b2, eps=self.eps, weight_decay=wd,
+                  grad_scale=self._grad_scale, after=after)
+
+        def launch():
+            if reads is not None:
+                staged.opt.wait_event(reads)
+            self._step_event = staged.step(host, grad_rows, mirrors, background=True, **kw)
+        if self.defer_steps:
+            self._deferred = launch
+        else:
+            launch()
         resident = 4 if self.weight.device == self._staged_opt.device else 0
         self.counters["bytes_h2d"] += self.vocab_size * self.dim * (16 - resident)
         self.counters["bytes_d2h"] += self.vocab_size * self.dim * (12 - resident + sum(

@@ -61,12 +61,28 @@ class MaximusRuntime:
         e.save_checkpoint = self._save_checkpoint
         e.load_checkpoint = self._load_checkpoint
         e.maximus = self
+        self._defer_head_steps()
         # DeepSpeed casts parameters (not modules) to bf16/fp16: tell the sharded modules their output dtype
         dtype = torch.bfloat16 if e.bfloat16_enabled() else torch.float16 if e.fp16_enabled() else None
         if dtype is not None:
             for m in self.modules.values():
                 if hasattr(m, "out_dtype"):
                     m.out_dtype = dtype
+
+    def _defer_head_steps(self) -> None:
+        """With a sharded embedding beside a CPU-tier LM head, the head's device step (its moments and
+        gradient streamed through the GPU, ~20 B per head parameter) starts its copies when the next
+        forward's embedding has issued its own, not at ``engine.step()``: queued there, they held up the
+        next step's first host-to-device copies while the compute stream idled (H200 profile,
+        docs/bench/headline_profile.md). The head's forward still waits for the step's end."""
+        from ds_maximus.embedding.lm_head_tier import HeadTier
+        head = self.modules.get("lm_head")
+        tier = getattr(head, "tier", None)
+        embs = [m for n, m in self.modules.items() if n not in ("lm_head", "moe")]
+        if not isinstance(tier, HeadTier) or not embs:
+            return
+        tier.defer_steps = True
+        embs[0].register_forward_hook(lambda *_: tier.launch_deferred_step())
 
     # -- groups / scalars ---------------------------------------------------------------------
     def _dp_group(self):

@@ -187,13 +187,15 @@ def test_train_llama_cpu_head_equals_plain_deepspeed(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_master_on_device_matches_host_step_and_fetch_sees_the_update():
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_gpu_master_on_device_matches_host_step_and_fetch_sees_the_update(defer):
     """placement cpu_optimizer: the fp32 master moves to the GPU on first use and is updated in place there;
     only moments and gradient are staged. Same tolerance as the staged step; the chunk fetched after a step
     (the next forward) carries that step's update."""
     w0 = torch.randn(V * 40, D * 8)
     host = HeadTier(w0, CHUNK * 40, update_device="host")
     gpu = HeadTier(w0, CHUNK * 40, update_device="cuda", update_rows=100, master_on_device=True)
+    gpu.defer_steps = defer          # deferred: the next fetch launches the held step
     g = torch.Generator().manual_seed(1)
     for step in range(4):
         for lo in range(0, w0.shape[0], CHUNK * 40):
@@ -260,3 +262,63 @@ def test_gpu_background_step_equals_foreground_step_bitwise():
         outs.append({k: v.clone() for k, v in host.items()})
     for k in outs[0]:
         assert torch.equal(outs[0][k], outs[1][k]), k
+
+
+def test_deferred_step_equals_immediate_step_bitwise():
+    """``defer_steps``: nothing moves at ``step_``; the launch (explicit, or the first use of the state: the
+    next gradient, a fetch, a checkpoint) gives the very same result as an immediate step."""
+    w0 = torch.randn(V, D)
+    ref = HeadTier(w0, CHUNK, update_device="cpu", update_rows=7)
+    lazy = HeadTier(w0, CHUNK, update_device="cpu", update_rows=7)
+    lazy.defer_steps = True
+    plan = _grad_plan(5)
+    for i, micro in enumerate(plan):
+        for tier in (ref, lazy):
+            for chunks in micro:
+                for lo, hi, grad in chunks:
+                    tier.add_grad_(lo, hi, grad)   # the second step's first gradient launches the first step
+            tier.scale_grads_(0.5)
+            assert tier.step_(lr=0.05, weight_decay=0.1)
+        assert lazy._deferred is not None
+        if i == 0:                                          # held back: the weight is still the initial one
+            assert torch.equal(lazy.weight, w0) and not torch.equal(ref.weight, w0)
+        if i == 1:
+            lazy.launch_deferred_step()
+            assert lazy._deferred is None
+    state = lazy.state_dict()                               # launches the last one
+    assert lazy._deferred is None
+    for name in ("weight", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[name], ref.state_dict()[name]), name
+
+
+def test_runtime_defers_the_head_step_to_the_embeddings_forward(tmp_path):
+    """Under ds_maximus.initialize (ZeRO-2, fp32, CPU) with a sharded embedding and a CPU-tier head whose step
+    runs staged (update_device cpu: the GPU code path without streams): the step is held at engine.step(),
+    launched by the next forward's embedding, and the losses equal the same run without deferral."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
+    from llama_utils import build, maximus_section, zipf_batches
+    from ds_maximus.embedding.lm_head_tier import HeadTier
+    section = maximus_section(cache_rows=64)
+    section["lm_head"] = {"enabled": True, "placement": "cpu", "chunk_rows": 100}
+    batches = zipf_batches(5, 2, 16)
+    init = None
+    losses = {}
+    for defer in (True, False):
+        engine = build(2, "fp32", maximus=section, seed=0, init=init, clip=1.0)
+        tier = engine.maximus.modules["lm_head"].tier
+        assert isinstance(tier, HeadTier) and tier.defer_steps
+        tier.update_device = torch.device("cpu")        # the staged (device) path, run on the CPU
+        tier.defer_steps = defer
+        out = []
+        for ids in batches:
+            loss = engine(input_ids=ids, labels=ids).loss
+            assert tier._deferred is None                  # the embedding's forward launched it
+            engine.backward(loss)
+            engine.step()
+            assert (tier._deferred is not None) == defer
+            out.append(float(loss.detach()))
+        losses[defer] = out
+    assert losses[True] == losses[False]
+    assert losses[True][-1] < losses[True][0]
