@@ -192,7 +192,10 @@ def train(args):
             print(f"stopping at step {step}: --max-seconds {args.max_seconds} reached", flush=True)
             break
         for _ in range(gas):
-            ids = next(data).to(engine.device)
+            ids = next(data)
+            if torch.device(engine.device).type == "cuda":
+                ids = ids.pin_memory()  # an asynchronous copy: the host does not wait behind queued copies
+            ids = ids.to(engine.device, non_blocking=True)
             m0 = mark()
             loss = engine(input_ids=ids, labels=ids).loss
             m1 = mark()
