@@ -11,7 +11,9 @@ A builder is declarative (``NAME``, ``BUILD_VAR``, ``sources()``, ``include_path
 * recovery from a stale JIT build lock: torch's ``FileBaton`` leaves ``<dir>/lock`` behind when a build
   is killed (Ctrl-C, a ``timeout``), and every later load then waits on it forever. Our loads write
   ``lock.owner`` (host and pid); a lock whose owner is gone, or an ownerless lock older than
-  ``MAXIMUS_STALE_BUILD_LOCK_S`` (default 1200 s), is removed with a warning.
+  ``MAXIMUS_STALE_BUILD_LOCK_S`` (default 1200 s), is removed with a warning. (The first loader names
+  itself; if it dies while a racing loader holds the lock, a third could take that lock for stale, and
+  two builds then run at once: a narrow race, against a certain hang.)
 
 Ops load once per process (DeepSpeed's ``_loaded_ops``) and are reused between processes
 through torch's JIT cache.
@@ -87,11 +89,14 @@ def clear_stale_build_locks(ext_dir, name: str, max_age_s: Optional[float] = Non
         return removed
     for d in root.glob(f"{name}*"):
         lock, owner = d / "lock", d / "lock.owner"
+        pid = _owner_pid(owner)
         try:
             age = time.time() - lock.stat().st_mtime
         except OSError:
+            if pid is not None and not _alive(pid):   # an owner note left without a lock: drop it
+                with contextlib.suppress(OSError):
+                    owner.unlink()
             continue
-        pid = _owner_pid(owner)
         if pid is not None:
             why = f"its build (pid {pid}) is gone" if not _alive(pid) else None
         else:
@@ -153,8 +158,9 @@ class _MaximusBuilderMixin:
         with contextlib.suppress(OSError):
             if not (owner.parent / "lock").exists():
                 owner.parent.mkdir(parents=True, exist_ok=True)
+                with open(owner, "x") as f:      # the first loader names itself; a racing one does not
+                    f.write(f"{socket.gethostname()} {os.getpid()}")
                 mine = f"{socket.gethostname()} {os.getpid()}"
-                owner.write_text(mine)
         log = io.StringIO()
         try:
             # torch prints the compiler output on failure; keep it for the error as well

@@ -26,8 +26,16 @@ def clean_env() -> dict:
     return env
 
 
+def prebuild_ops() -> None:
+    """JIT-build the CPU op here, once, before ranks start: N ranks racing to build it (45-90 s on 2 cores)
+    inside a rank timeout got killed mid-build and left its lock behind (a CI run did)."""
+    from ds_maximus.ops.sharded_embedding import load_op
+    load_op("cpu")
+
+
 def run_ranks(n: int, script: Path, *args, timeout: float = 120):
     """Run ``script`` as ``n`` ranks; returns ([returncode per rank], [output per rank], seconds)."""
+    prebuild_ops()
     port = free_port()
     procs = []
     t0 = time.time()
@@ -52,6 +60,7 @@ def run_ranks(n: int, script: Path, *args, timeout: float = 120):
 
 def launch(n: int, script: Path, *args, timeout: float = 600):
     """``python -m deepspeed.launcher.runner --num_gpus n script args``; returns its stdout (asserts rc 0)."""
+    prebuild_ops()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(n), "--master_port",
            str(free_port()), str(script), *map(str, args)]
     res = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)

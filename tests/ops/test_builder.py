@@ -89,6 +89,11 @@ def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path):
     assert not (tmp_path / "maximus_x" / "lock").exists() and not (tmp_path / "maximus_x" / "lock.owner").exists()
     for kept in ("maximus_x_cuda", "maximus_x_new", "other_op"):
         assert (tmp_path / kept / "lock").exists(), kept
+    # an owner note without a lock, left by a dead loader, goes too (it could name a later live lock wrongly)
+    (tmp_path / "maximus_x_note").mkdir()
+    (tmp_path / "maximus_x_note" / "lock.owner").write_text(f"{socket.gethostname()} {dead.pid}")
+    assert clear_stale_build_locks(tmp_path, "maximus_x", max_age_s=600) == []
+    assert not (tmp_path / "maximus_x_note" / "lock.owner").exists()
 
 
 def test_a_load_after_a_killed_build_does_not_hang(tmp_path):
