@@ -167,6 +167,10 @@ def main(argv=None):
         a.curve_hidden, a.curve_layers, a.curve_ffn, a.curve_seq = 64, 2, 128, 32
         a.no_offload = True
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+    if not a.cpu and torch.cuda.is_available():  # our CUDA op before any time-limited configuration (~70 s cold)
+        from ds_maximus.ops.sharded_embedding import load_op
+        load_op("cuda")
     budget = Budget(a.budget_s)
     sizes = dict(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, ffn=a.ffn, seq=a.seq, micro=a.micro)
     cap = [] if a.cpu else ["--cap-gib", str(a.cap_gib)]
