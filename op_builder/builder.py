@@ -158,9 +158,10 @@ class _MaximusBuilderMixin:
         with contextlib.suppress(OSError):
             if not (owner.parent / "lock").exists():
                 owner.parent.mkdir(parents=True, exist_ok=True)
+                note = f"{socket.gethostname()} {os.getpid()}"
                 with open(owner, "x") as f:      # the first loader names itself; a racing one does not
-                    f.write(f"{socket.gethostname()} {os.getpid()}")
-                mine = f"{socket.gethostname()} {os.getpid()}"
+                    f.write(note)
+                mine = note
         log = io.StringIO()
         try:
             # torch prints the compiler output on failure; keep it for the error as well

@@ -156,5 +156,14 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, lr: float = 1e-2) -> None
     assert float(diff.max()) < lr, f"max difference {float(diff.max()):.3g} exceeds one lr step ({lr})"
 
 
+def assert_experts_close(got, ref, experts_fn=None, lr: float = 1e-2) -> None:
+    """Every expert tensor of ``got`` against ``ref`` (engines), under :func:`assert_close`."""
+    experts_fn = experts_fn or mixtral_experts
+    er, eg = experts_fn(ref), experts_fn(got)
+    for g in er:
+        for n in er[g]:
+            assert_close(eg[g][n], er[g][n], lr=lr)
+
+
 def clone(model):
     return copy.deepcopy(model)

@@ -3,16 +3,13 @@ equal plain DeepSpeed training (fp32, exact mode) under ZeRO stages 0-3 (tests/z
 import pytest
 import torch
 
-from tests.moe_training.moe_utils import (assert_close, batches, build, dense_params, ds_moe_experts, mixtral_experts,
+from tests.moe_training.moe_utils import (assert_close, assert_experts_close, batches, build, dense_params, ds_moe_experts, mixtral_experts,
                                           moe_section, tiny_ds_moe, tiny_mixtral, train)
 
 
 def _compare(ref, got, l_ref, l_got, experts_fn):
     assert l_got == pytest.approx(l_ref, rel=1e-5)
-    er, eg = experts_fn(ref), experts_fn(got)
-    for g in er:
-        for n in er[g]:
-            assert_close(eg[g][n], er[g][n])
+    assert_experts_close(got, ref, experts_fn)
     dr, dg = dense_params(ref), dense_params(got)
     assert set(dr) == set(dg)
     for n in dr:
