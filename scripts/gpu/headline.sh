@@ -19,17 +19,18 @@ export MAXIMUS_BENCH_OUT="$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv || true
 
-timeout 200 python -u -c "
+# builds never run under `timeout`: a killed JIT build leaves torch's lock and later loads wait on it
+python -u -c "
 from deepspeed.ops.op_builder import CPUAdamBuilder
 CPUAdamBuilder().load(); print('cpu_adam built', flush=True)" > "$OUT/headline_ds_ops_build.log" 2>&1 &
 ds_build=$!
-timeout 120 python -u -c "from ds_maximus.ops import sharded_embedding as o; print('op', o.load_op('cuda') is not None)" \
+python -u -c "from ds_maximus.ops import sharded_embedding as o; print('op', o.load_op('cuda') is not None)" \
   > "$OUT/headline_build.txt" 2>&1
 tail -3 "$OUT/headline_build.txt"
 timeout 430 python -u -m benchmarks.bench_headline --out "$OUT/headline.md" --steps 10 --warmup 3 \
   --config-timeout-s 75 --offload-timeout-s 45 --curve-steps 200 --budget-s 410 2>&1 | tee "$OUT/headline.log"
 bench_rc=${PIPESTATUS[0]}
-kill "$ds_build" 2>/dev/null; wait "$ds_build" 2>/dev/null
+wait "$ds_build" 2>/dev/null
 tail -3 "$OUT/headline_ds_ops_build.log"
 echo "bench rc=$bench_rc"
 [ "$bench_rc" = 0 ]
