@@ -67,3 +67,26 @@ def test_fp16_overflow_skips_the_expert_step():
     e.backward(e(input_ids=data[3], labels=data[3]).loss)
     e.step()
     assert t.row_optimizer.step == 3
+
+
+def test_bf16_pipelined_step_refreshes_every_copy():
+    """bf16, clipped, gradients spilled to the host and experts stepped in pieces on the GPU (the pipelined
+    step): the fp32 masters equal those of the CPU-tier step, and the shadow and every resident slot hold
+    exactly the master cast to bf16 (no stale or half-written copy)."""
+    data = batches(6, batch=2, seqlen=8)
+    engines = {}
+    for dev in ("cpu", "compute"):
+        engines[dev] = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", clip=0.05,
+                             maximus=moe_section(slots=2, gpu_grad_experts=1, optimizer_device=dev,
+                                                 step_chunk_bytes=1 << 16))
+        train(engines[dev], data)
+    got, ref = (engines[d].maximus.modules["moe"] for d in ("compute", "cpu"))
+    assert got.grads.moved_to_host > 0 and got.sub < got.numel
+    assert_experts_close(engines["compute"], engines["cpu"])  # the CPU and CUDA ops round differently
+    w_got = got.store._tier.tensors["weight"]
+    assert torch.equal(got.store.shadow, w_got.to(torch.bfloat16))
+    for g in range(got.num_layers):
+        slots = got.cache.groups[g].map.id_to_slot.tolist()
+        for e, s in enumerate(slots):
+            if s >= 0:
+                assert torch.equal(got.cache.slot_buffer(g)[s].cpu(), got.store.shadow[g * got.num_experts + e])

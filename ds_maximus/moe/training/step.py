@@ -9,7 +9,13 @@ Two ways, by ``moe.optimizer_device`` and the tier:
   one expert when an expert is larger than the budget (AdamW is elementwise), else a few experts.
 
 After an expert is updated, its compute copies (the shadow in the CPU tier and a resident cache slot)
-are refreshed, so no stale copy is ever used. The row op parallelises over rows, so an expert's flat
+are refreshed, so no stale copy is ever used.
+
+On a CUDA step device the pieces are pipelined over three streams: piece ``i + 1`` is loaded (H2D)
+while piece ``i`` is updated and piece ``i - 1`` goes back (D2H: fp32 master and moments, and the compute
+copy cast on the device, so the shadow costs 2 bytes a parameter and no CPU time); two buffer sets
+alternate, and the host waits once, at the end of the step. The link is the limit: a Mixtral expert's
+step moves 16 bytes per parameter in and 14 out. The row op parallelises over rows, so an expert's flat
 buffer is viewed as ``numel / sub`` sub-rows that share the expert's step bookkeeping.
 """
 from __future__ import annotations
@@ -54,6 +60,8 @@ def _pieces(tr, uids: List[int]):
 
 def step_staged(tr, uids: List[int], dev: torch.device) -> None:
     """Update ``uids`` on ``dev``, streaming masters/moments/gradients through in budgeted pieces."""
+    if dev.type == "cuda":
+        return _step_staged_cuda(tr, uids, dev)
     opt, store = tr.row_optimizer, tr.store
     names = store.names
     sub = tr.sub
@@ -73,7 +81,7 @@ def step_staged(tr, uids: List[int], dev: torch.device) -> None:
                 buf[i].copy_(host[n][i][lo:hi], non_blocking=True)
             staged[n] = buf
         last = hi == tr.numel
-        g = torch.stack([tr.grads.get(u)[lo:hi].to(dev, non_blocking=True) for u in part])
+        g = torch.stack([tr.grads.get(u, dev)[lo:hi] for u in part])
         before = opt.last_step.index_select(0, ids)
         opt.update(_views(staged["weight"], sub), [_views(staged[n], sub) for n in opt.state_names],
                    torch.arange(len(part) * (width // sub)), _views(g, sub), ids.repeat_interleave(width // sub))
@@ -90,7 +98,97 @@ def step_staged(tr, uids: List[int], dev: torch.device) -> None:
         tr.counters.add_step_traffic(len(part) if last else 0, moved * len(part))
         if last:
             for u in part:
-                tr.grads.pop(u)
+                tr.grads.drop(u)
+    _write_back(tr, host_uids, host)
+
+
+class _Pipeline:
+    """The CUDA step's streams and its two buffer sets (kept on the trainer between steps)."""
+
+    def __init__(self, dev: torch.device, names, elems: int, low_dtype):
+        self.dev, self.elems = dev, elems
+        self.load = torch.cuda.Stream(dev)
+        self.store = torch.cuda.Stream(dev)
+        self.bufs = [{n: torch.empty(elems, device=dev) for n in (*names, "grad")} for _ in range(2)]
+        self.low = [torch.empty(elems, dtype=low_dtype, device=dev) if low_dtype is not None else None
+                    for _ in range(2)]
+        self.freed = [None, None]  # per set: event after its D2H copies (the next load into it waits)
+
+
+def _pipeline(tr, dev: torch.device, names, piece: int) -> _Pipeline:
+    low = tr.store.shadow.dtype if tr.store.shadow is not None else None
+    if low is None and tr.cache.layout.dtype != torch.float32:
+        low = tr.cache.layout.dtype
+    p = getattr(tr, "_step_pipeline", None)
+    if p is None or p.dev != dev or p.elems < piece or set(p.bufs[0]) != {*names, "grad"} or \
+            (p.low[0].dtype if p.low[0] is not None else None) != low:
+        tr._step_pipeline = p = _Pipeline(dev, names, piece, low)
+    return p
+
+
+def _step_staged_cuda(tr, uids: List[int], dev: torch.device) -> None:
+    opt, store, grads = tr.row_optimizer, tr.store, tr.grads
+    names, sub = store.names, tr.sub
+    pieces = list(_pieces(tr, uids))
+    elems = max(len(part) * (hi - lo) for part, lo, hi in pieces)
+    pl = _pipeline(tr, dev, names, elems)
+    compute = torch.cuda.current_stream(dev)
+    pl.load.wait_stream(compute)  # the backward's gradients, and those still landing on the host
+    host, host_uids = None, []
+    for i, (part, lo, hi) in enumerate(pieces):
+        if part != host_uids:
+            if host_uids and not store.in_memory:  # NVMe: these rows' D2H must land before the write
+                pl.store.synchronize()
+                _write_back(tr, host_uids, host)
+            host_uids, host = part, _host_rows(tr, part)
+        k, width, n = i % 2, hi - lo, len(part)
+        buf = {name: b[:n * width].view(n, width) for name, b in pl.bufs[k].items()}
+        with torch.cuda.stream(pl.load):
+            if pl.freed[k] is not None:
+                pl.load.wait_event(pl.freed[k])
+            for name in names:
+                for j in range(n):
+                    buf[name][j].copy_(host[name][j][lo:hi], non_blocking=True)
+            for j, u in enumerate(part):
+                if grads.on_host(u):
+                    buf["grad"][j].copy_(grads.raw(u)[lo:hi], non_blocking=True)
+        compute.wait_stream(pl.load)
+        for j, u in enumerate(part):  # device-resident gradients are copied here, on the compute stream
+            if not grads.on_host(u):
+                buf["grad"][j].copy_(grads.raw(u)[lo:hi])
+            if grads.factor(u) != 1.0:
+                buf["grad"][j].mul_(grads.factor(u))
+        ids = torch.tensor(part)
+        last = hi == tr.numel
+        before = opt.last_step.index_select(0, ids)
+        opt.update(_views(buf["weight"], sub), [_views(buf[name], sub) for name in opt.state_names],
+                   torch.arange(n * (width // sub)), _views(buf["grad"], sub), ids.repeat_interleave(width // sub))
+        if not last:  # the next piece of these experts starts from the same step state
+            opt.last_step.index_copy_(0, ids, before)
+        low = None
+        if pl.low[k] is not None:
+            low = pl.low[k][:n * width].view(n, width)
+            low.copy_(buf["weight"])
+        copy = low if low is not None else buf["weight"]
+        for j, u in enumerate(part):  # a resident slot is refreshed on the device
+            if tr.cache.write_slot(u // tr.num_experts, u % tr.num_experts, copy[j], lo):
+                tr.counters.bytes_refresh += copy[j].numel() * copy.element_size()
+        pl.store.wait_stream(compute)
+        with torch.cuda.stream(pl.store):
+            for name in names:
+                for j in range(n):
+                    host[name][j][lo:hi].copy_(buf[name][j], non_blocking=True)
+            if store.shadow is not None:
+                for j, u in enumerate(part):
+                    store.shadow[u][lo:hi].copy_(low[j], non_blocking=True)
+            pl.freed[k] = pl.store.record_event()
+        moved = (2 * len(names) + 1) * STATE_BYTES + (low.element_size() if store.shadow is not None else 0)
+        tr.counters.add_step_traffic(n if last else 0, moved * width * n)
+        if last:
+            for u in part:
+                grads.drop(u)
+    pl.store.synchronize()  # host rows and shadows are read by the CPU (catch-up, checkpoints) and loads
+    compute.wait_stream(pl.store)
     _write_back(tr, host_uids, host)
 
 
