@@ -128,7 +128,7 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
     """Fused exact-replay + optimizer step on rows ``slots`` (see :func:`reference.row_update_ref`)."""
     op = op_for(weight)
     if op is None or slots.numel() == 0:
-        return ref.row_update_ref(weight, states, slots, grads, last_step, step=step, lr_hist=lr_hist,
+        return ref.row_update_ref(weight, states, slots.to(weight.device), grads, last_step, step=step, lr_hist=lr_hist,
                                   wd_hist=wd_hist, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                                   eps=eps, optimizer=optimizer, lazy=lazy)
     from ds_maximus.ops import to_device

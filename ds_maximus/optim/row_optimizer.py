@@ -95,7 +95,7 @@ class RowOptimizer:
         if ids.numel() == 0:
             return
         lr_h, wd_h = self.history(weight.device)
-        ops.row_update(weight, states, slots.to(weight.device), grads, self.last_step.index_select(0, ids),
+        ops.row_update(weight, states, slots, grads, self.last_step.index_select(0, ids),
                        step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=self.lr_hist[self.step],
                        weight_decay=self.wd_hist[self.step], beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                        optimizer=self.kind, lazy=self.lazy)
@@ -118,7 +118,7 @@ class RowOptimizer:
             pos = torch.nonzero(lag).squeeze(1)
             ids_l = ids.index_select(0, pos)
             lr_h, wd_h = self.history(weight.device)
-            ops.row_update(weight, states, slots.index_select(0, pos).to(weight.device), None,
+            ops.row_update(weight, states, slots.index_select(0, pos), None,
                            self.last_step.index_select(0, ids_l),
                            step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=0.0, weight_decay=0.0,
                            beta1=self.beta1, beta2=self.beta2, eps=self.eps, optimizer=self.kind, lazy=False)
