@@ -18,7 +18,8 @@ Peers, same model, same batches:
     cap, its speed with all the memory it wants, and the peak it needed (a ratio against it is the
     conservative one: the peer had more memory than ours);
   * ours (``ds_maximus.initialize`` with ``"moe": {"train": true}``), ZeRO-2 for the dense part, capped
-    the same: the optimizer step on the GPU (``optimizer_device: compute``) and on the CPU (``cpu``).
+    the same: the optimizer step on the GPU (``optimizer_device: compute``), on the CPU (``cpu``), and on
+    both at once (``split``: the share of each follows their measured speeds).
 The cap (``torch.cuda.set_per_process_memory_fraction``, default 2 x the experts' bf16 bytes: 15.8 GiB
 for 3 Mixtral-shaped layers) holds the experts' bf16 weights but not with their fp32 masters, gradients
 and AdamW moments (16 B per parameter: 63 GiB; all on GPU peaks at 90 GiB). H200 runs at 0.9 x (7.1 GiB)
@@ -49,6 +50,7 @@ from benchmarks.harness import Bench, Budget
 PEERS = {  # in run order: the baseline and ours first, so a short budget still gives the ratio
     "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu": "zero3_offload",
     "ours (experts in CPU tier, AdamW on GPU)": "ours_compute",
+    "ours (experts in CPU tier, AdamW split GPU/CPU)": "ours_split",
     "all on GPU (DeepSpeed ZeRO-2, no cap)": "gpu",
     "ours (experts in CPU tier, AdamW on CPU)": "ours_cpu",
     "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu, no cap": "zero3_offload_nocap",
@@ -135,7 +137,7 @@ def ds_config(a, kind, bf16):
                           "moe": {"enabled": True, "train": True, "gpu_experts_per_layer": a.slots,
                                   "gpu_grad_experts": a.grad_experts or max(1, a.slots // 2),
                                   "step_chunk_bytes": 256 << 20,
-                                  "optimizer_device": "cpu" if kind == "ours_cpu" else "compute",
+                                  "optimizer_device": {"ours_cpu": "cpu", "ours_split": "split"}.get(kind, "compute"),
                                   "speculative_prefetch": True}}
     return cfg
 
@@ -232,6 +234,8 @@ def run_peer(a, kind) -> dict:
            "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
     if kind.startswith("ours"):
         s = engine.maximus.modules["moe"].stats()["last_step"]
+        if "cpu_step_share" in s:
+            out["CPU share"] = round(s["cpu_step_share"], 2)
         out.update({"experts moved/step": s["experts_loaded"], "MB moved/step": round(s["bytes_moved"] / 1e6, 1),
                     "hit rate": round(s["hit_rate"], 3), "stall ms": round(s["stall_ms"], 1),
                     "step ms": round(s["step_ms"], 1)})
@@ -296,7 +300,7 @@ def prebuild_ops(keys) -> None:
     if any(k.startswith("ours") for k in keys):
         from ds_maximus.ops.sharded_embedding import load_op
         load_op("cuda" if cuda else "cpu")
-        if "ours_cpu" in keys and cuda:
+        if cuda and ("ours_cpu" in keys or "ours_split" in keys):
             load_op("cpu")
     from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
     if any(k.startswith("zero3_offload") for k in keys):

@@ -130,10 +130,13 @@ class EmbeddingConfig(_Section):
 
 class ExpertOptimizerDevice(str, enum.Enum):
     """Where the optimizer step of a trained expert runs: on the compute device (its fp32 master and
-    moments are streamed in and out), or on the CPU beside the CPU tier (only the gradient moves)."""
+    moments are streamed in and out), on the CPU beside the CPU tier (only the gradient moves), or
+    ``split``: both at once, the experts shared between them in the ratio of their measured speeds (the
+    link and the host's cores work in parallel; a CUDA device and the tier in CPU memory)."""
 
     COMPUTE = "compute"
     CPU = "cpu"
+    SPLIT = "split"
 
 
 class LMHeadConfig(_Section):
@@ -168,7 +171,11 @@ class MoEConfig(_Section):
     optimizer: EmbeddingOptimizerConfig = Field(default_factory=EmbeddingOptimizerConfig)
     """With ``train``: optimizer of the experts (each expert is one row); ``exact`` mode equals dense AdamW."""
     optimizer_device: ExpertOptimizerDevice = ExpertOptimizerDevice.COMPUTE
-    """With ``train``: where the experts' optimizer step runs (``compute``: GPU; ``cpu``: beside the CPU tier)."""
+    """With ``train``: where the experts' optimizer step runs (``compute``: GPU; ``cpu``: beside the CPU tier;
+    ``split``: both at once, see :class:`ExpertOptimizerDevice`)."""
+    cpu_step_share: Optional[float] = Field(None, ge=0.0, le=1.0)
+    """With ``optimizer_device: split``: the share of the experts stepped on the CPU. ``None``: measured
+    (from 0.5, it follows the two sides' time per expert so that they finish together)."""
     step_chunk_bytes: int = Field(512 << 20, ge=1 << 16)
     """With ``train`` and ``optimizer_device: compute``: fp32 masters, moments and gradients staged on the
     device at once (a large expert is stepped in pieces)."""

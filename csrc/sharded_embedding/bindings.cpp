@@ -43,18 +43,23 @@ void copy_rows(const at::Tensor& src, const at::Tensor& src_idx, at::Tensor& dst
 }  // namespace
 }  // namespace maximus
 
+// Every op runs without the GIL: they touch tensors only, and a CPU row update of a Mixtral expert takes
+// tens of ms that another Python thread (the GPU half of a split expert step) must not wait for.
+using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     using namespace pybind11::literals;
     m.doc() = "maximus_sharded_embedding: slot-map gather, row-sparse backward, fused sparse AdamW/Adagrad";
     m.def("gather", &maximus::gather, "out[n] = table[slots[inverse[n]]] cast to out.dtype", "table"_a, "slots"_a,
-          "inverse"_a, "out"_a);
+          "inverse"_a, "out"_a, nogil());
     m.def("segment_reduce_cpu", &maximus::segment_reduce_cpu, "out[u] = sum of grad rows with inverse == u (fp32)",
-          "grad"_a, "inverse"_a, "out"_a);
+          "grad"_a, "inverse"_a, "out"_a, nogil());
     m.def("segment_reduce", &maximus::segment_reduce, "CUDA: sum grad[order[offsets[u]:offsets[u+1]]] into out[u]",
-          "grad"_a, "order"_a, "offsets"_a, "out"_a);
+          "grad"_a, "order"_a, "offsets"_a, "out"_a, nogil());
     m.def("copy_rows", &maximus::copy_rows, "dst[dst_idx] = src[src_idx] by a GPU kernel; either may be pinned host",
-          "src"_a, "src_idx"_a, "dst"_a, "dst_idx"_a);
+          "src"_a, "src_idx"_a, "dst"_a, "dst_idx"_a, nogil());
     m.def("row_update", &maximus::row_update, "fused exact-replay + AdamW/SparseAdam/Adagrad step on rows", "weight"_a,
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
-          "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true);
+          "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true,
+          nogil());
 }

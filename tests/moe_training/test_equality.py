@@ -68,3 +68,21 @@ def test_bf16_follows_deepspeed():
     t = got.maximus.modules["moe"]
     assert t.cache.slot_buffer(0).dtype == torch.bfloat16 and t.store.master_row(0).dtype == torch.float32
     assert train(got, data) == pytest.approx(train(ref, data), rel=2e-2)
+
+
+@pytest.mark.parametrize("share", [0.5, None])
+def test_split_step_equals_deepspeed(share):
+    """optimizer_device split: a worker thread steps a share of the experts in place on the CPU tier while
+    the rest are staged through the compute device in pieces; together they equal plain DeepSpeed."""
+    data = batches(12, batch=2, seqlen=4)
+    ref = build(tiny_mixtral(num_experts=8), 2, clip=0.5)
+    l_ref = train(ref, data)
+    sec = moe_section(slots=3, optimizer_device="split", cpu_step_share=share, step_chunk_bytes=1 << 16)
+    got = build(tiny_mixtral(num_experts=8), 2, maximus=sec, clip=0.5)
+    l_got = train(got, data)
+    _compare(ref, got, l_ref, l_got, mixtral_experts)
+    t = got.maximus.modules["moe"]
+    assert t.counters.cpu_step_share is not None and t.counters.caught_up > 0
+    if share is None:
+        assert 0.05 <= t.cpu_step_share <= 0.95
+    assert "CPU share" in t.counters.line()

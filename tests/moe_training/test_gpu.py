@@ -8,7 +8,7 @@ from tests.moe_training.moe_utils import (assert_experts_close, batches, build, 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("optimizer_device", ["compute", "cpu"])
+@pytest.mark.parametrize("optimizer_device", ["compute", "cpu", "split"])
 def test_mixtral_equals_deepspeed_on_cuda(optimizer_device):
     data = batches(12, batch=2, seqlen=4)
     ref = build(tiny_mixtral(num_experts=8).cuda(), 2, clip=0.5)
@@ -75,11 +75,13 @@ def test_bf16_pipelined_step_refreshes_every_copy():
     exactly the master cast to bf16 (no stale or half-written copy)."""
     data = batches(6, batch=2, seqlen=8)
     engines = {}
-    for dev in ("cpu", "compute"):
+    for dev in ("cpu", "compute", "split"):
         engines[dev] = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", clip=0.05,
                              maximus=moe_section(slots=2, gpu_grad_experts=1, optimizer_device=dev,
                                                  step_chunk_bytes=1 << 16))
         train(engines[dev], data)
+    assert_experts_close(engines["split"], engines["cpu"])
+    assert engines["split"].maximus.modules["moe"].counters.cpu_step_share is not None
     got, ref = (engines[d].maximus.modules["moe"] for d in ("compute", "cpu"))
     assert got.grads.moved_to_host > 0 and got.sub < got.numel
     assert_experts_close(engines["compute"], engines["cpu"])  # the CPU and CUDA ops round differently

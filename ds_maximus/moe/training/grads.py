@@ -119,6 +119,15 @@ class ExpertGrads:
         self._factor.pop(uid, None)
         return t
 
+    def take_to_host(self, uid: int) -> Tuple[Tensor, float, object]:
+        """Remove ``uid``'s gradient and hand it over on the host: ``(tensor, factor to apply, event)``; a
+        device one is copied out asynchronously (wait on the event, if any, before reading the tensor)."""
+        if uid not in self._left:
+            self._to_host(uid)
+        t, (ev, _, _), f = self.g[uid], self._left[uid], self._factor.get(uid, 1.0)
+        self.drop(uid)
+        return t, f, ev
+
     def drop(self, uid: int) -> None:
         """Forget ``uid``'s gradient (the step has consumed it)."""
         self._recent.pop(uid, None)

@@ -40,6 +40,7 @@ class ExpertTrainStats:
         self.bytes_step = 0
         self.bytes_refresh = 0
         self.caught_up = 0
+        self.cpu_step_share: Optional[float] = None  # optimizer_device split: the share stepped on the CPU
         self.last = _Step()
         self._mark = {"loads": 0, "bytes": 0, "stall": 0.0, "hits": 0, "lookups": 0, "stepped": 0,
                       "bytes_step": 0, "refresh": 0, "caught": 0}
@@ -77,6 +78,8 @@ class ExpertTrainStats:
         last["bytes_moved"] = last["bytes_loaded"] + last["bytes_step"] + last["bytes_refresh"]
         last["hit_rate"] = last["hits"] / last["lookups"] if last["lookups"] else 0.0
         last["routing"] = getattr(self, "last_routing", self.step_routing).tolist()
+        if self.cpu_step_share is not None:
+            last["cpu_step_share"] = self.cpu_step_share
         out.update({"steps": self.steps, "experts_stepped": self.experts_stepped, "bytes_step": self.bytes_step,
                     "bytes_refresh": self.bytes_refresh, "caught_up": self.caught_up,
                     "routing": self.routing.tolist(), "last_step": last})
@@ -86,4 +89,5 @@ class ExpertTrainStats:
         s = self.last
         return (f"moved {s.experts_loaded} experts ({s.bytes_loaded / 2**20:.1f} MiB) + step {s.experts_stepped} "
                 f"experts ({(s.bytes_step + s.bytes_refresh) / 2**20:.1f} MiB), hit rate "
-                f"{s.hits / s.lookups if s.lookups else 0.0:.2f}, stall {s.stall_ms:.1f} ms, step {s.step_ms:.1f} ms")
+                f"{s.hits / s.lookups if s.lookups else 0.0:.2f}, stall {s.stall_ms:.1f} ms, step {s.step_ms:.1f} ms"
+                + (f" (CPU share {self.cpu_step_share:.2f})" if self.cpu_step_share is not None else ""))

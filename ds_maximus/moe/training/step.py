@@ -1,12 +1,16 @@
 """The optimizer step of trained experts: each expert is one row of the row optimizer.
 
-Two ways, by ``moe.optimizer_device`` and the tier:
+Three ways, by ``moe.optimizer_device`` and the tier:
 
 * in place on the CPU tier (``cpu``, tier in memory): the fused row-update op runs on the tier's own
   masters and moments; only the gradient came from the device;
 * staged (``compute``, or an NVMe tier): masters and moments go to the step device in pieces of at most
   ``moe.step_chunk_bytes`` (with the gradient), are updated there and come back; a piece is part of
-  one expert when an expert is larger than the budget (AdamW is elementwise), else a few experts.
+  one expert when an expert is larger than the budget (AdamW is elementwise), else a few experts;
+* split (``split``, tier in memory): both at once: a worker thread steps a share of the experts in place
+  on the CPU tier (the op runs without the GIL) while this thread streams the rest through the device.
+  Gradients already waiting on the host go to the CPU side first. The share follows the two sides'
+  measured time per expert so that they finish together (or is fixed by ``moe.cpu_step_share``).
 
 After an expert is updated, its compute copies (the shadow in the CPU tier and a resident cache slot)
 are refreshed, so no stale copy is ever used.
@@ -21,6 +25,9 @@ buffer is viewed as ``numel / sub`` sub-rows that share the expert's step bookke
 from __future__ import annotations
 
 from typing import List
+
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -205,3 +212,51 @@ def _write_back(tr, part: List[int], host) -> None:
     if not part or tr.store.in_memory:
         return
     tr.store.write_rows(torch.tensor(part), {n: torch.stack(v) for n, v in host.items()})
+
+
+def step_split(tr, uids: List[int], dev: torch.device) -> None:
+    """Update ``uids``: a share on the CPU tier in a worker thread, the rest staged through ``dev``."""
+    share = tr.cfg.moe.cpu_step_share
+    if share is None:
+        share = getattr(tr, "cpu_step_share", 0.5)
+    n_cpu = int(round(len(uids) * share))
+    host_first = sorted(uids, key=lambda u: (not tr.grads.on_host(u), u))
+    cpu_uids = sorted(host_first[:n_cpu])
+    dev_uids = sorted(set(uids) - set(cpu_uids))
+    items = [(u, *tr.grads.take_to_host(u)) for u in cpu_uids]
+    pool = getattr(tr, "_step_pool", None)
+    if pool is None:
+        tr._step_pool = pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-expert-step")
+    fut = pool.submit(_cpu_side, tr, items) if items else None
+    t0 = time.perf_counter()
+    if dev_uids:
+        step_staged(tr, dev_uids, dev)
+    t_dev = time.perf_counter() - t0
+    t_cpu = fut.result() if fut is not None else 0.0
+    for u in cpu_uids:  # resident slots of the experts stepped on the CPU: refreshed from their new copy
+        src = tr.store.host_view(u)
+        if tr.cache.write_slot(u // tr.num_experts, u % tr.num_experts, src):
+            tr.counters.bytes_refresh += src.numel() * src.element_size()
+    tr.counters.add_step_traffic(len(cpu_uids), STATE_BYTES * tr.numel * len(cpu_uids))
+    if tr.cfg.moe.cpu_step_share is None and cpu_uids and dev_uids:
+        per_cpu, per_dev = t_cpu / len(cpu_uids), t_dev / len(dev_uids)
+        balanced = per_dev / (per_cpu + per_dev)  # n_cpu * per_cpu == n_dev * per_dev
+        tr.cpu_step_share = min(0.95, max(0.05, 0.5 * share + 0.5 * balanced))
+    tr.counters.cpu_step_share = share
+
+
+def _cpu_side(tr, items) -> float:
+    """Worker thread: AdamW of each ``(uid, grad, factor, event)`` in place on the CPU tier, then its shadow."""
+    t0 = time.perf_counter()
+    opt, t, sub = tr.row_optimizer, tr.store._tier.tensors, tr.sub
+    k = tr.numel // sub
+    for u, g, f, ev in items:
+        if ev is not None:
+            ev.synchronize()
+        if f != 1.0:
+            g.mul_(f)
+        ids = torch.tensor([u])
+        opt.update(_views(t["weight"], sub), [_views(t[n], sub) for n in opt.state_names],
+                   u * k + torch.arange(k), _views(g, sub), ids.repeat_interleave(k))
+        tr.store.refresh(u, t["weight"][u])
+    return time.perf_counter() - t0

@@ -115,6 +115,8 @@ class ExpertTrainer(nn.Module):
         from ds_maximus.ops.sharded_embedding import load_op
         on_cpu = mcfg.optimizer_device == ExpertOptimizerDevice.CPU or self.compute_device.type != "cuda"
         load_op("cpu" if on_cpu else "cuda")
+        if mcfg.optimizer_device == ExpertOptimizerDevice.SPLIT and not on_cpu:
+            load_op("cpu")
         logger.info("ExpertTrainer: compute copy, expert cache and optimizer op in %.1f s (set-up %.1f s)",
                     time.perf_counter() - t2, time.perf_counter() - t0)
         self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots)
@@ -312,14 +314,17 @@ class ExpertTrainer(nn.Module):
 
     def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
         """Step every expert with gradient (AdamW on the compute device by default), refresh its copies."""
-        from ds_maximus.moe.training.step import step_in_place, step_staged
+        from ds_maximus.moe.training.step import step_in_place, step_split, step_staged
         t0 = time.perf_counter()
         opt = self.row_optimizer
         opt.begin_step(lr, weight_decay)
         self.cache.synchronize()
         uids = self.grads.uids()
         dev = self._step_device()
-        if uids and dev.type == "cpu" and self.store.in_memory:
+        split = self.cfg.moe.optimizer_device == ExpertOptimizerDevice.SPLIT and self.store.in_memory
+        if uids and split:
+            step_split(self, uids, dev)
+        elif uids and dev.type == "cpu" and self.store.in_memory:
             step_in_place(self, uids)
         elif uids:
             step_staged(self, uids, dev)
