@@ -135,11 +135,22 @@ def ds_config(a, kind, bf16):
     if kind.startswith("ours"):
         cfg["maximus"] = {"embedding": {"enabled": False}, "logging": {"interval_steps": 10**6},
                           "moe": {"enabled": True, "train": True, "gpu_experts_per_layer": a.slots,
-                                  "gpu_grad_experts": a.grad_experts or max(1, a.slots // 2),
+                                  "gpu_grad_experts": a.grad_experts or _grad_experts(a),
                                   "step_chunk_bytes": 256 << 20,
                                   "optimizer_device": {"ours_cpu": "cpu", "ours_split": "split"}.get(kind, "compute"),
                                   "speculative_prefetch": True}}
     return cfg
+
+
+GRAD_SHARE_OF_CAP = 0.25
+
+
+def _grad_experts(a) -> int:
+    """Ours' default ``gpu_grad_experts``: the fp32 expert gradients that fit in a quarter of the cap (a
+    gradient kept on the GPU crosses PCIe neither to the host nor back for the step; at 1 per layer-pair,
+    session 4's Mixtral-shaped run peaked at 10.2 of 15.8 GiB)."""
+    grad_bytes = 3 * a.hidden * a.ffn * 4
+    return max(1, int(GRAD_SHARE_OF_CAP * a.cap_gib * 2**30 // grad_bytes))
 
 
 T0 = time.perf_counter()
@@ -334,7 +345,7 @@ def main(argv=None):
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--slots", type=int, default=2, help="GPU expert slots per layer (ours)")
     p.add_argument("--grad-experts", type=int, default=None, help="expert gradients kept on the GPU (ours; "
-                   "default: half the slots per layer)")
+                   "default: as many fp32 gradients as fit in a quarter of --cap-gib)")
     p.add_argument("--cap-gib", type=float, default=None, help="GPU memory cap of the offloading peers "
                    "(default: 2 x the experts' bf16 bytes: their weights fit, their training state does not)")
     p.add_argument("--warmup", type=int, default=2)

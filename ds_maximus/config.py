@@ -139,6 +139,15 @@ class ExpertOptimizerDevice(str, enum.Enum):
     SPLIT = "split"
 
 
+class HeadGradOnDevice(str, enum.Enum):
+    """Where a CPU-tier LM head accumulates its weight gradient: in pinned RAM (``off``: it crosses PCIe
+    twice a step, out in backward and back for the step), or on the compute device in fp32 or bf16."""
+
+    OFF = "off"
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
 class LMHeadConfig(_Section):
     enabled: bool = False
     """Compute the causal-LM loss with ``ShardedLMHead`` (no full logits)."""
@@ -148,6 +157,10 @@ class LMHeadConfig(_Section):
     """Where the head's weight lives: ``gpu`` (a resident Parameter), ``cpu`` (fp32 master, AdamW moments and
     gradient in the CPU tier, streamed chunk by chunk), or ``cpu_optimizer`` (the fp32 master stays on the GPU,
     4 B/param, and only the moments and gradient cross PCIe: 20 instead of 38 B/param per step)."""
+    grad_on_device: HeadGradOnDevice = HeadGradOnDevice.OFF
+    """With ``placement: cpu`` or ``cpu_optimizer``: keep the accumulated weight gradient on the compute
+    device (``fp32``: 4 B/param of GPU memory; ``bf16``: 2 B/param, the rounding plain bf16 DeepSpeed applies
+    to this gradient) instead of pinned RAM, so it never crosses PCIe (8 B/param less per step)."""
 
 
 class MoEConfig(_Section):

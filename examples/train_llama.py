@@ -58,6 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=None, help="override train_micro_batch_size_per_gpu")
     ap.add_argument("--gas", type=int, default=None, help="override gradient_accumulation_steps")
     ap.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the tokens/s figure")
+    ap.add_argument("--maximus", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one key of the config's maximus section, e.g. lm_head.grad_on_device=bf16 "
+                         "(the value is read as JSON when it parses, else as a string; repeatable)")
     ap.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds of training")
     ap.add_argument("--profile", default=None, help="folder: profile 2 steps after the warm-up (torch.profiler "
                     "tables + chrome trace there) and print per-phase times on the GPU stream")
@@ -118,6 +121,19 @@ def apply_overrides(ds_cfg: dict, args) -> dict:
         if zero.get("stage", 0) == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         ds_cfg.get("optimizer", {}).get("params", {}).pop("torch_adam", None)   # DeepSpeedCPUAdam
+    for item in getattr(args, "maximus", None) or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--maximus wants KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = ds_cfg.setdefault("maximus", {})
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
     if args.micro_batch is not None:
         ds_cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     if args.gas is not None:

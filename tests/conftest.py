@@ -48,3 +48,28 @@ def device():
     """The compute device of this machine (cuda when present, else cpu)."""
     import torch
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+_SHM_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+def _ds_shm_buffers() -> set:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(_SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def _drop_deepspeed_shm_buffers():
+    """DeepSpeed's CPU accelerator maps a 66 MiB ``/dev/shm/deepspeed_allreduce_buffer_*`` per process and
+    never unlinks it: over a test session (hundreds of DeepSpeed processes) these filled 20 GB of this
+    machine's RAM-backed /dev/shm and made it swap. Each test's new ones are unlinked when it ends (a
+    process still mapping one keeps its memory until it exits)."""
+    before = _ds_shm_buffers()
+    yield
+    for name in _ds_shm_buffers() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass

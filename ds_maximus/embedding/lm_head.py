@@ -96,9 +96,11 @@ class ShardedLMHead(nn.Module):
             weight = torch.empty(self.vocab_size, self.hidden_size).uniform_(-bound, bound)
         if cfg.placement in (HeadPlacement.CPU, HeadPlacement.CPU_OPTIMIZER):
             self.placement = cfg.placement.value
+            grad_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(cfg.grad_on_device.value)
             self.tier = HeadTier(weight, self.chunk_rows, optimizer or opt_cfg, update_device=update_device,
                                  update_rows=update_rows,
-                                 master_on_device=cfg.placement == HeadPlacement.CPU_OPTIMIZER)
+                                 master_on_device=cfg.placement == HeadPlacement.CPU_OPTIMIZER,
+                                 grad_on_device=grad_dtype)
             self.source = self.tier
         else:
             self.placement = "gpu"
@@ -190,22 +192,30 @@ class ShardedLMHead(nn.Module):
         tier = self._tier()
         tier._apply_scale()
         tier.sync()
-        if tier.grad is not None and bool(tier.grad_rows.all()):   # dense: no copy (a 262K-row head)
-            return torch.arange(self.vocab_size), tier.grad
+        grads = tier._grads()   # in the CPU tier, or on the device (``grad_on_device``: fp32 or bf16)
+        if grads is not None and bool(tier.grad_rows.all()):   # dense: no copy (a 262K-row head)
+            return torch.arange(self.vocab_size), grads
         ids = tier.grad_rows.nonzero().squeeze(1)
-        rows = tier.grad.index_select(0, ids) if tier.grad is not None else torch.zeros(0, self.hidden_size)
+        rows = grads.index_select(0, ids.to(grads.device)) if grads is not None else torch.zeros(0, self.hidden_size)
         return ids, rows
 
     def set_sparse_grads_(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         tier = self._tier()
-        if rows is tier.grad and ids.numel() == self.vocab_size:
+        if rows is tier._grads() and ids.numel() == self.vocab_size:
             return          # what sparse_grads returned, unchanged (one rank): nothing to copy
         tier.zero_grads()
         tier._sq_ok = False
-        buf = tier._grad_buffer()
+        if tier.grad_on_device is not None:
+            if tier.dgrad is None:
+                tier.dgrad = torch.zeros(self.vocab_size, self.hidden_size, dtype=tier.grad_on_device,
+                                         device=rows.device)
+            buf = tier.dgrad
+        else:
+            buf = tier._grad_buffer()
         ids = ids.to("cpu", torch.long)
-        buf.index_copy_(0, ids, rows.to("cpu", torch.float32))
+        buf.index_copy_(0, ids.to(buf.device), rows.to(buf.device, buf.dtype))
         tier.grad_rows[ids] = True
+        tier._grad_device = tier._grad_device or rows.device
 
     def maximus_state_dict(self) -> dict:
         return self._tier().state_dict()

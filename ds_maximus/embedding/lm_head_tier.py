@@ -43,7 +43,7 @@ class HeadTier:
 
     def __init__(self, weight: torch.Tensor, chunk_rows: int, optimizer: Optional[EmbeddingOptimizerConfig] = None,
                  pin_memory: bool = True, update_device="auto", update_rows: int = 4096,
-                 master_on_device: bool = False):
+                 master_on_device: bool = False, grad_on_device: Optional[torch.dtype] = None):
         w = weight.detach().to("cpu", torch.float32).contiguous()
         # ``master_on_device`` (placement cpu_optimizer): the fp32 rows move to the compute device on first
         # use and stay there; chunks are cast from them, the step updates them in place, and only the
@@ -63,6 +63,10 @@ class HeadTier:
         self.exp_avg: Optional[torch.Tensor] = None
         self.exp_avg_sq: Optional[torch.Tensor] = None
         self.grad: Optional[torch.Tensor] = None
+        # ``grad_on_device`` (a dtype): the accumulated gradient lives on the device its chunks come from, in
+        # that dtype, never in pinned RAM (``dgrad``); the step reads it where it is
+        self.grad_on_device = grad_on_device
+        self.dgrad: Optional[torch.Tensor] = None
         self.grad_rows = torch.zeros(self.vocab_size, dtype=torch.bool)   # rows holding a gradient
         self.step = 0
         self.lr_history: List[float] = []
@@ -186,7 +190,41 @@ class HeadTier:
             self.grad = _pin(torch.zeros(self.vocab_size, self.dim, dtype=torch.float32), self.pin)
         return self.grad
 
+    def _grads(self) -> Optional[torch.Tensor]:
+        """The accumulated gradient ``[V, dim]``: on the device (``grad_on_device``) or in the CPU tier."""
+        return self.dgrad if self.grad_on_device is not None else self.grad
+
+    def _add_grad_on_device(self, lo: int, hi: int, grad: torch.Tensor) -> None:
+        """``add_grad_`` with ``grad_on_device``: accumulate in fp32 on ``grad``'s device, store in the dtype."""
+        if self.dgrad is None or self.dgrad.device != grad.device:
+            self.dgrad = torch.zeros(self.vocab_size, self.dim, dtype=self.grad_on_device, device=grad.device)
+            self.grad_rows.zero_()
+            self._clear_grad_meta()
+        ev = self._step_event
+        if ev is not None:                      # the in-flight step still reads the gradient
+            torch.cuda.current_stream(grad.device).wait_event(ev)
+        if self._grad_scale != 1.0:             # a scale recorded for the step, now applied before adding
+            self.dgrad.mul_(self._grad_scale)
+            self._sq = {k: v * self._grad_scale ** 2 for k, v in self._sq.items()}
+            self._grad_scale = 1.0
+        have = self.grad_rows[lo:hi]
+        stored = self.dgrad[lo:hi]
+        g = grad.to(torch.float32)
+        if bool(have.any()):
+            if not bool(have.all()):
+                stored[~have.to(stored.device)] = 0
+                self._sq_ok = False
+            if (lo, hi) not in self._sq:
+                self._sq_ok = False
+            g = stored.to(torch.float32) + g
+        stored.copy_(g)
+        self._sq[(lo, hi)] = torch.linalg.vector_norm(stored, dtype=torch.float64).square()  # what the step uses
+        self.grad_rows[lo:hi] = True
+        self._grad_device = grad.device
+
     def add_grad_(self, lo: int, hi: int, grad: torch.Tensor) -> None:
+        if self.grad_on_device is not None:
+            return self._add_grad_on_device(lo, hi, grad)
         buf = self._grad_buffer()
         self._apply_scale()
         have = self.grad_rows[lo:hi]
@@ -253,16 +291,16 @@ class HeadTier:
         return device_with_index(self.update_device)
 
     def _apply_scale(self) -> None:
-        """Apply a deferred gradient scale to the host gradient (before anyone reads it there)."""
+        """Apply a deferred gradient scale to the stored gradient (before anyone reads it there)."""
         if self._grad_scale != 1.0:
             self.sync()
-            if self.grad is not None:
-                self.grad.mul_(self._grad_scale)
+            if self._grads() is not None:
+                self._grads().mul_(self._grad_scale)
             self._grad_scale = 1.0
 
     # -- optimizer -----------------------------------------------------------------------------
     def has_grads(self) -> bool:
-        return self.grad is not None and bool(self.grad_rows.any())
+        return self._grads() is not None and bool(self.grad_rows.any())
 
     def _sq_usable(self) -> bool:
         return self._device_update() is not None and self._sq_ok and self.has_grads()
@@ -275,26 +313,28 @@ class HeadTier:
         self.sync()
         if not self.has_grads():
             return torch.zeros((), dtype=torch.float32)
-        total = torch.zeros((), dtype=torch.float64)
+        grads = self._grads()
+        total = torch.zeros((), dtype=torch.float64, device=grads.device)
         for lo in range(0, self.vocab_size, self.chunk_rows):
-            g = self.grad[lo:lo + self.chunk_rows][self.grad_rows[lo:lo + self.chunk_rows]]
-            total += g.double().pow(2).sum()
-        return total.float()
+            have = self.grad_rows[lo:lo + self.chunk_rows].to(grads.device)
+            total += grads[lo:lo + self.chunk_rows][have].double().pow(2).sum()
+        return total.float().cpu()
 
     def scale_grads_(self, factor: float) -> None:
         if self._device_update() is not None:
             self._grad_scale *= float(factor)    # applied on the device by the step
             return
         self.sync()
-        if self.grad is not None:
-            self.grad.mul_(factor)
+        if self._grads() is not None:
+            self._grads().mul_(factor)
 
     def grads_finite(self) -> bool:
         if self._sq_usable():
             return bool(torch.isfinite(self.grad_norm_sq()))
         self._apply_scale()
         self.sync()
-        return not self.has_grads() or bool(torch.isfinite(self.grad[self.grad_rows]).all())
+        grads = self._grads()
+        return not self.has_grads() or bool(torch.isfinite(grads[self.grad_rows.to(grads.device)]).all())
 
     def zero_grads(self) -> None:
         self.sync()
@@ -333,7 +373,7 @@ class HeadTier:
         for lo in range(0, self.vocab_size, self.chunk_rows):
             hi = min(self.vocab_size, lo + self.chunk_rows)
             have = self.grad_rows[lo:hi]
-            g = self.grad[lo:hi]
+            g = self._grads()[lo:hi].to("cpu", torch.float32)
             if not bool(have.all()):
                 g = g.clone()
                 g[~have] = 0
@@ -359,10 +399,15 @@ class HeadTier:
             self._pending.clear()
             if self._step_event is not None:
                 self._staged_opt.h2d.wait_event(self._step_event)
-            if self.weight.device == self._staged_opt.device:  # forward/backward reads of the master first
+            on_dev = self.weight.device == self._staged_opt.device or (
+                self.dgrad is not None and self.dgrad.device == self._staged_opt.device)
+            if on_dev:  # the forward/backward's reads of the master, and writes of a device gradient, first
                 reads = torch.cuda.Event()
                 reads.record(torch.cuda.current_stream(dev))
-        host = {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": self.grad}
+        grads = self._grads()
+        if grads.device != dev and grads.device.type != "cpu":
+            grads = grads.to(dev)  # a device gradient from another device than the step's (explicit device)
+        host = {"weight": self.weight, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad": grads}
         staged, grad_rows, mirrors = self._staged_opt, self.grad_rows.clone(), self._mirrors
         kw = dict(step=self.step, lr=lr, beta1=b1, beta2=b2, eps=self.eps, weight_decay=wd,
                   grad_scale=self._grad_scale, after=after)
@@ -376,7 +421,8 @@ class HeadTier:
         else:
             launch()
         resident = 4 if self.weight.device == self._staged_opt.device else 0
-        self.counters["bytes_h2d"] += self.vocab_size * self.dim * (16 - resident)
+        grad_resident = 4 if grads.device == self._staged_opt.device else 0
+        self.counters["bytes_h2d"] += self.vocab_size * self.dim * (16 - resident - grad_resident)
         self.counters["bytes_d2h"] += self.vocab_size * self.dim * (12 - resident + sum(
             torch.empty((), dtype=dt).element_size() for dt in self._mirrors))
         self.lr_history.append(lr)

@@ -123,7 +123,8 @@ class StagedAdamW:
         Rows whose ``grad_rows`` flag is False take a zero-gradient step (as the host path). ``after``:
         an event the first host->device copy waits for (the gradient copies of the backward pass).
         A state tensor already on this device (the fp32 master of ``placement: cpu_optimizer``) is updated
-        in place and never copied.
+        in place and never copied; so is a gradient already there (``grad_on_device``, fp32 or bf16: it is
+        consumed, zeroed rows and the scale are applied to it in place).
         Returns the event that marks the step's end on the device (``None`` on CPU: done on return), or
         with ``background`` on a GPU a :class:`PendingStep` that yields it.
         """
@@ -143,7 +144,7 @@ class StagedAdamW:
         if after is not None and self.h2d is not None:
             self.h2d.wait_event(after)
         nb = self.device.type == "cuda"
-        resident = tuple(n for n in _STATE if host[n].device == self.device)
+        resident = tuple(n for n in _STATE + ("grad",) if host[n].device == self.device)
         loads: List[torch.cuda.Event] = []
         for i, (lo, hi) in enumerate(blocks):
             if throttle and len(loads) >= 2:
@@ -169,6 +170,8 @@ class StagedAdamW:
                 self.opt.wait_event(loaded)
             with _ctx(self.opt):
                 g = dev["grad"]
+                if g.dtype != torch.float32:  # a device-resident bf16 gradient
+                    g = g.float()
                 if partial:
                     g[~have.to(self.device, non_blocking=nb)] = 0
                 if grad_scale != 1.0:

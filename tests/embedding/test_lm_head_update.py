@@ -78,8 +78,42 @@ def test_staged_step_not_a_no_op_and_state_round_trip():
     assert torch.equal(tier.weight, other.weight) and torch.equal(tier.exp_avg_sq, other.exp_avg_sq)
 
 
-def test_partial_set_sparse_grads_falls_back_to_host_norm():
-    head = ShardedLMHead(V, D, config={"placement": "cpu", "chunk_rows": CHUNK}, update_device="cpu")
+@pytest.mark.parametrize("update_device", ["cpu", "host"])
+def test_grad_on_device_fp32_equals_the_tier_gradient_bitwise(update_device):
+    """grad_on_device fp32: the gradient accumulates where its chunks come from (here the CPU stands in for
+    the GPU) and the step reads it in place; the result is the CPU-tier gradient's, bit for bit."""
+    w0 = torch.randn(V, D, generator=torch.Generator().manual_seed(1))
+    ref = HeadTier(w0, CHUNK, update_device=update_device, update_rows=7)
+    got = HeadTier(w0, CHUNK, update_device=update_device, update_rows=7, grad_on_device=torch.float32)
+    plan = _grad_plan(0)
+    n_ref, n_got = _run(ref, plan), _run(got, plan)
+    torch.testing.assert_close(torch.tensor(n_got), torch.tensor(n_ref), rtol=1e-6, atol=0)
+    for name in ("weight", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert got.grad is None and got.dgrad is not None  # never in the CPU tier
+
+
+def test_grad_on_device_bf16_stores_the_accumulated_gradient_rounded():
+    """grad_on_device bf16: each micro-batch is added in fp32 and the sum stored in bf16 (what plain bf16
+    DeepSpeed keeps); the norm the clipping sees is that of the stored gradient."""
+    w0 = torch.randn(V, D, generator=torch.Generator().manual_seed(1))
+    got = HeadTier(w0, CHUNK, update_device="cpu", update_rows=7, grad_on_device=torch.bfloat16)
+    ref = HeadTier(w0, CHUNK, update_device="cpu", update_rows=7)
+    plan = _grad_plan(0)[:1]
+    want = torch.zeros(V, D, dtype=torch.bfloat16)
+    for chunks in plan[0]:
+        for lo, hi, g in chunks:
+            want[lo:hi] = (want[lo:hi].float() + g).to(torch.bfloat16)
+    n_got, n_ref = _run(got, plan), _run(ref, plan)
+    torch.testing.assert_close(n_got[0], float(want.double().pow(2).sum()), rtol=1e-6, atol=0)  # fp32 norm
+    assert n_got[0] != n_ref[0]
+    torch.testing.assert_close(got.weight, ref.weight, rtol=0, atol=1e-4)  # lr 0.05, one step
+
+
+@pytest.mark.parametrize("grad_on_device", ["off", "fp32"])
+def test_partial_set_sparse_grads_falls_back_to_host_norm(grad_on_device):
+    head = ShardedLMHead(V, D, config={"placement": "cpu", "chunk_rows": CHUNK, "grad_on_device": grad_on_device},
+                         update_device="cpu")
     ids = torch.tensor([0, 3, 17])
     rows = torch.randn(3, D)
     head.set_sparse_grads_(ids, rows)
@@ -88,10 +122,10 @@ def test_partial_set_sparse_grads_falls_back_to_host_norm():
     assert torch.equal(got_ids, ids) and torch.equal(got_rows, rows)
 
 
-def _head_losses(update_device, steps=3):
+def _head_losses(update_device, steps=3, grad_on_device="off"):
     torch.manual_seed(0)
-    head = ShardedLMHead(V, D, config={"placement": "cpu", "chunk_rows": CHUNK}, update_device=update_device,
-                         update_rows=6)
+    head = ShardedLMHead(V, D, config={"placement": "cpu", "chunk_rows": CHUNK, "grad_on_device": grad_on_device},
+                         update_device=update_device, update_rows=6)
     g = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(steps):
@@ -108,9 +142,10 @@ def _head_losses(update_device, steps=3):
     return losses, head.full_weight().clone()
 
 
-def test_head_end_to_end_staged_equals_host():
+@pytest.mark.parametrize("grad_on_device", ["off", "fp32"])
+def test_head_end_to_end_staged_equals_host(grad_on_device):
     l_host, w_host = _head_losses("host")
-    l_staged, w_staged = _head_losses("cpu")
+    l_staged, w_staged = _head_losses("cpu", grad_on_device=grad_on_device)
     assert l_host == l_staged
     assert torch.equal(w_host, w_staged)
 
@@ -149,9 +184,11 @@ def test_gpu_staged_step_matches_host_step():
         torch.testing.assert_close(getattr(gpu, name), getattr(host, name), rtol=1e-6, atol=1e-7)
 
 
-def test_train_llama_cpu_head_equals_plain_deepspeed(tmp_path):
+@pytest.mark.parametrize("grad_on_device", ["off", "fp32"])
+def test_train_llama_cpu_head_equals_plain_deepspeed(tmp_path, grad_on_device):
     """ds_maximus.initialize with lm_head.placement cpu (the replaced head dropped from DeepSpeed, its AdamW
-    betas taken from DeepSpeed's) trains like plain ZeRO-2 in fp32: losses within 1e-5 over 6 steps."""
+    betas taken from DeepSpeed's) trains like plain ZeRO-2 in fp32: losses within 1e-5 over 6 steps (with
+    the head's gradient in the CPU tier, or kept where it is computed)."""
     import json
     import os
     import socket
@@ -164,7 +201,8 @@ def test_train_llama_cpu_head_equals_plain_deepspeed(tmp_path):
                                                      "weight_decay": 0.1, "torch_adam": True}},
            "zero_optimization": {"stage": 2}, "steps_per_print": 10**9,
            "maximus": {"embedding": {"gpu_cache_rows": 512, "min_rows": 1000, "optimizer": {"mode": "exact"}},
-                       "lm_head": {"enabled": True, "placement": "cpu", "chunk_rows": 700}}}
+                       "lm_head": {"enabled": True, "placement": "cpu", "chunk_rows": 700,
+                                   "grad_on_device": grad_on_device}}}
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     losses = {}
     for plain in (False, True):
@@ -214,6 +252,34 @@ def test_gpu_master_on_device_matches_host_step_and_fetch_sees_the_update(defer)
         torch.testing.assert_close(getattr(gpu, name), getattr(host, name), rtol=1e-6, atol=1e-7)
     state = gpu.state_dict()
     assert state["weight"].device.type == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_grad_on_device_matches_host_step(dtype):
+    """placement cpu_optimizer + grad_on_device: master and gradient stay on the GPU, only the moments
+    cross PCIe (8 B/param each way); fp32 matches the host step like the staged step, bf16 within its
+    rounding; the deferred step is joined before the next backward writes the gradient."""
+    w0 = torch.randn(V * 40, D * 8)
+    host = HeadTier(w0, CHUNK * 40, update_device="host")
+    gpu = HeadTier(w0, CHUNK * 40, update_device="cuda", update_rows=100, master_on_device=True, grad_on_device=dtype)
+    gpu.defer_steps = True
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        for lo in range(0, w0.shape[0], CHUNK * 40):
+            hi = min(w0.shape[0], lo + CHUNK * 40)
+            grad = torch.randn(hi - lo, w0.shape[1], generator=g)
+            host.add_grad_(lo, hi, grad.to(dtype).float())
+            gpu.add_grad_(lo, hi, grad.cuda())
+        gpu.scale_grads_(0.5)
+        host.scale_grads_(0.5)
+        host.step_(lr=1e-3, weight_decay=0.1)
+        gpu.step_(lr=1e-3, weight_decay=0.1)
+    gpu.sync()
+    assert gpu.dgrad.is_cuda and gpu.dgrad.dtype == dtype and gpu.grad is None
+    assert gpu.counters["bytes_h2d"] == 4 * V * 40 * D * 8 * 8 and gpu.counters["bytes_d2h"] == 4 * V * 40 * D * 8 * 8
+    torch.testing.assert_close(gpu.master_cpu(), host.weight, rtol=1e-6, atol=1e-7)
 
 
 def test_cpu_optimizer_placement_equals_cpu_placement_on_cpu():

@@ -24,10 +24,9 @@ buffer is viewed as ``numel / sub`` sub-rows that share the expert's step bookke
 """
 from __future__ import annotations
 
-from typing import List
-
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import List
 
 import torch
 
@@ -38,16 +37,19 @@ def _views(t: torch.Tensor, sub: int) -> torch.Tensor:
     return t.reshape(-1, sub)
 
 
+def _update_in_place(tr, uid: int, grad: torch.Tensor) -> None:
+    """AdamW of expert ``uid`` with ``grad`` (flat, CPU) on the in-memory tier's own master and moments."""
+    opt, t, sub = tr.row_optimizer, tr.store._tier.tensors, tr.sub
+    k = tr.numel // sub
+    opt.update(_views(t["weight"], sub), [_views(t[n], sub) for n in opt.state_names],
+               uid * k + torch.arange(k), _views(grad, sub), torch.full((k,), uid, dtype=torch.long))
+
+
 def step_in_place(tr, uids: List[int]) -> None:
-    """Update ``uids`` on the in-memory CPU tier itself (gradients brought to the CPU)."""
-    opt, t = tr.row_optimizer, tr.store._tier.tensors
-    ids = torch.tensor(uids)
-    k = tr.numel // tr.sub
-    g = torch.stack([tr.grads.pop(u, torch.device("cpu")) for u in uids])
-    opt.update(_views(t["weight"], tr.sub), [_views(t[n], tr.sub) for n in opt.state_names],
-               (ids[:, None] * k + torch.arange(k)).flatten(), _views(g, tr.sub), ids.repeat_interleave(k))
+    """Update ``uids`` on the in-memory CPU tier itself (gradients brought to the CPU), one expert at a time."""
     for u in uids:
-        tr.refresh(u, t["weight"][u])
+        _update_in_place(tr, u, tr.grads.pop(u, torch.device("cpu")))
+        tr.refresh(u, tr.store._tier.tensors["weight"][u])
     tr.counters.add_step_traffic(len(uids), STATE_BYTES * tr.numel * len(uids))
 
 
@@ -66,12 +68,12 @@ def _pieces(tr, uids: List[int]):
 
 
 def step_staged(tr, uids: List[int], dev: torch.device) -> None:
-    """Update ``uids`` on ``dev``, streaming masters/moments/gradients through in budgeted pieces."""
+    """Update ``uids`` on ``dev``, streaming masters/moments/gradients through in budgeted pieces (on a
+    CUDA device pipelined; on the CPU, i.e. an NVMe tier stepped beside it, one piece after another)."""
     if dev.type == "cuda":
         return _step_staged_cuda(tr, uids, dev)
-    opt, store = tr.row_optimizer, tr.store
+    store = tr.store
     names = store.names
-    sub = tr.sub
     host = None
     host_uids: List[int] = []
     for part, lo, hi in _pieces(tr, uids):
@@ -79,7 +81,6 @@ def step_staged(tr, uids: List[int], dev: torch.device) -> None:
             _write_back(tr, host_uids, host)
             host_uids = part
             host = _host_rows(tr, part)
-        ids = torch.tensor(part)
         width = hi - lo
         staged = {}
         for n in names:
@@ -89,24 +90,28 @@ def step_staged(tr, uids: List[int], dev: torch.device) -> None:
             staged[n] = buf
         last = hi == tr.numel
         g = torch.stack([tr.grads.get(u, dev)[lo:hi] for u in part])
-        before = opt.last_step.index_select(0, ids)
-        opt.update(_views(staged["weight"], sub), [_views(staged[n], sub) for n in opt.state_names],
-                   torch.arange(len(part) * (width // sub)), _views(g, sub), ids.repeat_interleave(width // sub))
-        if not last:  # the next piece of these experts starts from the same step state
-            opt.last_step.index_copy_(0, ids, before)
+        _update_piece(tr, staged, g, part, width, last)
         for n in names:
             for i in range(len(part)):
                 host[n][i][lo:hi].copy_(staged[n][i], non_blocking=True)
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()  # the host rows feed the next loads
         for i, u in enumerate(part):
             tr.refresh(u, staged["weight"][i], offset=lo)
-        moved = 2 * STATE_BYTES * width * len(names) if dev.type != "cpu" else STATE_BYTES * width
-        tr.counters.add_step_traffic(len(part) if last else 0, moved * len(part))
+        tr.counters.add_step_traffic(len(part) if last else 0, STATE_BYTES * width * len(part))  # the gradient
         if last:
             for u in part:
                 tr.grads.drop(u)
     _write_back(tr, host_uids, host)
+
+
+def _update_piece(tr, staged, grad, part: List[int], width: int, last: bool) -> None:
+    """AdamW on elements ``[lo, lo + width)`` of experts ``part``, staged as ``[len(part), width]`` rows."""
+    opt, sub = tr.row_optimizer, tr.sub
+    ids = torch.tensor(part)
+    before = opt.last_step.index_select(0, ids)
+    opt.update(_views(staged["weight"], sub), [_views(staged[n], sub) for n in opt.state_names],
+               torch.arange(len(part) * (width // sub)), _views(grad, sub), ids.repeat_interleave(width // sub))
+    if not last:  # the next piece of these experts starts from the same step state
+        opt.last_step.index_copy_(0, ids, before)
 
 
 class _Pipeline:
@@ -134,8 +139,7 @@ def _pipeline(tr, dev: torch.device, names, piece: int) -> _Pipeline:
 
 
 def _step_staged_cuda(tr, uids: List[int], dev: torch.device) -> None:
-    opt, store, grads = tr.row_optimizer, tr.store, tr.grads
-    names, sub = store.names, tr.sub
+    store, grads, names = tr.store, tr.grads, tr.store.names
     pieces = list(_pieces(tr, uids))
     elems = max(len(part) * (hi - lo) for part, lo, hi in pieces)
     pl = _pipeline(tr, dev, names, elems)
@@ -165,21 +169,15 @@ def _step_staged_cuda(tr, uids: List[int], dev: torch.device) -> None:
                 buf["grad"][j].copy_(grads.raw(u)[lo:hi])
             if grads.factor(u) != 1.0:
                 buf["grad"][j].mul_(grads.factor(u))
-        ids = torch.tensor(part)
         last = hi == tr.numel
-        before = opt.last_step.index_select(0, ids)
-        opt.update(_views(buf["weight"], sub), [_views(buf[name], sub) for name in opt.state_names],
-                   torch.arange(n * (width // sub)), _views(buf["grad"], sub), ids.repeat_interleave(width // sub))
-        if not last:  # the next piece of these experts starts from the same step state
-            opt.last_step.index_copy_(0, ids, before)
+        _update_piece(tr, buf, buf["grad"], part, width, last)
         low = None
         if pl.low[k] is not None:
             low = pl.low[k][:n * width].view(n, width)
             low.copy_(buf["weight"])
         copy = low if low is not None else buf["weight"]
         for j, u in enumerate(part):  # a resident slot is refreshed on the device
-            if tr.cache.write_slot(u // tr.num_experts, u % tr.num_experts, copy[j], lo):
-                tr.counters.bytes_refresh += copy[j].numel() * copy.element_size()
+            tr.refresh_slot(u, copy[j], lo)
         pl.store.wait_stream(compute)
         with torch.cuda.stream(pl.store):
             for name in names:
@@ -234,9 +232,7 @@ def step_split(tr, uids: List[int], dev: torch.device) -> None:
     t_dev = time.perf_counter() - t0
     t_cpu = fut.result() if fut is not None else 0.0
     for u in cpu_uids:  # resident slots of the experts stepped on the CPU: refreshed from their new copy
-        src = tr.store.host_view(u)
-        if tr.cache.write_slot(u // tr.num_experts, u % tr.num_experts, src):
-            tr.counters.bytes_refresh += src.numel() * src.element_size()
+        tr.refresh_slot(u, tr.store.host_view(u))
     tr.counters.add_step_traffic(len(cpu_uids), STATE_BYTES * tr.numel * len(cpu_uids))
     if tr.cfg.moe.cpu_step_share is None and cpu_uids and dev_uids:
         per_cpu, per_dev = t_cpu / len(cpu_uids), t_dev / len(dev_uids)
@@ -248,15 +244,11 @@ def step_split(tr, uids: List[int], dev: torch.device) -> None:
 def _cpu_side(tr, items) -> float:
     """Worker thread: AdamW of each ``(uid, grad, factor, event)`` in place on the CPU tier, then its shadow."""
     t0 = time.perf_counter()
-    opt, t, sub = tr.row_optimizer, tr.store._tier.tensors, tr.sub
-    k = tr.numel // sub
     for u, g, f, ev in items:
         if ev is not None:
             ev.synchronize()
         if f != 1.0:
             g.mul_(f)
-        ids = torch.tensor([u])
-        opt.update(_views(t["weight"], sub), [_views(t[n], sub) for n in opt.state_names],
-                   u * k + torch.arange(k), _views(g, sub), ids.repeat_interleave(k))
-        tr.store.refresh(u, t["weight"][u])
+        _update_in_place(tr, u, g)
+        tr.store.refresh(u, tr.store._tier.tensors["weight"][u])
     return time.perf_counter() - t0

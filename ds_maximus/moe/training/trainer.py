@@ -304,8 +304,12 @@ class ExpertTrainer(nn.Module):
         """Elements ``offset:`` of ``uid``'s master were updated to ``master``: refresh the shadow and, when
         resident, the cache slot (so no stale copy is ever computed with)."""
         self.store.refresh(uid, master, offset)
-        if self.cache.write_slot(uid // self.num_experts, uid % self.num_experts, master, offset):
-            self.counters.bytes_refresh += master.numel() * self.cache.layout.nbytes // self.numel
+        self.refresh_slot(uid, master, offset)
+
+    def refresh_slot(self, uid: int, src: Tensor, offset: int = 0) -> None:
+        """If ``uid`` is resident, overwrite its cache slot from element ``offset`` with ``src``."""
+        if self.cache.write_slot(uid // self.num_experts, uid % self.num_experts, src, offset):
+            self.counters.bytes_refresh += src.numel() * self.cache.layout.nbytes // self.numel
 
     def _step_device(self) -> torch.device:
         if self.cfg.moe.optimizer_device == ExpertOptimizerDevice.CPU:

@@ -1,0 +1,32 @@
+"""examples/train_llama.py's command-line variations of a config: the ones bench_headline passes."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train_llama():
+    spec = importlib.util.spec_from_file_location("train_llama_example", ROOT / "examples" / "train_llama.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_maximus_overrides_set_nested_keys_as_json_or_string():
+    tl = _train_llama()
+    args = tl.parse_args(["--maximus", "lm_head.grad_on_device=bf16", "--maximus", "lm_head.chunk_rows=4096",
+                          "--maximus", "moe.speculative_prefetch=false", "--micro-batch", "4"])
+    cfg = tl.apply_overrides({"maximus": {"lm_head": {"enabled": True}}, "train_batch_size": 8}, args)
+    assert cfg["maximus"]["lm_head"] == {"enabled": True, "grad_on_device": "bf16", "chunk_rows": 4096}
+    assert cfg["maximus"]["moe"] == {"speculative_prefetch": False}
+    assert cfg["train_micro_batch_size_per_gpu"] == 4 and "train_batch_size" not in cfg
+    from ds_maximus.config import MaximusConfig
+    assert MaximusConfig.from_dict({"lm_head": cfg["maximus"]["lm_head"]}).lm_head.grad_on_device.value == "bf16"
+
+
+def test_maximus_override_without_value_is_refused():
+    tl = _train_llama()
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        tl.apply_overrides({}, tl.parse_args(["--maximus", "lm_head.grad_on_device"]))
