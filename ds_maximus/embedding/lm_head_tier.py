@@ -207,34 +207,33 @@ class HeadTier:
             self.dgrad.mul_(self._grad_scale)
             self._sq = {k: v * self._grad_scale ** 2 for k, v in self._sq.items()}
             self._grad_scale = 1.0
-        have = self.grad_rows[lo:hi]
         stored = self.dgrad[lo:hi]
         g = grad.to(torch.float32)
-        if bool(have.any()):
-            if not bool(have.all()):
-                stored[~have.to(stored.device)] = 0
-                self._sq_ok = False
-            if (lo, hi) not in self._sq:
-                self._sq_ok = False
+        if not self._mark_rows(lo, hi, self.dgrad):
             g = stored.to(torch.float32) + g
         stored.copy_(g)
         self._sq[(lo, hi)] = torch.linalg.vector_norm(stored, dtype=torch.float64).square()  # what the step uses
-        self.grad_rows[lo:hi] = True
         self._grad_device = grad.device
+
+    def _mark_rows(self, lo: int, hi: int, buf: torch.Tensor) -> bool:
+        """Rows ``lo:hi`` receive a gradient chunk: where only some of them held one, the others' stale rows
+        of ``buf`` are zeroed (and the per-chunk norms no longer cover the sum). Returns True when none did."""
+        have = self.grad_rows[lo:hi]
+        fresh = not bool(have.any())
+        if not fresh and not bool(have.all()):
+            buf[lo:hi][~have.to(buf.device)] = 0
+            self._sq_ok = False
+        if not fresh and (lo, hi) not in self._sq:
+            self._sq_ok = False
+        self.grad_rows[lo:hi] = True
+        return fresh
 
     def add_grad_(self, lo: int, hi: int, grad: torch.Tensor) -> None:
         if self.grad_on_device is not None:
             return self._add_grad_on_device(lo, hi, grad)
         buf = self._grad_buffer()
         self._apply_scale()
-        have = self.grad_rows[lo:hi]
-        fresh = not bool(have.any())
-        if not fresh and not bool(have.all()):
-            buf[lo:hi][~have] = 0
-            self._sq_ok = False
-        if not fresh and (lo, hi) not in self._sq:
-            self._sq_ok = False
-        self.grad_rows[lo:hi] = True
+        fresh = self._mark_rows(lo, hi, buf)
         self._grad_device = grad.device
         if grad.device.type != "cuda":
             if self._step_event is not None:

@@ -87,11 +87,11 @@ class ExpertGrads:
 
     def _to_host(self, uid: int) -> None:
         t = self.g[uid]
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
         norm_sq, finite = torch.dot(t, t), torch.isfinite(t).all()  # on the device, before it leaves
-        host.copy_(t, non_blocking=True)
-        ev = None
+        host, ev = t, None                                           # a CPU run: already there
         if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(t.device))
         self.g[uid] = host
@@ -112,11 +112,8 @@ class ExpertGrads:
 
     def pop(self, uid: int, device: Optional[torch.device] = None) -> Tensor:
         """Remove and return ``uid``'s gradient (on ``device`` when given): the step consumes them one by one."""
-        self._recent.pop(uid, None)
         t = self.get(uid, device)
-        self.g.pop(uid)
-        self._left.pop(uid, None)
-        self._factor.pop(uid, None)
+        self.drop(uid)
         return t
 
     def take_to_host(self, uid: int) -> Tuple[Tensor, float, object]:
