@@ -204,14 +204,11 @@ class ShardedLMHead(nn.Module):
         if rows is tier._grads() and ids.numel() == self.vocab_size:
             return          # what sparse_grads returned, unchanged (one rank): nothing to copy
         tier.zero_grads()
-        tier._sq_ok = False
-        if tier.grad_on_device is not None:
-            if tier.dgrad is None:
-                tier.dgrad = torch.zeros(self.vocab_size, self.hidden_size, dtype=tier.grad_on_device,
-                                         device=rows.device)
-            buf = tier.dgrad
+        if tier.grad_on_device is not None:  # the reduced rows go back where the gradient lives
+            buf = tier._device_grad_buffer(tier.dgrad.device if tier.dgrad is not None else rows.device)
         else:
             buf = tier._grad_buffer()
+        tier._sq_ok = False
         ids = ids.to("cpu", torch.long)
         buf.index_copy_(0, ids.to(buf.device), rows.to(buf.device, buf.dtype))
         tier.grad_rows[ids] = True

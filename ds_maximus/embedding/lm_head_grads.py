@@ -36,12 +36,17 @@ class HeadGradients:
         """The accumulated gradient ``[V, dim]``: on the device (``grad_on_device``) or in the CPU tier."""
         return self.dgrad if self.grad_on_device is not None else self.grad
 
-    def _add_grad_on_device(self, lo: int, hi: int, grad: torch.Tensor) -> None:
-        """``add_grad_`` with ``grad_on_device``: accumulate in fp32 on ``grad``'s device, store in the dtype."""
-        if self.dgrad is None or self.dgrad.device != grad.device:
-            self.dgrad = torch.zeros(self.vocab_size, self.dim, dtype=self.grad_on_device, device=grad.device)
+    def _device_grad_buffer(self, device: torch.device) -> torch.Tensor:
+        """``grad_on_device``'s ``[V, dim]`` buffer on ``device`` (a new one starts with no rows holding a gradient)."""
+        if self.dgrad is None or self.dgrad.device != device:
+            self.dgrad = torch.zeros(self.vocab_size, self.dim, dtype=self.grad_on_device, device=device)
             self.grad_rows.zero_()
             self._clear_grad_meta()
+        return self.dgrad
+
+    def _add_grad_on_device(self, lo: int, hi: int, grad: torch.Tensor) -> None:
+        """``add_grad_`` with ``grad_on_device``: accumulate in fp32 on ``grad``'s device, store in the dtype."""
+        self._device_grad_buffer(grad.device)
         ev = self._step_event
         if ev is not None:                      # the in-flight step still reads the gradient
             torch.cuda.current_stream(grad.device).wait_event(ev)
