@@ -162,6 +162,8 @@ def main(argv=None):
     ap.add_argument("--curve-layers", type=int, default=4)
     ap.add_argument("--curve-ffn", type=int, default=2816)
     ap.add_argument("--curve-seq", type=int, default=512)
+    ap.add_argument("--curve-maximus", action="append", default=[], metavar="KEY=VALUE",
+                    help="maximus override for the loss curve's maximus run (as train_llama --maximus)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting configurations after this")
     ap.add_argument("--out", default=None, help="markdown table path (rewritten as rows complete)")
     a = ap.parse_args(argv)
@@ -228,7 +230,8 @@ def main(argv=None):
                       heads=max(1, a.curve_hidden // 128) if not a.cpu else a.heads)
         ccli = _model_cli(a, csizes) + ["--steps", str(a.curve_steps), "--log-every", "50"]
         curves = {}
-        for name, extra in (("maximus", cap), ("plain", ["--plain"])):
+        mx_over = [x for item in a.curve_maximus for x in ("--maximus", item)]
+        for name, extra in (("maximus", cap + mx_over), ("plain", ["--plain"])):
             if not budget.allows(30, f"loss curve ({name})"):
                 break
             curves[name] = run_config(f"loss curve: {name}", ccli + extra, max(30.0, budget.left()))
@@ -236,7 +239,8 @@ def main(argv=None):
             c = compare_curves(curves["maximus"]["losses"], curves["plain"]["losses"])
             tail.append(
                 f"\n### loss curve: maximus (capped) vs plain ZeRO-2 (uncapped), same seed and data\n"
-                f"sizes: vocab {a.vocab}, hidden {csizes['hidden']}, layers {csizes['layers']}, ffn {csizes['ffn']}, "
+                + (f"maximus overrides: {', '.join(a.curve_maximus)}\n" if a.curve_maximus else "")
+                + f"sizes: vocab {a.vocab}, hidden {csizes['hidden']}, layers {csizes['layers']}, ffn {csizes['ffn']}, "
                 f"{csizes['micro']} x {csizes['seq']} tokens, {c['steps']} steps\n\n"
                 f"| first loss (maximus / plain) | last loss | max abs diff | max rel diff | mean abs diff | "
                 f"mean rel diff | within tolerance |\n|---|---|---|---|---|---|---|\n"
