@@ -270,6 +270,9 @@ def test_gpu_grad_on_device_matches_host_step(dtype):
         for lo in range(0, w0.shape[0], CHUNK * 40):
             hi = min(w0.shape[0], lo + CHUNK * 40)
             grad = torch.randn(hi - lo, w0.shape[1], generator=g)
+            # the forward's fetch moves the master to the GPU and launches the held step
+            torch.testing.assert_close(gpu.fetch(lo, hi, torch.device("cuda"), torch.float32).cpu(),
+                                       host.weight[lo:hi], rtol=1e-6, atol=1e-7)
             host.add_grad_(lo, hi, grad.to(dtype).float())
             gpu.add_grad_(lo, hi, grad.cuda())
         gpu.scale_grads_(0.5)
