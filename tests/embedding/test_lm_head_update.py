@@ -360,6 +360,30 @@ def test_deferred_step_equals_immediate_step_bitwise():
         assert torch.equal(state[name], ref.state_dict()[name]), name
 
 
+def test_launching_a_deferred_step_does_not_wait_for_its_issue_thread():
+    """The forward hook's launch returns while the worker thread is still issuing the step's blocks (it had
+    joined the thread: the forward's host thread then waited ~95 ms per step on the H200); the first use of
+    the state joins it, and a worker's error reaches the caller there."""
+    import threading
+    import time
+    from ds_maximus.embedding.lm_head_update import PendingStep
+    tier = HeadTier(torch.randn(V, D), CHUNK, update_device="cpu", update_rows=7)
+    release = threading.Event()
+
+    def issue():                                   # stands in for StagedAdamW._issue's throttled loop
+        if not release.wait(timeout=10):
+            raise TimeoutError("never released")
+        raise RuntimeError("worker failed")
+    tier._deferred = lambda: setattr(tier, "_step_event", PendingStep(issue))
+    t0 = time.perf_counter()
+    tier.launch_deferred_step()
+    assert time.perf_counter() - t0 < 2 and tier._deferred is None
+    assert isinstance(tier._step_pending, PendingStep)
+    release.set()
+    with pytest.raises(RuntimeError, match="worker failed"):
+        tier._step_event                           # noqa: B018 - the getter joins
+
+
 def test_runtime_defers_the_head_step_to_the_embeddings_forward(tmp_path):
     """Under ds_maximus.initialize (ZeRO-2, fp32, CPU) with a sharded embedding and a CPU-tier head whose step
     runs staged (update_device cpu: the GPU code path without streams): the step is held at engine.step(),
