@@ -210,7 +210,9 @@ class MaximusOpBuilder(_MaximusBuilderMixin, CPUOpBuilder):
 
     def cxx_args(self):
         args = super().cxx_args()
-        return [a for a in args if a] + ["-std=c++17"]
+        # -fno-math-errno: sqrtf may then be vectorised (errno is never read; with it the optimizer loops ran
+        # scalar, at ~1/7 of DeepSpeed's CPU Adam)
+        return [a for a in args if a] + ["-std=c++17", "-fno-math-errno"]
 
 
 class MaximusCUDAOpBuilder(_MaximusBuilderMixin, CUDAOpBuilder):

@@ -73,6 +73,35 @@ void segment_reduce_cpu(const at::Tensor& grad, const at::Tensor& inverse, at::T
     });
 }
 
+namespace {
+// One optimizer step over ``d`` contiguous elements of one row, specialised per optimizer, mode and whether a
+// gradient is given (a replayed step has none), so that the loop has no branch and no aliasing: the compiler
+// vectorises it (the per-element dispatch through ``update_elem`` ran at ~1/7 of DeepSpeed's CPU Adam).
+// Same element math, in the same order, as ``update_elem``.
+template <int OPT, bool LAZY, bool HAS_G>
+void update_span(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ g,
+                 int64_t d, const StepCoeffs c) {
+    if constexpr (OPT == kAdagrad) {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) adagrad_elem(p[j], m[j], HAS_G ? g[j] : 0.f, c);
+    } else if constexpr (LAZY) {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) sparse_adam_elem(p[j], m[j], v[j], HAS_G ? g[j] : 0.f, c);
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) adamw_elem(p[j], m[j], v[j], HAS_G ? g[j] : 0.f, c);
+    }
+}
+
+using SpanFn = void (*)(float*, float*, float*, const float*, int64_t, const StepCoeffs);
+
+SpanFn span_fn(int opt, bool lazy, bool has_g) {
+    if (opt == kAdagrad) return has_g ? update_span<kAdagrad, false, true> : update_span<kAdagrad, false, false>;
+    if (lazy) return has_g ? update_span<kAdamW, true, true> : update_span<kAdamW, true, false>;
+    return has_g ? update_span<kAdamW, false, true> : update_span<kAdamW, false, false>;
+}
+}  // namespace
+
 void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
                     const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
                     const at::Tensor& wd_hist, const RowUpdateArgs& a) {
@@ -88,8 +117,9 @@ void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at
     const double* wdh = a.lazy ? nullptr : wd_hist.data_ptr<double>();
     for (int64_t r = 0; r < R; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < rows, "row_update: slot out of range");
     const StepCoeffs gc = step_coeffs(a.optimizer, a.lazy, a.lr, a.weight_decay, a.beta1, a.beta2, a.eps, a.step);
+    const SpanFn replay = span_fn(a.optimizer, false, false);
+    const SpanFn update = span_fn(a.optimizer, a.lazy, true);
     at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
-        float dummy = 0.f;
         for (int64_t r = b; r < e; ++r) {
             float* p = W + sl[r] * d;
             float* m = S0 + sl[r] * d;
@@ -98,14 +128,11 @@ void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at
                 const int64_t end = a.has_grad ? a.step - 1 : a.step;
                 for (int64_t k = last[r] + 1; k <= end; ++k) {
                     if (replay_is_noop(a.optimizer, wdh[k])) continue;
-                    const StepCoeffs c = step_coeffs(a.optimizer, false, lrh[k], wdh[k], a.beta1, a.beta2, a.eps, k);
-                    for (int64_t j = 0; j < d; ++j) update_elem(a.optimizer, false, p[j], m[j], v ? v + j : &dummy, 0.f, c);
+                    replay(p, m, v, nullptr, d,
+                           step_coeffs(a.optimizer, false, lrh[k], wdh[k], a.beta1, a.beta2, a.eps, k));
                 }
             }
-            if (G) {
-                const float* g = G + r * d;
-                for (int64_t j = 0; j < d; ++j) update_elem(a.optimizer, a.lazy, p[j], m[j], v ? v + j : &dummy, g[j], gc);
-            }
+            if (G) update(p, m, v, G + r * d, d, gc);
         }
     });
 }
