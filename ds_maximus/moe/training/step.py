@@ -237,7 +237,11 @@ def step_split(tr, uids: List[int], dev: torch.device) -> None:
     if tr.cfg.moe.cpu_step_share is None and cpu_uids and dev_uids:
         per_cpu, per_dev = t_cpu / len(cpu_uids), t_dev / len(dev_uids)
         balanced = per_dev / (per_cpu + per_dev)  # n_cpu * per_cpu == n_dev * per_dev
-        tr.cpu_step_share = min(0.95, max(0.05, 0.5 * share + 0.5 * balanced))
+        # the first measurement is taken whole, later ones are averaged in against noise (averaged from 0.5,
+        # the share was still 0.3 after the H200 run's 3 steps, and the GPU side waited on the CPU side)
+        if getattr(tr, "cpu_step_share", None) is not None:
+            balanced = 0.5 * share + 0.5 * balanced
+        tr.cpu_step_share = min(0.95, max(0.05, balanced))
     tr.counters.cpu_step_share = share
 
 
