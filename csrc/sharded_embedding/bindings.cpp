@@ -32,6 +32,19 @@ void row_update(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Te
     row_update_cpu(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a);
 }
 
+// CPU only: ``row_update`` with the gradient scaled by ``grad_scale`` and the updated rows also written, cast,
+// into ``shadow`` (empty: none), in the same pass (an expert stepped on the CPU tier: clip factor and compute copy).
+void row_update_scaled(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
+                       const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
+                       const at::Tensor& wd_hist, int64_t step, double lr, double weight_decay, double beta1,
+                       double beta2, double eps, int64_t optimizer, bool lazy, bool has_grad, double grad_scale,
+                       const at::Tensor& shadow) {
+    TORCH_CHECK(!weight.is_cuda(), "row_update_scaled is the CPU entry; on a GPU scale the gradient first");
+    RowUpdateArgs a{step, lr, weight_decay, beta1, beta2, eps, (int)optimizer, lazy, has_grad};
+    a.grad_scale = (float)grad_scale;
+    row_update_cpu(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a, shadow);
+}
+
 void copy_rows(const at::Tensor& src, const at::Tensor& src_idx, at::Tensor& dst, const at::Tensor& dst_idx) {
 #ifdef MAXIMUS_WITH_CUDA
     return copy_rows_cuda(src, src_idx, dst, dst_idx);
@@ -62,4 +75,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
           "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true,
           nogil());
+    m.def("row_update_scaled", &maximus::row_update_scaled,
+          "CPU: row_update with grad * grad_scale, the updated rows also cast into shadow (empty: none)", "weight"_a,
+          "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
+          "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a, "lazy"_a, "has_grad"_a, "grad_scale"_a,
+          "shadow"_a, nogil());
 }

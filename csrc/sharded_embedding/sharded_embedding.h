@@ -10,13 +10,16 @@ struct RowUpdateArgs {
     double lr, weight_decay, beta1, beta2, eps;
     int optimizer;
     bool lazy, has_grad;
+    float grad_scale = 1.f;  // the gradient step uses grad * grad_scale (CPU entry row_update_scaled only)
 };
 
 void gather_cpu(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out);
 void segment_reduce_cpu(const at::Tensor& grad, const at::Tensor& inverse, at::Tensor& out);
+// ``shadow`` (undefined, or [rows, dim] bf16/fp16/fp32 like weight): the updated rows are also written there,
+// cast, in the same pass (the compute copy of an expert stepped on the CPU tier).
 void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
                     const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
-                    const at::Tensor& wd_hist, const RowUpdateArgs& a);
+                    const at::Tensor& wd_hist, const RowUpdateArgs& a, const at::Tensor& shadow = at::Tensor());
 
 #ifdef MAXIMUS_WITH_CUDA
 void gather_cuda(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out);

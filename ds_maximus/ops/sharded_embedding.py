@@ -124,20 +124,37 @@ def sorted_unique(flat: Tensor, bound: Optional[int] = None):
 def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optional[Tensor],
                last_step: Optional[Tensor], *, step: int, lr_hist: Optional[Tensor], wd_hist: Optional[Tensor],
                lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
-               optimizer: int = ref.ADAMW, lazy: bool = False) -> None:
-    """Fused exact-replay + optimizer step on rows ``slots`` (see :func:`reference.row_update_ref`)."""
+               optimizer: int = ref.ADAMW, lazy: bool = False, grad_scale: float = 1.0,
+               shadow: Optional[Tensor] = None) -> None:
+    """Fused exact-replay + optimizer step on rows ``slots`` (see :func:`reference.row_update_ref`).
+
+    CPU tensors may also take ``grad_scale`` (the gradient step uses ``grads * grad_scale``) and ``shadow``
+    (a tensor shaped like ``weight`` in bf16/fp16/fp32 that receives the updated rows, cast), both in the
+    same pass over the rows.
+    """
+    fused = grad_scale != 1.0 or shadow is not None
+    if fused and weight.is_cuda:
+        raise ValueError("row_update: grad_scale and shadow are for CPU tensors (scale a GPU gradient first)")
     op = op_for(weight)
     if op is None or slots.numel() == 0:
-        return ref.row_update_ref(weight, states, slots.to(weight.device), grads, last_step, step=step, lr_hist=lr_hist,
-                                  wd_hist=wd_hist, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
-                                  eps=eps, optimizer=optimizer, lazy=lazy)
+        ref.row_update_ref(weight, states, slots.to(weight.device), grads if grad_scale == 1.0 or grads is None
+                           else grads.float() * grad_scale, last_step, step=step, lr_hist=lr_hist,
+                           wd_hist=wd_hist, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+                           eps=eps, optimizer=optimizer, lazy=lazy)
+        if shadow is not None and slots.numel():
+            shadow.index_copy_(0, slots, weight.index_select(0, slots).to(shadow.dtype))
+        return
     from ds_maximus.ops import to_device
     dev = weight.device
     empty_f = torch.empty(0, dtype=torch.float32, device=dev)
     empty_d = torch.empty(0, dtype=torch.float64, device=dev)
     s1 = states[1] if len(states) > 1 else empty_f
-    op.row_update(weight, states[0], s1, to_device(slots, dev), grads.float().contiguous() if grads is not None else empty_f,
-                  to_device(last_step, dev) if last_step is not None else torch.empty(0, dtype=torch.long, device=dev),
-                  lr_hist if lr_hist is not None else empty_d, wd_hist if wd_hist is not None else empty_d,
-                  int(step), float(lr), float(weight_decay), float(beta1), float(beta2), float(eps),
-                  int(optimizer), bool(lazy), grads is not None)
+    args = (weight, states[0], s1, to_device(slots, dev), grads.float().contiguous() if grads is not None else empty_f,
+            to_device(last_step, dev) if last_step is not None else torch.empty(0, dtype=torch.long, device=dev),
+            lr_hist if lr_hist is not None else empty_d, wd_hist if wd_hist is not None else empty_d,
+            int(step), float(lr), float(weight_decay), float(beta1), float(beta2), float(eps),
+            int(optimizer), bool(lazy), grads is not None)
+    if fused:
+        op.row_update_scaled(*args, float(grad_scale), shadow if shadow is not None else empty_f)
+    else:
+        op.row_update(*args)

@@ -86,10 +86,12 @@ class RowOptimizer:
         return lr_t, wd_t
 
     # -- row updates -----------------------------------------------------------------------------
-    def update(self, weight: Tensor, states: List[Tensor], slots: Tensor, grads: Tensor, ids: Tensor) -> None:
+    def update(self, weight: Tensor, states: List[Tensor], slots: Tensor, grads: Tensor, ids: Tensor, *,
+               grad_scale: float = 1.0, shadow: Optional[Tensor] = None) -> None:
         """Apply step ``self.step`` with ``grads`` to rows ``slots`` (ids ``ids``, CPU) of the given tensors.
 
-        In ``exact`` mode the rows' skipped steps are replayed first (fused in the same kernel).
+        In ``exact`` mode the rows' skipped steps are replayed first (fused in the same kernel). On CPU
+        tensors, ``grad_scale`` and ``shadow`` go to :func:`ops.row_update` (same pass).
         """
         from ds_maximus.ops import sharded_embedding as ops
         if ids.numel() == 0:
@@ -98,7 +100,7 @@ class RowOptimizer:
         ops.row_update(weight, states, slots, grads, self.last_step.index_select(0, ids),
                        step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=self.lr_hist[self.step],
                        weight_decay=self.wd_hist[self.step], beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                       optimizer=self.kind, lazy=self.lazy)
+                       optimizer=self.kind, lazy=self.lazy, grad_scale=grad_scale, shadow=shadow)
         self.last_step.index_fill_(0, ids, self.step)
 
     def lagging(self, ids: Tensor) -> Tensor:

@@ -70,6 +70,24 @@ def test_bf16_follows_deepspeed():
     assert train(got, data) == pytest.approx(train(ref, data), rel=2e-2)
 
 
+@pytest.mark.parametrize("device", ["cpu", "split"])
+def test_bf16_cpu_step_writes_the_shadow_in_its_pass(device):
+    """bf16, clipped, experts stepped on the CPU tier (all, or a share beside the staged step): the op scales
+    the gradient by the clip factor and writes the bf16 compute copy in its one pass; the shadow and every
+    resident cache slot then hold exactly the fp32 master cast to bf16 (no stale copy)."""
+    data = batches(6, batch=2, seqlen=8)
+    got = build(tiny_mixtral(num_experts=8), 2, dtype="bf16", clip=0.05,
+                maximus=moe_section(slots=2, optimizer_device=device, cpu_step_share=0.5, step_chunk_bytes=1 << 16))
+    train(got, data)
+    t = got.maximus.modules["moe"]
+    w = t.store._tier.tensors["weight"]
+    assert t.row_optimizer.step == 6 and torch.equal(t.store.shadow, w.to(torch.bfloat16))
+    for g in range(t.num_layers):
+        for e, s in enumerate(t.cache.groups[g].map.id_to_slot.tolist()):
+            if s >= 0:
+                assert torch.equal(t.cache.slot_buffer(g)[s], t.store.shadow[g * t.num_experts + e])
+
+
 @pytest.mark.parametrize("share", [0.5, None])
 def test_split_step_equals_deepspeed(share):
     """optimizer_device split: a worker thread steps a share of the experts in place on the CPU tier while

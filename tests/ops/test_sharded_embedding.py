@@ -113,6 +113,62 @@ def test_row_update_matches_reference(device, opt, lazy, has_grad, dim):
     assert torch.equal(got[0].cpu()[untouched], fresh[0][untouched])
 
 
+@pytest.mark.parametrize("shadow_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_row_update_scaled_with_shadow_equals_scaling_then_casting(shadow_dtype, lazy):
+    """CPU: ``grad_scale`` and ``shadow`` in the op's one pass give what ``grads * scale``, the plain update and
+    then a cast copy of the rows give (the CPU side of a split expert step): within 1e-6 relative (the compiler
+    may fuse the scaling product into the next operation, an FMA: a few ulp); the shadow is exactly the cast of
+    the updated rows and its other rows stay; the reference fallback (no op) agrees."""
+    g = torch.Generator().manual_seed(3)
+    step, dim = 6, 37
+    lr_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 1e-2 + 1e-3]).double()
+    wd_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 0.2]).double()
+    slots, last = torch.tensor([3, 0, 17, 9]), torch.tensor([0, 5, 2, 4])
+    grads = torch.randn(4, dim, generator=g)
+    kw = dict(step=step, lr_hist=lr_hist, wd_hist=wd_hist, lr=float(lr_hist[step]), weight_decay=float(wd_hist[step]),
+              beta1=0.9, beta2=0.99, eps=1e-8, lazy=lazy)
+    want = _tables(ref.ADAMW, torch.Generator().manual_seed(5), dim=dim)
+    ops.row_update(want[0], want[1:3], slots, grads * 0.37, last, **kw)
+    for use_op in (True, False):
+        got = _tables(ref.ADAMW, torch.Generator().manual_seed(5), dim=dim)
+        shadow = None if shadow_dtype is None else torch.full((24, dim), 7.0, dtype=shadow_dtype)
+        if use_op:
+            ops.row_update(got[0], got[1:3], slots, grads, last, grad_scale=0.37, shadow=shadow, **kw)
+        else:
+            saved = ops.op_for
+            try:
+                ops.op_for = lambda t: None  # noqa: E731 - the PyTorch reference path
+                ops.row_update(got[0], got[1:3], slots, grads, last, grad_scale=0.37, shadow=shadow, **kw)
+            finally:
+                ops.op_for = saved
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        if shadow is not None:
+            assert torch.equal(shadow[slots], got[0][slots].to(shadow_dtype))
+            rest = torch.ones(24, dtype=torch.bool)
+            rest[slots] = False
+            assert bool((shadow[rest] == 7.0).all())
+
+
+def test_row_update_shadow_rounds_like_torch():
+    """The op's bf16 shadow cast (branch-free on the bits) equals ``tensor.to(torch.bfloat16)`` bit for bit on ties,
+    infinities, subnormals, signed zeros and the largest finite values, and NaN stays NaN (torch's own vectorised
+    and scalar casts differ in the NaN bits) (rows left unchanged: lr 0, zero state and gradient)."""
+    special = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), float("nan"), float("inf"),
+                            -float("inf"), 1e-40, -1e-40, 3.3895e38, -3.4e38, 0.0, -0.0, 65504.0, 1 / 3])
+    w = torch.cat([special, torch.randn(50, generator=torch.Generator().manual_seed(1))]).reshape(4, 16)
+    m, v, grads = torch.zeros_like(w), torch.zeros_like(w), torch.zeros_like(w)
+    shadow = torch.empty(4, 16, dtype=torch.bfloat16)
+    hist = torch.zeros(2, dtype=torch.float64)
+    want = w.to(torch.bfloat16)
+    ops.row_update(w, [m, v], torch.arange(4), grads, torch.zeros(4, dtype=torch.long), step=1, lr_hist=hist,
+                   wd_hist=hist, lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.99, eps=1e-8, shadow=shadow)
+    nan = torch.isnan(want)
+    assert bool(nan.any()) and torch.equal(torch.isnan(shadow), nan)
+    assert torch.equal(shadow.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim", [3, 4096])
 def test_copy_rows_between_pinned_host_and_gpu(dim):

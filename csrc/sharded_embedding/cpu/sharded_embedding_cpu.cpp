@@ -3,6 +3,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cstring>
 #include <vector>
 
 #include "sharded_embedding/row_math.h"
@@ -78,22 +79,44 @@ namespace {
 // gradient is given (a replayed step has none), so that the loop has no branch and no aliasing: the compiler
 // vectorises it (the per-element dispatch through ``update_elem`` ran at ~1/7 of DeepSpeed's CPU Adam).
 // Same element math, in the same order, as ``update_elem``.
+// ``gs`` scales the gradient: ``grad.mul_(gs)`` before the call, up to the compiler fusing the product into the
+// next operation (an FMA: a few ulp).
 template <int OPT, bool LAZY, bool HAS_G>
 void update_span(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ g,
-                 int64_t d, const StepCoeffs c) {
+                 int64_t d, const StepCoeffs c, const float gs) {
     if constexpr (OPT == kAdagrad) {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) adagrad_elem(p[j], m[j], HAS_G ? g[j] : 0.f, c);
+        for (int64_t j = 0; j < d; ++j) adagrad_elem(p[j], m[j], HAS_G ? g[j] * gs : 0.f, c);
     } else if constexpr (LAZY) {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) sparse_adam_elem(p[j], m[j], v[j], HAS_G ? g[j] : 0.f, c);
+        for (int64_t j = 0; j < d; ++j) sparse_adam_elem(p[j], m[j], v[j], HAS_G ? g[j] * gs : 0.f, c);
     } else {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) adamw_elem(p[j], m[j], v[j], HAS_G ? g[j] : 0.f, c);
+        for (int64_t j = 0; j < d; ++j) adamw_elem(p[j], m[j], v[j], HAS_G ? g[j] * gs : 0.f, c);
     }
 }
 
-using SpanFn = void (*)(float*, float*, float*, const float*, int64_t, const StepCoeffs);
+using SpanFn = void (*)(float*, float*, float*, const float*, int64_t, const StepCoeffs, const float);
+
+template <typename T>
+void cast_span(T* __restrict__ dst, const float* __restrict__ src, int64_t d) {
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(src[j]);
+}
+
+// fp32 -> bf16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's rounding, written branch-free on the bits
+// so that the loop vectorises (through the c10 constructor the fused pass ran slower than a separate copy_).
+template <>
+void cast_span<c10::BFloat16>(c10::BFloat16* __restrict__ dst, const float* __restrict__ src, int64_t d) {
+    uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, &src[j], sizeof(bits));
+        const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+        out[j] = src[j] != src[j] ? uint16_t(0x7FC0) : uint16_t(rounded);
+    }
+}
 
 SpanFn span_fn(int opt, bool lazy, bool has_g) {
     if (opt == kAdagrad) return has_g ? update_span<kAdagrad, false, true> : update_span<kAdagrad, false, false>;
@@ -104,9 +127,16 @@ SpanFn span_fn(int opt, bool lazy, bool has_g) {
 
 void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
                     const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
-                    const at::Tensor& wd_hist, const RowUpdateArgs& a) {
+                    const at::Tensor& wd_hist, const RowUpdateArgs& a, const at::Tensor& shadow) {
     check_update_args(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a);
+    const bool has_shadow = shadow.defined() && shadow.numel() > 0;
+    TORCH_CHECK(!has_shadow || (shadow.sizes() == weight.sizes() && shadow.is_contiguous() && !shadow.is_cuda() &&
+                                (shadow.scalar_type() == at::kBFloat16 || shadow.scalar_type() == at::kHalf ||
+                                 shadow.scalar_type() == at::kFloat)),
+                "row_update: shadow must be a contiguous CPU bf16/fp16/fp32 tensor shaped like weight");
     const int64_t R = slots.numel(), d = weight.size(1), rows = weight.size(0);
+    void* SH = has_shadow ? shadow.data_ptr() : nullptr;
+    const at::ScalarType sh_type = has_shadow ? shadow.scalar_type() : at::kFloat;
     float* W = weight.data_ptr<float>();
     float* S0 = s0.data_ptr<float>();
     float* S1 = a.optimizer == kAdagrad ? nullptr : s1.data_ptr<float>();
@@ -129,10 +159,18 @@ void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at
                 for (int64_t k = last[r] + 1; k <= end; ++k) {
                     if (replay_is_noop(a.optimizer, wdh[k])) continue;
                     replay(p, m, v, nullptr, d,
-                           step_coeffs(a.optimizer, false, lrh[k], wdh[k], a.beta1, a.beta2, a.eps, k));
+                           step_coeffs(a.optimizer, false, lrh[k], wdh[k], a.beta1, a.beta2, a.eps, k), 1.f);
                 }
             }
-            if (G) update(p, m, v, G + r * d, d, gc);
+            if (G) update(p, m, v, G + r * d, d, gc, a.grad_scale);
+            if (SH != nullptr) {  // the row is still in cache
+                const int64_t off = sl[r] * d;
+                switch (sh_type) {
+                    case at::kBFloat16: cast_span(static_cast<c10::BFloat16*>(SH) + off, p, d); break;
+                    case at::kHalf: cast_span(static_cast<c10::Half*>(SH) + off, p, d); break;
+                    default: cast_span(static_cast<float*>(SH) + off, p, d);
+                }
+            }
         }
     });
 }

@@ -37,19 +37,25 @@ def _views(t: torch.Tensor, sub: int) -> torch.Tensor:
     return t.reshape(-1, sub)
 
 
-def _update_in_place(tr, uid: int, grad: torch.Tensor) -> None:
-    """AdamW of expert ``uid`` with ``grad`` (flat, CPU) on the in-memory tier's own master and moments."""
+def _update_in_place(tr, uid: int, grad: torch.Tensor, grad_scale: float = 1.0) -> None:
+    """AdamW of expert ``uid`` with ``grad * grad_scale`` (flat, CPU) on the in-memory tier's own master and
+    moments; the tier's compute copy (shadow) of the expert is written in the same pass."""
     opt, t, sub = tr.row_optimizer, tr.store._tier.tensors, tr.sub
     k = tr.numel // sub
+    shadow = tr.store.shadow
+    fused = shadow is not None and shadow.shape == t["weight"].shape
     opt.update(_views(t["weight"], sub), [_views(t[n], sub) for n in opt.state_names],
-               uid * k + torch.arange(k), _views(grad, sub), torch.full((k,), uid, dtype=torch.long))
+               uid * k + torch.arange(k), _views(grad, sub), torch.full((k,), uid, dtype=torch.long),
+               grad_scale=grad_scale, shadow=_views(shadow, sub) if fused else None)
+    if shadow is not None and not fused:
+        tr.store.refresh(uid, t["weight"][uid])
 
 
 def step_in_place(tr, uids: List[int]) -> None:
     """Update ``uids`` on the in-memory CPU tier itself (gradients brought to the CPU), one expert at a time."""
     for u in uids:
         _update_in_place(tr, u, tr.grads.pop(u, torch.device("cpu")))
-        tr.refresh(u, tr.store._tier.tensors["weight"][u])
+        tr.refresh_slot(u, tr.store._tier.tensors["weight"][u])
     tr.counters.add_step_traffic(len(uids), STATE_BYTES * tr.numel * len(uids))
 
 
@@ -246,13 +252,11 @@ def step_split(tr, uids: List[int], dev: torch.device) -> None:
 
 
 def _cpu_side(tr, items) -> float:
-    """Worker thread: AdamW of each ``(uid, grad, factor, event)`` in place on the CPU tier, then its shadow."""
+    """Worker thread: AdamW of each ``(uid, grad, clip factor, event)`` in place on the CPU tier, its shadow
+    written in the same pass (one pass over the expert's state: the factor and the bf16 cast had been two more)."""
     t0 = time.perf_counter()
     for u, g, f, ev in items:
         if ev is not None:
             ev.synchronize()
-        if f != 1.0:
-            g.mul_(f)
-        _update_in_place(tr, u, g)
-        tr.store.refresh(u, tr.store._tier.tensors["weight"][u])
+        _update_in_place(tr, u, g, grad_scale=f)
     return time.perf_counter() - t0
