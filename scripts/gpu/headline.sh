@@ -5,7 +5,7 @@
 #      builds in the background (the offload peers, run last, need it)
 #   2. speed table: plain ZeRO-2 capped (OOM expected), maximus capped (as configured, and with the head's
 #      gradient in the CPU tier instead of on the GPU: lm_head.grad_on_device=off), plain ZeRO-2 uncapped
-#      (reference), then ZeRO-2 / ZeRO-3 CPU offload capped; 10 steps each (3 warm-up), own processes
+#      (reference), then ZeRO-2 / ZeRO-3 CPU offload capped; 16 steps each (4 warm-up: 12 timed, the ratio is read to 0.01), own processes
 #   3. 200-step loss curve, maximus (capped) vs plain ZeRO-2 (uncapped), same seed, at vocab 262144,
 #      hidden 1024, 4 layers, 8 x 512 tokens (the full model's 200 steps would take ~4 min alone)
 # -> $OUT/headline.md (+ CSV, + the full log in $OUT/headline.log). About 480 s wall on an H200.
@@ -32,7 +32,7 @@ tail -3 "$OUT/headline_build.txt"
 timeout 90 python -m pytest -q -m gpu tests/embedding/test_lm_head_update.py > "$OUT/headline_gpu_tests.log" 2>&1
 tests_rc=$?
 tail -3 "$OUT/headline_gpu_tests.log"
-timeout 490 python -u -m benchmarks.bench_headline --out "$OUT/headline.md" --steps 10 --warmup 3 \
+timeout 490 python -u -m benchmarks.bench_headline --out "$OUT/headline.md" --steps 16 --warmup 4 \
   --config-timeout-s 75 --offload-timeout-s 45 --curve-steps 200 --budget-s 470 \
   --maximus-variant lm_head.grad_on_device=off 2>&1 | tee "$OUT/headline.log"
 bench_rc=${PIPESTATUS[0]}
