@@ -120,7 +120,9 @@ def apply_overrides(ds_cfg: dict, args) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if zero.get("stage", 0) == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-        ds_cfg.get("optimizer", {}).get("params", {}).pop("torch_adam", None)   # DeepSpeedCPUAdam
+        params = ds_cfg.get("optimizer", {}).get("params", {})
+        for key in ("torch_adam", "fused", "foreach"):   # DeepSpeedCPUAdam, which takes neither torch option
+            params.pop(key, None)
     for item in getattr(args, "maximus", None) or []:
         key, sep, raw = item.partition("=")
         if not sep or not key:

@@ -30,3 +30,20 @@ def test_maximus_override_without_value_is_refused():
     tl = _train_llama()
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         tl.apply_overrides({}, tl.parse_args(["--maximus", "lm_head.grad_on_device"]))
+
+
+def test_offload_peer_drops_the_torch_adam_options():
+    """``--offload-optimizer`` hands the optimizer to DeepSpeedCPUAdam: the headline config's torch-only keys
+    (``torch_adam``, ``fused``) must not reach it (``fused`` is no argument of DeepSpeedCPUAdam)."""
+    import inspect
+    import json
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    tl = _train_llama()
+    cfg = json.loads((ROOT / "ds_configs" / "llama_262k_16gib.json").read_text())
+    assert cfg["optimizer"]["params"]["fused"] is True
+    out = tl.apply_overrides(cfg, tl.parse_args(["--plain", "--offload-optimizer", "--zero-stage", "3"]))
+    params = out["optimizer"]["params"]
+    assert "torch_adam" not in params and "fused" not in params
+    accepted = inspect.signature(DeepSpeedCPUAdam.__init__).parameters
+    assert all(k in accepted for k in params), params
+    assert out["zero_optimization"]["offload_param"]["device"] == "cpu"
