@@ -53,13 +53,13 @@ def main(argv=None) -> Bench:
         step = [0]
         slots = torch.arange(rows)
 
-        def ours():
+        def ours(**extra):
             step[0] += 1
             k = step[0]
             hist = torch.full((k + 1,), 1e-3, dtype=torch.float64)
             se.row_update(w.view(rows, a.row), [m.view(rows, a.row), v.view(rows, a.row)], slots,
                           grad.view(rows, a.row), torch.full((rows,), k - 1, dtype=torch.long), step=k,
-                          lr_hist=hist, wd_hist=torch.full_like(hist, 0.1), **kw)
+                          lr_hist=hist, wd_hist=torch.full_like(hist, 0.1), **kw, **extra)
         gbs(bench.measure("ours: row_update (CPU op, exact mode)", ours, warmup=1, repeat=a.repeat))
         # an expert stepped on the CPU tier: clip factor and bf16 compute copy, as three passes and as one
         shadow = torch.empty(rows, a.row, dtype=torch.bfloat16)
@@ -70,12 +70,7 @@ def main(argv=None) -> Bench:
             shadow.copy_(w.view(rows, a.row))
 
         def ours_fused():
-            step[0] += 1
-            k = step[0]
-            hist = torch.full((k + 1,), 1e-3, dtype=torch.float64)
-            se.row_update(w.view(rows, a.row), [m.view(rows, a.row), v.view(rows, a.row)], slots,
-                          grad.view(rows, a.row), torch.full((rows,), k - 1, dtype=torch.long), step=k,
-                          lr_hist=hist, wd_hist=torch.full_like(hist, 0.1), grad_scale=0.5, shadow=shadow, **kw)
+            ours(grad_scale=0.5, shadow=shadow)
         gbs(bench.measure("ours, + grad.mul_ + bf16 copy_ (3 passes)", ours_then_scale_and_cast, warmup=1,
                           repeat=a.repeat))
         gbs(bench.measure("ours, grad_scale + bf16 shadow in the op (1 pass)", ours_fused, warmup=1,

@@ -223,6 +223,26 @@ def test_train_llama_cpu_head_equals_plain_deepspeed(tmp_path, grad_on_device):
     torch.testing.assert_close(torch.tensor(losses[False]), torch.tensor(losses[True]), rtol=0, atol=1e-5)
 
 
+def _steps_fetching_like_the_forward(gpu, host, w0, host_grad_dtype=torch.float32, scale=None, steps=4):
+    """``steps`` steps of a CUDA tier and a host tier on the same gradients, each chunk fetched first as the
+    forward does (the fetch moves the master to the GPU and launches a held step) and checked against the
+    host's rows; the host's gradient is rounded through ``host_grad_dtype`` (the GPU one keeps it so)."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for lo in range(0, w0.shape[0], CHUNK * 40):
+            hi = min(w0.shape[0], lo + CHUNK * 40)
+            grad = torch.randn(hi - lo, w0.shape[1], generator=g)
+            torch.testing.assert_close(gpu.fetch(lo, hi, torch.device("cuda"), torch.float32).cpu(),
+                                       host.weight[lo:hi], rtol=1e-6, atol=1e-7)
+            host.add_grad_(lo, hi, grad.to(host_grad_dtype).float())
+            gpu.add_grad_(lo, hi, grad.cuda())
+        if scale is not None:
+            gpu.scale_grads_(scale)
+            host.scale_grads_(scale)
+        host.step_(lr=1e-3, weight_decay=0.1)
+        gpu.step_(lr=1e-3, weight_decay=0.1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
@@ -234,17 +254,7 @@ def test_gpu_master_on_device_matches_host_step_and_fetch_sees_the_update(defer)
     host = HeadTier(w0, CHUNK * 40, update_device="host")
     gpu = HeadTier(w0, CHUNK * 40, update_device="cuda", update_rows=100, master_on_device=True)
     gpu.defer_steps = defer          # deferred: the next fetch launches the held step
-    g = torch.Generator().manual_seed(1)
-    for step in range(4):
-        for lo in range(0, w0.shape[0], CHUNK * 40):
-            hi = min(w0.shape[0], lo + CHUNK * 40)
-            grad = torch.randn(hi - lo, w0.shape[1], generator=g)
-            torch.testing.assert_close(gpu.fetch(lo, hi, torch.device("cuda"), torch.float32).cpu(),
-                                       host.weight[lo:hi], rtol=1e-6, atol=1e-7)
-            host.add_grad_(lo, hi, grad)
-            gpu.add_grad_(lo, hi, grad.cuda())
-        host.step_(lr=1e-3, weight_decay=0.1)
-        gpu.step_(lr=1e-3, weight_decay=0.1)
+    _steps_fetching_like_the_forward(gpu, host, w0)
     assert gpu.weight.is_cuda and gpu.exp_avg.device.type == "cpu"
     assert gpu.counters["bytes_h2d"] == 4 * V * 40 * D * 8 * 12  # moments + gradient only
     torch.testing.assert_close(gpu.master_cpu(), host.weight, rtol=1e-6, atol=1e-7)
@@ -265,20 +275,7 @@ def test_gpu_grad_on_device_matches_host_step(dtype):
     host = HeadTier(w0, CHUNK * 40, update_device="host")
     gpu = HeadTier(w0, CHUNK * 40, update_device="cuda", update_rows=100, master_on_device=True, grad_on_device=dtype)
     gpu.defer_steps = True
-    g = torch.Generator().manual_seed(1)
-    for step in range(4):
-        for lo in range(0, w0.shape[0], CHUNK * 40):
-            hi = min(w0.shape[0], lo + CHUNK * 40)
-            grad = torch.randn(hi - lo, w0.shape[1], generator=g)
-            # the forward's fetch moves the master to the GPU and launches the held step
-            torch.testing.assert_close(gpu.fetch(lo, hi, torch.device("cuda"), torch.float32).cpu(),
-                                       host.weight[lo:hi], rtol=1e-6, atol=1e-7)
-            host.add_grad_(lo, hi, grad.to(dtype).float())
-            gpu.add_grad_(lo, hi, grad.cuda())
-        gpu.scale_grads_(0.5)
-        host.scale_grads_(0.5)
-        host.step_(lr=1e-3, weight_decay=0.1)
-        gpu.step_(lr=1e-3, weight_decay=0.1)
+    _steps_fetching_like_the_forward(gpu, host, w0, host_grad_dtype=dtype, scale=0.5)
     gpu.sync()
     assert gpu.dgrad.is_cuda and gpu.dgrad.dtype == dtype and gpu.grad is None
     assert gpu.counters["bytes_h2d"] == 4 * V * 40 * D * 8 * 8 and gpu.counters["bytes_d2h"] == 4 * V * 40 * D * 8 * 8

@@ -42,13 +42,10 @@ def _update_in_place(tr, uid: int, grad: torch.Tensor, grad_scale: float = 1.0) 
     moments; the tier's compute copy (shadow) of the expert is written in the same pass."""
     opt, t, sub = tr.row_optimizer, tr.store._tier.tensors, tr.sub
     k = tr.numel // sub
-    shadow = tr.store.shadow
-    fused = shadow is not None and shadow.shape == t["weight"].shape
+    shadow = tr.store.shadow  # in memory: [num_uids, numel] like the tables, or None (fp32 compute)
     opt.update(_views(t["weight"], sub), [_views(t[n], sub) for n in opt.state_names],
                uid * k + torch.arange(k), _views(grad, sub), torch.full((k,), uid, dtype=torch.long),
-               grad_scale=grad_scale, shadow=_views(shadow, sub) if fused else None)
-    if shadow is not None and not fused:
-        tr.store.refresh(uid, t["weight"][uid])
+               grad_scale=grad_scale, shadow=None if shadow is None else _views(shadow, sub))
 
 
 def step_in_place(tr, uids: List[int]) -> None:
@@ -222,16 +219,15 @@ def step_split(tr, uids: List[int], dev: torch.device) -> None:
     """Update ``uids``: a share on the CPU tier in a worker thread, the rest staged through ``dev``."""
     share = tr.cfg.moe.cpu_step_share
     if share is None:
-        share = getattr(tr, "cpu_step_share", 0.5)
+        share = 0.5 if tr.cpu_step_share is None else tr.cpu_step_share
     n_cpu = int(round(len(uids) * share))
     host_first = sorted(uids, key=lambda u: (not tr.grads.on_host(u), u))
     cpu_uids = sorted(host_first[:n_cpu])
     dev_uids = sorted(set(uids) - set(cpu_uids))
     items = [(u, *tr.grads.take_to_host(u)) for u in cpu_uids]
-    pool = getattr(tr, "_step_pool", None)
-    if pool is None:
-        tr._step_pool = pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-expert-step")
-    fut = pool.submit(_cpu_side, tr, items) if items else None
+    if tr._step_pool is None:
+        tr._step_pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-expert-step")
+    fut = tr._step_pool.submit(_cpu_side, tr, items) if items else None
     t0 = time.perf_counter()
     if dev_uids:
         step_staged(tr, dev_uids, dev)
@@ -245,7 +241,7 @@ def step_split(tr, uids: List[int], dev: torch.device) -> None:
         balanced = per_dev / (per_cpu + per_dev)  # n_cpu * per_cpu == n_dev * per_dev
         # the first measurement is taken whole, later ones are averaged in against noise (averaged from 0.5,
         # the share was still 0.3 after the H200 run's 3 steps, and the GPU side waited on the CPU side)
-        if getattr(tr, "cpu_step_share", None) is not None:
+        if tr.cpu_step_share is not None:
             balanced = 0.5 * share + 0.5 * balanced
         tr.cpu_step_share = min(0.95, max(0.05, balanced))
     tr.counters.cpu_step_share = share

@@ -120,6 +120,8 @@ class ExpertTrainer(nn.Module):
         logger.info("ExpertTrainer: compute copy, expert cache and optimizer op in %.1f s (set-up %.1f s)",
                     time.perf_counter() - t2, time.perf_counter() - t0)
         self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots)
+        self.cpu_step_share: Optional[float] = None  # split: the measured share of the CPU side (step.py)
+        self._step_pool = None                       # split: the CPU side's worker thread
         self.counters = ExpertTrainStats(self.num_layers, self.num_experts)
         self.log_interval_steps = cfg.logging.interval_steps
         self.carrier_host: Optional[nn.Module] = None
