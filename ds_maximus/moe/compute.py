@@ -9,6 +9,11 @@ slot buffers of :class:`ExpertCache`, so logits equal the un-offloaded model's: 
 are processed in rounds (ascending expert id) of at most ``slots_per_layer``; every row's GEMM
 and every reduction is still the original one.
 
+No function here makes the host wait for the GPU: the routing arrives as host lists (``pairs``: the
+flattened ``top_k_index``, fetched in the layer's one sync), and the index tensors built from it go to
+the device through pinned memory. The host thus queues a layer's expert GEMMs behind their loads and
+runs on to the next layer's attention and router while the loads are in flight.
+
     >>> # used by OffloadedExperts.forward; see tests/moe/test_compute.py for a standalone run
 """
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Callable, List, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from ds_maximus.ops import to_device
 
 try:  # the same dispatch (native grouped_mm or its fallback) as the original forward
     from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
@@ -46,10 +53,11 @@ class ExpertComputeContext:
         self.num_experts = num_experts
 
     on_first_acquire: Callable[[], None] | None = None
+    needed: Sequence[int] | None = None  # every expert of the layer's rounds (guesses for others are stopped)
 
     def acquire(self, chunk: Sequence[int]) -> List[int]:
         """``cache.acquire`` and, after the first one (demand loads queued first), the layer's prefetch."""
-        slots = self.cache.acquire(self.group, chunk)
+        slots = self.cache.acquire(self.group, chunk, self.needed)
         hook, self.on_first_acquire = self.on_first_acquire, None
         if hook is not None:
             hook()
@@ -62,18 +70,32 @@ class ExpertComputeContext:
         return self.cache.slot(self.group, slot)
 
 
+def _pairs_of(pairs: Sequence[int], k: int, experts: Sequence[int]):
+    """For each expert, ``(top_k_pos, token_idx)`` host lists of its (token, k) pairs, in the order of
+    ``torch.where(one_hot(top_k_index).permute(2, 1, 0)[e])``: by k position, then by token."""
+    n = len(pairs) // k
+    want = set(experts)
+    out = {e: ([], []) for e in experts}
+    for pos in range(k):
+        for t in range(n):
+            e = pairs[t * k + pos]
+            if e in want:
+                out[e][0].append(pos)
+                out[e][1].append(t)
+    return out
+
+
 def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor, used: Sequence[int]) -> torch.Tensor:
+                  top_k_weights: torch.Tensor, used: Sequence[int], pairs: Sequence[int]) -> torch.Tensor:
     """The ``eager`` loop: experts in ascending id, ``index_add_`` into a zero tensor."""
     final = torch.zeros_like(hidden)
-    with torch.no_grad():
-        mask = F.one_hot(top_k_index, num_classes=ctx.num_experts + 1).permute(2, 1, 0)
     lay = ctx.layout
+    where = _pairs_of(pairs, top_k_index.size(-1), used)
     for chunk in rounds(used, ctx.cache.slots_per_group):
         slots = ctx.acquire(chunk)
         try:
             for e, s in zip(chunk, slots):
-                top_k_pos, token_idx = torch.where(mask[e])
+                top_k_pos, token_idx = (to_device(torch.tensor(v, dtype=torch.long), hidden.device) for v in where[e])
                 cur = hidden[token_idx]
                 flat = ctx.flat(s)
                 h = ctx.apply_gate(F.linear(cur, lay.view(flat, "gate_up_proj")))
@@ -114,8 +136,8 @@ def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
             if in_order:
                 rows = slice(lo, hi)
             else:
-                rows = torch.cat([torch.arange(starts[e], starts[e + 1]) for _, e in by_slot]).to(device)
-            offs = torch.tensor(per_slot, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+                rows = to_device(torch.cat([torch.arange(starts[e], starts[e + 1]) for _, e in by_slot]), device)
+            offs = to_device(torch.tensor(per_slot, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
             h = _grouped_linear(x_g[rows], gate_up, offs)
             h = ctx.apply_gate(h)
             h = _grouped_linear(h, down, offs)
@@ -133,23 +155,21 @@ def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
 
 
 def batched_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor, used: Sequence[int]) -> torch.Tensor:
+                    top_k_weights: torch.Tensor, used: Sequence[int], pairs: Sequence[int]) -> torch.Tensor:
     """The ``batched_mm`` path: per-pair gathered weights and bmm, reshape-sum over top-k."""
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden.shape
     x = hidden.repeat_interleave(num_top_k, dim=0)
     sample_weights = top_k_weights.reshape(-1)
-    expert_ids = top_k_index.reshape(-1)
     gate_up, down = ctx.stacked("gate_up_proj"), ctx.stacked("down_proj")
     proj_out = None
     for chunk in rounds(used, ctx.cache.slots_per_group):
         slots = ctx.acquire(chunk)
         try:
-            slot_of = torch.full((ctx.num_experts,), -1, dtype=torch.long)
-            slot_of[torch.tensor(chunk)] = torch.tensor(slots)
-            pair_slot = slot_of.to(hidden.device)[expert_ids]
-            rows = (pair_slot >= 0).nonzero().flatten()
-            sel = pair_slot[rows]
+            slot_of = dict(zip(chunk, slots))
+            hit = [(i, slot_of[e]) for i, e in enumerate(pairs) if e in slot_of]  # the pairs of this round
+            rows = to_device(torch.tensor([i for i, _ in hit], dtype=torch.long), hidden.device)
+            sel = to_device(torch.tensor([s for _, s in hit], dtype=torch.long), hidden.device)
             h = torch.bmm(gate_up[sel], x[rows].unsqueeze(-1)).squeeze(-1)
             h = ctx.apply_gate(h)
             h = torch.bmm(down[sel], h.unsqueeze(-1)).squeeze(-1)

@@ -13,6 +13,10 @@ pinned by loads in flight and a demand needs one of them.
 Never evicted: experts being computed with (pinned between ``acquire`` and ``release``) and
 experts in flight (pinned from ``prefetch`` until their load event has completed).
 
+With ``prefetch_chunk_bytes`` (inference), a prefetch is a guess that only uses the link's idle time
+(see ``transfer.PrefetchJob``): when the layer's routing arrives (``acquire``), a guess the layer does
+not need is stopped between chunks and its slot forgotten, and one it needs is finished at once.
+
 A later training issue reuses this core unchanged: the store then also holds fp32 masters and
 optimizer state, and the SlotMap's ``evicted_ids`` say which slots to write back first.
 
@@ -52,6 +56,7 @@ class ExpertCacheStats:
     demand_misses: int = 0        # loaded on demand
     prefetch_issued: int = 0      # loads started by speculative prefetch
     prefetch_useful: int = 0      # prefetched experts later used before eviction
+    prefetch_cancelled: int = 0   # guesses stopped part-way when the routing showed them wrong
     bytes_demand: int = 0
     bytes_prefetch: int = 0
     host_stall_ms: float = 0.0    # host blocked on loads (CPU engine, or all slots in flight)
@@ -74,8 +79,10 @@ class ExpertCache:
     """Per-group expert slots on ``device`` backed by an :class:`ExpertStore` (see module docstring)."""
 
     def __init__(self, store: ExpertStore, num_groups: int, num_experts: int, slots_per_group: int,
-                 device, policy: CachePolicy = CachePolicy.LRU, transfer=None):
+                 device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
+                 prefetch_chunk_bytes: Optional[int] = None):
         self.store = store
+        self.prefetch_chunk_bytes = prefetch_chunk_bytes  # None: a prefetch is one whole load
         self.layout = store.layout
         self.num_groups = int(num_groups)
         self.num_experts = int(num_experts)
@@ -128,14 +135,32 @@ class ExpertCache:
         g.load_ev[slot] = ev
         return ev
 
+    def _stop_guesses(self, g: _Group, needed: Sequence[int]) -> None:
+        """Stop the group's prefetches in flight whose expert is not in ``needed``; a stopped slot's
+        contents are partial, so its expert is forgotten (a later load into it queues behind its chunks)."""
+        want = set(int(e) for e in needed)
+        for s, h in list(g.inflight.items()):
+            e = int(g.map.slot_to_id[s])
+            if e in want or self.transfer.cancel(h):
+                continue
+            g.map.evict(torch.tensor([e]))
+            g.map.unpin(torch.tensor([s]))
+            del g.inflight[s]
+            g.prefetched[s] = False
+            self.counters.prefetch_cancelled += 1
+            self.counters.bytes_prefetch -= h.unqueued_bytes()
+
     # -- demand ----------------------------------------------------------------------------
-    def acquire(self, group: int, experts: Sequence[int]) -> List[int]:
+    def acquire(self, group: int, experts: Sequence[int], needed: Optional[Sequence[int]] = None) -> List[int]:
         """Make ``experts`` (unique ids) resident and usable by the compute stream; returns their slots.
 
         The slots stay pinned until :meth:`release`. Raises :class:`CapacityError` when more experts
         are asked for at once than the group has slots (callers split into rounds of ``slots_per_group``).
+        ``needed``: every expert this layer computes with now (all rounds; default ``experts``):
+        prefetches in flight for any other expert are stopped.
         """
         g = self.groups[group]
+        self._stop_guesses(g, experts if needed is None else needed)
         if len(experts) > self.slots_per_group:
             raise CapacityError(f"{len(experts)} experts asked for at once in layer {group}, but the cache has "
                                 f"{self.slots_per_group} slots per layer; compute in rounds, or raise "
@@ -199,7 +224,9 @@ class ExpertCache:
         self.counters.evictions += int(a.evicted_ids.numel())
         started = []
         for e, s in zip(a.miss_ids.tolist(), a.miss_slots.tolist()):
-            g.inflight[s] = self._load(group, g, s, e)
+            h = self.transfer.prefetch(g.buffer[s], self.store, group * self.num_experts + e, g.use_ev[s],
+                                       self.prefetch_chunk_bytes)
+            g.inflight[s] = g.load_ev[s] = h
             g.prefetched[s] = True
             started.append(s)
         if started:
@@ -235,6 +262,7 @@ class ExpertCache:
             "demand_misses": c.demand_misses,
             "prefetch_issued": c.prefetch_issued,
             "prefetch_useful": c.prefetch_useful,
+            "prefetch_cancelled": c.prefetch_cancelled,
             "prefetch_precision": c.prefetch_useful / c.prefetch_issued if c.prefetch_issued else 0.0,
             "prefetch_recall": (c.prefetch_useful / (c.prefetch_useful + c.demand_misses)
                                 if c.prefetch_useful + c.demand_misses else 0.0),

@@ -8,6 +8,12 @@ Both expose the same three calls, so the cache and prefetch logic are identical 
   CPU: blocks until the worker finished). Returns the host ms spent blocked (CPU only).
 * ``record_use() -> Event`` marks "the compute queued so far is done with the slot".
 
+Speculative loads (``prefetch(..., chunk_bytes)``) are :class:`PrefetchJob` handles instead of one
+copy: the engine queues them a chunk at a time and only while no demand load is pending, so a guess
+uses the link's idle time and delays a demand load by at most a chunk or two. ``cancel`` stops a
+wrong guess between chunks (the cache then forgets the slot's contents); ``wait``/``synchronize``
+first queue whatever is left of it at once (a guess that turned out right).
+
     >>> import torch
     >>> t = CpuTransfer()
     >>> dst = torch.zeros(4); src = torch.ones(4)
@@ -18,11 +24,51 @@ Both expose the same three calls, so the cache and prefetch logic are identical 
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import queue
+import threading
 import time
 from typing import List, Optional
 
 import torch
+
+
+class PrefetchJob:
+    """One speculative load, copied in chunks of ``chunk`` elements (state guarded by ``lock``)."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, after, chunk: int):
+        self.dst, self.src = dst.view(-1), src.view(-1)
+        self.after = after
+        self.n = self.dst.numel()
+        self.chunk = max(1, int(chunk))
+        self.next = 0                 # first element not yet queued
+        self.cancelled = False
+        self.final = None             # set when the last chunk is queued: its event (CUDA) or True (CPU)
+        self.landed = threading.Event()  # CPU engine: the last chunk has been copied
+        self.lock = threading.Lock()
+
+    def claim(self, rest: bool = False) -> Optional[tuple]:
+        """The next range to queue (all that is left with ``rest``), or None when stopped or done."""
+        if self.cancelled or self.final is not None or self.next >= self.n:
+            return None
+        a = self.next
+        self.next = self.n if rest else min(self.n, a + self.chunk)
+        return a, self.next
+
+    def unqueued_bytes(self) -> int:
+        return (self.n - self.next) * self.dst.element_size()
+
+
+def _cancel(job) -> bool:
+    """Stop ``job`` between chunks; True when it was already fully queued (it will land whole)."""
+    if not isinstance(job, PrefetchJob):
+        return True  # a plain load cannot be stopped
+    with job.lock:
+        if job.final is not None:
+            return True
+        job.cancelled = True
+        return False
 
 
 class CpuTransfer:
@@ -45,11 +91,63 @@ class CpuTransfer:
                 dst.copy_(src)
         return self._pool.submit(run)
 
+    def prefetch(self, dst: torch.Tensor, store, uid: int, after=None, chunk_bytes: Optional[int] = None):
+        """A speculative load: chunked (a job) when ``chunk_bytes`` is set and the tier is in memory."""
+        src = store.host_view(uid)
+        if src is None or not chunk_bytes:
+            return self.load(dst, store, uid, after)
+        job = PrefetchJob(dst, src, after, chunk_bytes // dst.element_size())
+        self._pool.submit(self._chunk, job, True)
+        return job
+
+    def _chunk(self, job: PrefetchJob, first: bool = False) -> None:
+        """Copy one chunk, then queue the next behind whatever demand loads were queued meanwhile."""
+        if first and self.delay_s:
+            time.sleep(self.delay_s)
+        with job.lock:
+            r = job.claim()
+            if r is None:
+                return
+            if r[1] == job.n:
+                job.final = True
+        job.dst[r[0]:r[1]].copy_(job.src[r[0]:r[1]])
+        if r[1] == job.n:
+            job.landed.set()
+            return
+        try:
+            self._pool.submit(self._chunk, job)
+        except RuntimeError:  # closing: the rest is not needed
+            _cancel(job)
+
+    def finish(self, job: PrefetchJob) -> None:
+        """Queue what is left of ``job`` at once (its guess was right)."""
+        with job.lock:
+            r = job.claim(rest=True)
+            if r is None:
+                return
+            job.final = True
+
+        def rest():
+            job.dst[r[0]:r[1]].copy_(job.src[r[0]:r[1]])
+            job.landed.set()
+        self._pool.submit(rest)
+
+    cancel = staticmethod(_cancel)
+
     @staticmethod
     def done(event) -> bool:
+        if isinstance(event, PrefetchJob):
+            return event.cancelled or event.landed.is_set()
         return event is None or event.done()
 
     def wait(self, event) -> float:
+        if isinstance(event, PrefetchJob):
+            self.finish(event)
+            if event.cancelled or event.landed.is_set():
+                return 0.0
+            t0 = time.perf_counter()
+            event.landed.wait()
+            return (time.perf_counter() - t0) * 1e3
         if event is None or event.done():
             if event is not None:
                 event.result()  # re-raise a failed read
@@ -59,8 +157,7 @@ class CpuTransfer:
         return (time.perf_counter() - t0) * 1e3
 
     def synchronize(self, event) -> None:
-        if event is not None:
-            event.result()
+        self.wait(event)
 
     def record_use(self):
         return None
@@ -72,9 +169,13 @@ class CpuTransfer:
 class CudaTransfer:
     """Loads on a side stream; the compute stream waits on per-load events (never the host)."""
 
-    def __init__(self, device: torch.device, staging_buffers: int = 2, timing: bool = True):
+    def __init__(self, device: torch.device, staging_buffers: int = 2, timing: bool = True, window: int = 2):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
+        self.window = window                   # prefetch chunks in flight at once
+        self._demand_ev: Optional[torch.cuda.Event] = None
+        self._jobs: "queue.Queue[Optional[PrefetchJob]]" = queue.Queue()
+        self._pump: Optional[threading.Thread] = None
         self._staging: List[torch.Tensor] = []
         self._staging_ev: List[Optional[torch.cuda.Event]] = []
         self._n_staging = staging_buffers
@@ -110,13 +211,72 @@ class CudaTransfer:
             ev.record(self.stream)
         if staged is not None:
             self._staging_ev[staged] = ev
+        self._demand_ev = ev
         return ev
+
+    def prefetch(self, dst: torch.Tensor, store, uid: int, after=None, chunk_bytes: Optional[int] = None):
+        """A speculative load: a job the pump thread queues chunk by chunk into the link's idle time
+        (when ``chunk_bytes`` is set and the tier is in memory), else one load like a demand's."""
+        src = store.host_view(uid)
+        if src is None or not chunk_bytes:
+            return self.load(dst, store, uid, after)
+        job = PrefetchJob(dst, src, after, chunk_bytes // dst.element_size())
+        if self._pump is None:
+            self._pump = threading.Thread(target=self._pump_loop, name="maximus-moe-prefetch", daemon=True)
+            self._pump.start()
+        self._jobs.put(job)
+        return job
+
+    def _queue(self, job: PrefetchJob, a: int, b: int) -> torch.cuda.Event:
+        """Queue ``job``'s elements ``[a, b)`` on the copy stream (caller holds ``job.lock``)."""
+        with torch.cuda.stream(self.stream):
+            if a == 0 and job.after is not None:
+                self.stream.wait_event(job.after)
+            job.dst[a:b].copy_(job.src[a:b], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        if b == job.n:
+            job.final = ev
+        return ev
+
+    def _pump_loop(self) -> None:
+        torch.cuda.set_device(self.device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            window = collections.deque()
+            while True:
+                pending = self._demand_ev
+                if pending is not None:
+                    pending.synchronize()   # demand loads own the link; guesses take what is left
+                with job.lock:
+                    r = job.claim()
+                    if r is None:
+                        break
+                    window.append(self._queue(job, *r))
+                if len(window) >= self.window:
+                    window.popleft().synchronize()
+
+    def finish(self, job: PrefetchJob) -> None:
+        """Queue what is left of ``job`` at once (its guess was right)."""
+        with job.lock:
+            r = job.claim(rest=True)
+            if r is not None:
+                self._queue(job, *r)
+
+    cancel = staticmethod(_cancel)
 
     @staticmethod
     def done(event) -> bool:
+        if isinstance(event, PrefetchJob):
+            return event.cancelled or (event.final is not None and event.final.query())
         return event is None or event.query()
 
     def wait(self, event) -> float:
+        if isinstance(event, PrefetchJob):
+            self.finish(event)
+            event = event.final  # None when cancelled: nothing to wait for
         if event is None:
             return 0.0
         cur = torch.cuda.current_stream(self.device)
@@ -131,6 +291,9 @@ class CudaTransfer:
         return 0.0
 
     def synchronize(self, event) -> None:
+        if isinstance(event, PrefetchJob):
+            self.finish(event)
+            event = event.final
         if event is not None:
             event.synchronize()
 
@@ -149,4 +312,8 @@ class CudaTransfer:
         return total
 
     def close(self) -> None:
+        if self._pump is not None:
+            self._jobs.put(None)
+            self._pump.join()
+            self._pump = None
         self.stream.synchronize()

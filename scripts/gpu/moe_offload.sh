@@ -9,7 +9,7 @@ OUT="${OUT:-$PWD/bench_out}"
 mkdir -p "$OUT"
 export MAXIMUS_BENCH_OUT="$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 175 python -u -m benchmarks.bench_moe_offload --tokens 32 --budget-s 165 --out "$OUT/moe_offload.md" \
+timeout 200 python -u -m benchmarks.bench_moe_offload --tokens 64 --budget-s 190 --out "$OUT/moe_offload.md" \
   > "$OUT/moe_offload_bench.log" 2>&1
 bench_rc=$?
 grep -v -i warning "$OUT/moe_offload_bench.log" | tail -20

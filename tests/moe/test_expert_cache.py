@@ -14,12 +14,13 @@ from ds_maximus.moe.transfer import CpuTransfer
 G, E = 3, 6
 
 
-def make_cache(slots, policy=CachePolicy.LRU, delay_s=0.0):
+def make_cache(slots, policy=CachePolicy.LRU, delay_s=0.0, chunk_bytes=None):
     lay = ExpertLayout.from_stacked({"w": torch.zeros(E, 8, 4)}, num_experts=E)
     store = CpuExpertStore(lay, G * E, pin_memory=False)
     for uid in range(G * E):
         store.write(uid, {"w": torch.full((8, 4), float(uid))})
-    return ExpertCache(store, G, E, slots, "cpu", policy, transfer=CpuTransfer(delay_s=delay_s))
+    return ExpertCache(store, G, E, slots, "cpu", policy, transfer=CpuTransfer(delay_s=delay_s),
+                       prefetch_chunk_bytes=chunk_bytes)
 
 
 def content(cache, g, s):
@@ -80,12 +81,57 @@ def test_prefetch_never_takes_a_pinned_slot():
     c.release(0, s)
 
 
+def test_chunked_guess_that_is_needed_is_finished():
+    """A guess in chunks (128-byte experts, 32-byte chunks) that the routing confirms: the rest is
+    queued at once and the compute sees the whole expert."""
+    c = make_cache(2, delay_s=0.01, chunk_bytes=32)
+    assert c.prefetch(1, [3]) == 1
+    s = c.acquire(1, [3])
+    assert torch.all(content(c, 1, s[0]) == float(E + 3))
+    c.release(1, s)
+    st = c.stats()
+    assert st["prefetch_useful"] == 1 and st["prefetch_cancelled"] == 0 and st["demand_misses"] == 0
+    assert st["bytes_prefetch"] == c.layout.nbytes
+
+
+def test_chunked_guess_that_is_wrong_is_stopped_and_forgotten():
+    """The routing asks for another expert while a guess is in flight: the guess stops between
+    chunks, its slot is forgotten (partial contents are never a hit), the demand load is exact."""
+    c = make_cache(1, delay_s=0.02, chunk_bytes=32)
+    assert c.prefetch(0, [4]) == 1
+    s = c.acquire(0, [5])
+    assert torch.all(content(c, 0, s[0]) == 5.0)
+    c.release(0, s)
+    st = c.stats()
+    assert st["prefetch_cancelled"] == 1 and st["prefetch_useful"] == 0
+    assert st["bytes_prefetch"] < c.layout.nbytes  # the chunks never queued are not counted
+    assert c.resident(0) == [5]
+    s = c.acquire(0, [4])                           # asked for later: a miss, loaded whole
+    assert torch.all(content(c, 0, s[0]) == 4.0)
+    c.release(0, s)
+    assert c.stats()["demand_misses"] == 2
+
+
+def test_guess_for_a_later_round_is_kept():
+    """``needed`` spans the layer's rounds: a guess for an expert of a later round is not stopped."""
+    c = make_cache(2, delay_s=0.02, chunk_bytes=32)
+    c.prefetch(0, [4])
+    s = c.acquire(0, [1], needed=[1, 4])
+    c.release(0, s)
+    s = c.acquire(0, [4], needed=[1, 4])
+    assert torch.all(content(c, 0, s[0]) == 4.0)
+    c.release(0, s)
+    assert c.stats()["prefetch_useful"] == 1 and c.stats()["prefetch_cancelled"] == 0
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 32])
 @pytest.mark.parametrize("slots", [1, 2, 4])
-def test_churn_never_evicts_in_use_or_in_flight(slots):
+def test_churn_never_evicts_in_use_or_in_flight(slots, chunk_bytes):
     """Random demand and speculation on a slow copier: an acquired slot holds its expert from
-    acquire to release, and a slot with a load in flight is never handed to another expert."""
+    acquire to release, and a slot with a load in flight is never handed to another expert
+    (whole-expert guesses, and chunked guesses that demand loads stop)."""
     rng = random.Random(slots)
-    c = make_cache(slots, delay_s=0.0005)
+    c = make_cache(slots, delay_s=0.0005, chunk_bytes=chunk_bytes)
     for step in range(150):
         g = rng.randrange(G)
         want = sorted(rng.sample(range(E), rng.randint(1, slots)))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
 @pytest.mark.parametrize("slots", [1, 8])
 def test_generate_identical_cuda(kind, impl, slots):
     model = tiny_model(kind, impl, top_k=2, dtype=torch.bfloat16).cuda()
@@ -34,13 +34,44 @@ def test_generate_identical_cuda(kind, impl, slots):
     assert st["bytes_moved"] > 0
 
 
-def test_cuda_churn_contents():
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
+def test_expert_compute_never_waits_on_the_host(impl):
+    """The layer's expert GEMMs are queued behind their loads without a host sync (the one sync per
+    layer is the routing's ``tolist``): CUDA's sync debug mode raises on any synchronising call."""
+    from ds_maximus.moe import compute
+    model = tiny_model("mixtral", impl, top_k=2, dtype=torch.bfloat16).cuda()
+    h = offload_experts(model, {"gpu_experts_per_layer": 2, "speculative_prefetch": False})
+    mod = h.modules[0]
+    x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 3], [3, 5], [1, 0], [7, 2], [5, 3]], device="cuda")
+    w = torch.softmax(torch.randn(5, 2, device="cuda"), -1).to(torch.bfloat16)
+    pairs = idx.flatten().tolist()
+    used = sorted(set(pairs))
+    counts = [pairs.count(e) for e in range(8)]
+    fn = {"grouped_mm": lambda c: compute.grouped_forward(c, x, idx, w, used, counts),
+          "eager": lambda c: compute.eager_forward(c, x, idx, w, used, pairs),
+          "batched_mm": lambda c: compute.batched_forward(c, x, idx, w, used, pairs)}[impl]
+    ctx = lambda: compute.ExpertComputeContext(h.cache, 0, mod._original._apply_gate, 8)  # noqa: E731
+    ref = fn(ctx())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fn(ctx())   # 3 rounds of 2 slots: loads, evictions, GEMMs
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, ref)
+    h.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 64 << 10])
+def test_cuda_churn_contents(chunk_bytes):
+    """Random demand and guesses (whole, or in 8 chunks that demand loads stop) on the side stream."""
     E, G, slots = 6, 3, 2
     lay = ExpertLayout.from_stacked({"w": torch.zeros(E, 1024, 256, dtype=torch.bfloat16)}, num_experts=E)
     store = CpuExpertStore(lay, G * E)
     for uid in range(G * E):
         store.write(uid, {"w": torch.full((1024, 256), float(uid), dtype=torch.bfloat16)})
-    c = ExpertCache(store, G, E, slots, "cuda", CachePolicy.LRU)
+    c = ExpertCache(store, G, E, slots, "cuda", CachePolicy.LRU, prefetch_chunk_bytes=chunk_bytes)
     rng = random.Random(0)
     sums = []
     for _ in range(300):

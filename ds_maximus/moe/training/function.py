@@ -26,6 +26,7 @@ from torch import nn
 
 from ds_maximus.moe.compute import _grouped_linear
 from ds_maximus.moe.layout import ExpertLayout
+from ds_maximus.ops import to_device
 
 
 class ExpertKind:
@@ -57,9 +58,9 @@ class FusedExpertsKind(ExpertKind):
             per_slot[s] = int(counts[i])
         in_order = order == list(range(len(slots)))
         if not in_order:  # grouped_mm wants rows in slot order
-            idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in order]).to(device)
+            idx = to_device(torch.cat([torch.arange(starts[i], starts[i + 1]) for i in order]), device)
             x = x.index_select(0, idx)
-        offs = torch.tensor(per_slot, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        offs = to_device(torch.tensor(per_slot, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
         lay = self.layout
         h = _grouped_linear(x, lay.stacked_view(buf, "gate_up_proj"), offs)
         h = self.apply_gate(h)
