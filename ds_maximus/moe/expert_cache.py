@@ -13,9 +13,9 @@ pinned by loads in flight and a demand needs one of them.
 Never evicted: experts being computed with (pinned between ``acquire`` and ``release``) and
 experts in flight (pinned from ``prefetch`` until their load event has completed).
 
-With ``prefetch_chunk_bytes`` (inference), a prefetch is a guess that only uses the link's idle time
-(see ``transfer.PrefetchJob``): when the layer's routing arrives (``acquire``), a guess the layer does
-not need is stopped between chunks and its slot forgotten, and one it needs is finished at once.
+With ``prefetch_chunk_bytes`` (inference), a prefetch is a guess of which only the first chunk is
+queued (see ``transfer.PrefetchJob``): when the layer's routing arrives (``acquire``), a guess the
+layer does not need is dropped and its slot forgotten, and the rest of one it needs is queued at once.
 
 A later training issue reuses this core unchanged: the store then also holds fp32 masters and
 optimizer state, and the SlotMap's ``evicted_ids`` say which slots to write back first.
@@ -136,8 +136,8 @@ class ExpertCache:
         return ev
 
     def _stop_guesses(self, g: _Group, needed: Sequence[int]) -> None:
-        """Stop the group's prefetches in flight whose expert is not in ``needed``; a stopped slot's
-        contents are partial, so its expert is forgotten (a later load into it queues behind its chunks)."""
+        """Drop the group's prefetches in flight whose expert is not in ``needed``; a dropped slot's
+        contents are partial, so its expert is forgotten (a later load into it queues behind its chunk)."""
         want = set(int(e) for e in needed)
         for s, h in list(g.inflight.items()):
             e = int(g.map.slot_to_id[s])

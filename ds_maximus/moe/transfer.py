@@ -9,24 +9,15 @@ Both expose the same three calls, so the cache and prefetch logic are identical 
 * ``record_use() -> Event`` marks "the compute queued so far is done with the slot".
 
 Speculative loads (``prefetch(..., chunk_bytes)``) are :class:`PrefetchJob` handles instead of one
-copy: the engine queues them a chunk at a time and only while no demand load is pending, so a guess
-uses the link's idle time and delays a demand load by at most a chunk or two. ``cancel`` stops a
-wrong guess between chunks (the cache then forgets the slot's contents); ``wait``/``synchronize``
-first queue whatever is left of it at once (a guess that turned out right).
-
-    >>> import torch
-    >>> t = CpuTransfer()
-    >>> dst = torch.zeros(4); src = torch.ones(4)
-    >>> class S:  # a minimal store
-    ...     def host_view(self, uid): return src
-    >>> ev = t.load(dst, S(), 0, None); _ = t.wait(ev); dst.tolist()
-    [1.0, 1.0, 1.0, 1.0]
+copy: only the guess's first ``chunk_bytes`` are queued at once (sized to the link's idle gap before
+the next layer's routing is known); ``cancel`` drops the rest of a wrong guess, ``wait``/``synchronize``
+first queue the rest of a right one. A wrong guess thus costs one chunk of link time, not a whole
+expert, and no host thread is involved (a Python thread pumping chunks slowed the decode loop's host
+path by ~1 ms per layer through the GIL, measured on the H200).
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import queue
 import threading
 import time
 from typing import List, Optional
@@ -101,7 +92,7 @@ class CpuTransfer:
         return job
 
     def _chunk(self, job: PrefetchJob, first: bool = False) -> None:
-        """Copy one chunk, then queue the next behind whatever demand loads were queued meanwhile."""
+        """Copy the guess's head chunk (the rest waits for ``finish``)."""
         if first and self.delay_s:
             time.sleep(self.delay_s)
         with job.lock:
@@ -113,11 +104,6 @@ class CpuTransfer:
         job.dst[r[0]:r[1]].copy_(job.src[r[0]:r[1]])
         if r[1] == job.n:
             job.landed.set()
-            return
-        try:
-            self._pool.submit(self._chunk, job)
-        except RuntimeError:  # closing: the rest is not needed
-            _cancel(job)
 
     def finish(self, job: PrefetchJob) -> None:
         """Queue what is left of ``job`` at once (its guess was right)."""
@@ -169,13 +155,9 @@ class CpuTransfer:
 class CudaTransfer:
     """Loads on a side stream; the compute stream waits on per-load events (never the host)."""
 
-    def __init__(self, device: torch.device, staging_buffers: int = 2, timing: bool = True, window: int = 2):
+    def __init__(self, device: torch.device, staging_buffers: int = 2, timing: bool = True):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
-        self.window = window                   # prefetch chunks in flight at once
-        self._demand_ev: Optional[torch.cuda.Event] = None
-        self._jobs: "queue.Queue[Optional[PrefetchJob]]" = queue.Queue()
-        self._pump: Optional[threading.Thread] = None
         self._staging: List[torch.Tensor] = []
         self._staging_ev: List[Optional[torch.cuda.Event]] = []
         self._n_staging = staging_buffers
@@ -211,20 +193,17 @@ class CudaTransfer:
             ev.record(self.stream)
         if staged is not None:
             self._staging_ev[staged] = ev
-        self._demand_ev = ev
         return ev
 
     def prefetch(self, dst: torch.Tensor, store, uid: int, after=None, chunk_bytes: Optional[int] = None):
-        """A speculative load: a job the pump thread queues chunk by chunk into the link's idle time
+        """A speculative load: a job whose head chunk is queued now, behind the demand loads queued so far
         (when ``chunk_bytes`` is set and the tier is in memory), else one load like a demand's."""
         src = store.host_view(uid)
         if src is None or not chunk_bytes:
             return self.load(dst, store, uid, after)
         job = PrefetchJob(dst, src, after, chunk_bytes // dst.element_size())
-        if self._pump is None:
-            self._pump = threading.Thread(target=self._pump_loop, name="maximus-moe-prefetch", daemon=True)
-            self._pump.start()
-        self._jobs.put(job)
+        with job.lock:
+            self._queue(job, *job.claim())
         return job
 
     def _queue(self, job: PrefetchJob, a: int, b: int) -> torch.cuda.Event:
@@ -238,25 +217,6 @@ class CudaTransfer:
         if b == job.n:
             job.final = ev
         return ev
-
-    def _pump_loop(self) -> None:
-        torch.cuda.set_device(self.device)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            window = collections.deque()
-            while True:
-                pending = self._demand_ev
-                if pending is not None:
-                    pending.synchronize()   # demand loads own the link; guesses take what is left
-                with job.lock:
-                    r = job.claim()
-                    if r is None:
-                        break
-                    window.append(self._queue(job, *r))
-                if len(window) >= self.window:
-                    window.popleft().synchronize()
 
     def finish(self, job: PrefetchJob) -> None:
         """Queue what is left of ``job`` at once (its guess was right)."""
@@ -312,8 +272,4 @@ class CudaTransfer:
         return total
 
     def close(self) -> None:
-        if self._pump is not None:
-            self._jobs.put(None)
-            self._pump.join()
-            self._pump = None
         self.stream.synchronize()

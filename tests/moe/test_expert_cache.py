@@ -82,8 +82,8 @@ def test_prefetch_never_takes_a_pinned_slot():
 
 
 def test_chunked_guess_that_is_needed_is_finished():
-    """A guess in chunks (128-byte experts, 32-byte chunks) that the routing confirms: the rest is
-    queued at once and the compute sees the whole expert."""
+    """A guess (128-byte experts, a 32-byte head chunk) that the routing confirms: the rest is queued
+    at once and the compute sees the whole expert."""
     c = make_cache(2, delay_s=0.01, chunk_bytes=32)
     assert c.prefetch(1, [3]) == 1
     s = c.acquire(1, [3])
@@ -95,8 +95,8 @@ def test_chunked_guess_that_is_needed_is_finished():
 
 
 def test_chunked_guess_that_is_wrong_is_stopped_and_forgotten():
-    """The routing asks for another expert while a guess is in flight: the guess stops between
-    chunks, its slot is forgotten (partial contents are never a hit), the demand load is exact."""
+    """The routing asks for another expert while a guess is in flight: the rest of the guess is
+    never queued, its slot is forgotten (partial contents are never a hit), the demand load is exact."""
     c = make_cache(1, delay_s=0.02, chunk_bytes=32)
     assert c.prefetch(0, [4]) == 1
     s = c.acquire(0, [5])

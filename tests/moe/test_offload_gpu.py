@@ -65,7 +65,8 @@ def test_expert_compute_never_waits_on_the_host(impl):
 
 @pytest.mark.parametrize("chunk_bytes", [None, 64 << 10])
 def test_cuda_churn_contents(chunk_bytes):
-    """Random demand and guesses (whole, or in 8 chunks that demand loads stop) on the side stream."""
+    """Random demand and guesses (whole, or a head chunk of 1/8 that the next acquire drops or completes)
+    on the side stream."""
     E, G, slots = 6, 3, 2
     lay = ExpertLayout.from_stacked({"w": torch.zeros(E, 1024, 256, dtype=torch.bfloat16)}, num_experts=E)
     store = CpuExpertStore(lay, G * E)
