@@ -42,9 +42,10 @@ log = logging.getLogger(__name__)
 ConfigLike = Union[None, MaximusConfig, MoEConfig, dict, str, os.PathLike]
 
 # of a speculative load, only this much is queued before the next layer's routing confirms or drops it
-# (48 MiB: ~1 ms of the H200's link, the idle gap measured between a layer's loads and the next layer's
-# routing; a wrong guess costs that, not a whole expert)
-PREFETCH_CHUNK_BYTES = 48 << 20
+# (96 MiB: ~2 ms of the H200's link, about the time from a layer's loads ending to the next layer's loads
+# being queued; a wrong guess costs that, not a whole expert. Measured: 48 MiB 10.7, 96 MiB 11.0, whole
+# expert 10.4 tokens/s, benchmarks/bench_moe_offload.py at 4116309)
+PREFETCH_CHUNK_BYTES = 96 << 20
 
 
 def _resolve(config: ConfigLike):
