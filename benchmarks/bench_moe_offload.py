@@ -15,7 +15,8 @@ Peers, same run, same random weights and prompt:
     the GPU at every forward; the rest of the model stays on the GPU, as ``device_map`` would place it);
   * ours, LRU cache, prefetch off (the mixtral-offloading design);
   * ours, LRU cache + speculative prefetch (top-k, and top-1): of a guess only the first 96 MiB are queued
-    (behind the guessing layer's demand loads); the next layer's routing drops it or queues the rest;
+    (behind the guessing layer's demand loads); the next layer's routing drops it or queues the rest; a
+    guess evicts a resident outside the next layer's predicted routing (a row with plain LRU victims);
   * ours, prefetch top-1 with guesses as whole loads (session 5's design), for comparison;
   * accelerate ``cpu_offload`` of the whole model (a fresh copy), as the issue's 0.29 tokens/s was measured.
 Beside each offloaded row: hit rate, prefetch precision/recall, GB moved per token and the PCIe bound
@@ -234,7 +235,7 @@ def main(argv=None):
     ours = ["ours: LRU cache, prefetch off (mixtral-offloading design)",
             f"ours: LRU + speculative prefetch top-{args.top_k}", "ours: LRU + speculative prefetch top-1",
             "ours: prefetch top-1, whole-expert guesses (never dropped)",
-            "ours: prefetch top-1, 48 MiB head"]
+            "ours: prefetch top-1, 48 MiB head", "ours: prefetch top-1, LRU victim (not the predicted-routing one)"]
     if not budget.allows((cost["ours setup"] + cost["ours"]) * scale, "ours (offload_experts)"):
         for name in ours:
             bench.skip(name)
@@ -247,6 +248,9 @@ def main(argv=None):
         peer(ours[1], "ours", model, ids, args.tokens, handle)
         handle.cfg.prefetch_top_k = 1
         peer(ours[2], "ours", model, ids, args.tokens, handle)
+        handle.keep_predicted = False  # the guess evicts the least recent resident, predicted or not
+        peer(ours[5], "ours", model, ids, args.tokens, handle)
+        handle.keep_predicted = True
         handle.cache.prefetch_chunk_bytes = 48 << 20  # a shorter head: less of a right guess early, less waste
         peer(ours[4], "ours", model, ids, args.tokens, handle)
         handle.cache.prefetch_chunk_bytes = None  # session 5's design: a guess is one whole load, never dropped

@@ -205,22 +205,28 @@ class ExpertCache:
         g.map.unpin(torch.tensor(list(slots), dtype=torch.long))
 
     # -- speculation -----------------------------------------------------------------------
-    def prefetch(self, group: int, experts: Sequence[int]) -> int:
+    def prefetch(self, group: int, experts: Sequence[int], keep: Optional[Sequence[int]] = None) -> int:
         """Start loading ``experts`` of ``group`` if absent (best effort); returns loads started.
 
-        Never evicts a pinned slot, and never more experts than there are unpinned slots.
+        Never evicts a pinned slot, nor a resident expert in ``keep``, and never loads more experts than
+        there are slots left to evict.
         """
         g = self.groups[group]
         self._reap(g)
-        free = self.slots_per_group - int((g.map.pin_count > 0).sum())
-        want = [int(e) for e in experts if int(g.map.id_to_slot[int(e)]) < 0]
-        want = want[:max(0, free)]
-        if not want:
-            return 0
+        held = [int(g.map.id_to_slot[int(e)]) for e in (keep or ())]
+        held = torch.tensor([s for s in held if s >= 0], dtype=torch.long)
+        g.map.pin(held)  # for this call only: the victims come from the other slots
         try:
+            free = self.slots_per_group - int((g.map.pin_count > 0).sum())
+            want = [int(e) for e in experts if int(g.map.id_to_slot[int(e)]) < 0]
+            want = want[:max(0, free)]
+            if not want:
+                return 0
             a = g.map.assign(torch.tensor(want, dtype=torch.long), count=False)
         except CapacityError:
             return 0
+        finally:
+            g.map.unpin(held)
         self.counters.evictions += int(a.evicted_ids.numel())
         started = []
         for e, s in zip(a.miss_ids.tolist(), a.miss_slots.tolist()):

@@ -95,6 +95,7 @@ class MoEOffload:
         self.cache = cache
         self.cfg = cfg
         self.speculative_prefetch = bool(cfg.speculative_prefetch)
+        self.keep_predicted = True  # guesses evict only residents outside the predicted routing (bench A/B)
         self._tokens = 0
         self._t_first: Optional[float] = None
         self._t_last: Optional[float] = None
@@ -102,14 +103,16 @@ class MoEOffload:
 
     # -- the forward of one layer -------------------------------------------------------------
     def _prefetch_plan(self, group: int, hidden: torch.Tensor):
-        """Votes of the next MoE layer's router applied to this layer's input, or None."""
+        """The next MoE layer's router applied to this layer's input: votes for its guesses (its top
+        ``prefetch_top_k``) then votes for its whole predicted routing (top ``top_k``), or None."""
         if not self.speculative_prefetch or group + 1 >= len(self.blocks):
             return None
         nxt = self.blocks[group + 1]
-        k = min(self.cfg.prefetch_top_k or nxt.top_k, nxt.num_experts)
-        logits = F.linear(hidden, nxt.router.weight)
-        picks = torch.topk(logits, k, dim=-1).indices.flatten()
-        return torch.bincount(picks, minlength=nxt.num_experts)
+        K = min(nxt.top_k, nxt.num_experts)
+        k = min(self.cfg.prefetch_top_k or K, K)
+        picks = torch.topk(F.linear(hidden, nxt.router.weight), K, dim=-1).indices  # best first
+        return torch.cat([torch.bincount(picks[:, :k].flatten(), minlength=nxt.num_experts),
+                          torch.bincount(picks.flatten(), minlength=nxt.num_experts)])
 
     def _forward(self, mod: OffloadedExperts, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -150,9 +153,13 @@ class MoEOffload:
         return out
 
     def _issue_prefetch(self, group: int, votes: List[int]) -> None:
+        E = len(votes) // 2
+        guess, predicted = votes[:E], votes[E:]
         limit = min(self.cfg.prefetch_top_k or self.blocks[group].top_k, self.cache.slots_per_group)
-        ranked = sorted((e for e in range(len(votes)) if votes[e] > 0), key=lambda e: -votes[e])[:limit]
-        self.cache.prefetch(group, ranked)
+        ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
+        # a guess never evicts a resident expert the prediction also routes to (it would likely hit)
+        keep = [e for e in range(E) if predicted[e] > 0] if self.keep_predicted else None
+        self.cache.prefetch(group, ranked, keep=keep)
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> dict:

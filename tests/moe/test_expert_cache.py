@@ -70,6 +70,20 @@ def test_prefetch_precision_recall():
     assert st["bytes_prefetch"] == 2 * c.layout.nbytes
 
 
+def test_prefetch_keeps_the_predicted_residents():
+    """A guess evicts a resident outside ``keep`` (the predicted routing), not simply the least recent;
+    with every resident kept it does not guess at all."""
+    c = make_cache(2)
+    for e in (1, 2):
+        c.release(0, c.acquire(0, [e]))            # 1 is now the least recently used
+    assert c.prefetch(0, [4], keep=[1, 4]) == 1
+    c.synchronize()
+    assert c.resident(0) == [1, 4]                  # LRU alone would have evicted 1
+    assert c.prefetch(0, [5], keep=[1, 4]) == 0     # both residents predicted: no room for a guess
+    assert c.resident(0) == [1, 4]
+    assert int(c.groups[0].map.pin_count.sum()) == 0
+
+
 def test_prefetch_never_takes_a_pinned_slot():
     c = make_cache(1, delay_s=0.01)
     s = c.acquire(0, [2])
