@@ -53,7 +53,7 @@ class ExpertComputeContext:
         self.num_experts = num_experts
 
     on_first_acquire: Callable[[], None] | None = None
-    needed: Sequence[int] | None = None  # every expert of the layer's rounds (guesses for others are stopped)
+    needed: Sequence[int] | None = None  # every expert of the layer's rounds (guesses for others are dropped)
 
     def acquire(self, chunk: Sequence[int]) -> List[int]:
         """``cache.acquire`` and, after the first one (demand loads queued first), the layer's prefetch."""
@@ -95,7 +95,8 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
         slots = ctx.acquire(chunk)
         try:
             for e, s in zip(chunk, slots):
-                top_k_pos, token_idx = (to_device(torch.tensor(v, dtype=torch.long), hidden.device) for v in where[e])
+                top_k_pos, token_idx = (to_device(torch.tensor(v, dtype=torch.long), hidden.device)
+                                        for v in where[e])
                 cur = hidden[token_idx]
                 flat = ctx.flat(s)
                 h = ctx.apply_gate(F.linear(cur, lay.view(flat, "gate_up_proj")))

@@ -56,7 +56,7 @@ class ExpertCacheStats:
     demand_misses: int = 0        # loaded on demand
     prefetch_issued: int = 0      # loads started by speculative prefetch
     prefetch_useful: int = 0      # prefetched experts later used before eviction
-    prefetch_cancelled: int = 0   # guesses stopped part-way when the routing showed them wrong
+    prefetch_cancelled: int = 0   # guesses dropped part-way when the routing showed them wrong
     bytes_demand: int = 0
     bytes_prefetch: int = 0
     host_stall_ms: float = 0.0    # host blocked on loads (CPU engine, or all slots in flight)
@@ -135,7 +135,7 @@ class ExpertCache:
         g.load_ev[slot] = ev
         return ev
 
-    def _stop_guesses(self, g: _Group, needed: Sequence[int]) -> None:
+    def _drop_guesses(self, g: _Group, needed: Sequence[int]) -> None:
         """Drop the group's prefetches in flight whose expert is not in ``needed``; a dropped slot's
         contents are partial, so its expert is forgotten (a later load into it queues behind its chunk)."""
         want = set(int(e) for e in needed)
@@ -157,10 +157,10 @@ class ExpertCache:
         The slots stay pinned until :meth:`release`. Raises :class:`CapacityError` when more experts
         are asked for at once than the group has slots (callers split into rounds of ``slots_per_group``).
         ``needed``: every expert this layer computes with now (all rounds; default ``experts``):
-        prefetches in flight for any other expert are stopped.
+        prefetches in flight for any other expert are dropped.
         """
         g = self.groups[group]
-        self._stop_guesses(g, experts if needed is None else needed)
+        self._drop_guesses(g, experts if needed is None else needed)
         if len(experts) > self.slots_per_group:
             raise CapacityError(f"{len(experts)} experts asked for at once in layer {group}, but the cache has "
                                 f"{self.slots_per_group} slots per layer; compute in rounds, or raise "
