@@ -14,10 +14,11 @@ Peers, same run, same random weights and prompt:
   * accelerate ``cpu_offload`` on each experts module (its AlignDevicesHook moves the module's weights to
     the GPU at every forward; the rest of the model stays on the GPU, as ``device_map`` would place it);
   * ours, LRU cache, prefetch off (the mixtral-offloading design);
-  * ours, LRU cache + speculative prefetch (top-k, and top-1): of a guess only the first 96 MiB are queued
-    (behind the guessing layer's demand loads); the next layer's routing drops it or queues the rest; a
-    guess evicts a resident outside the next layer's predicted routing (a row with plain LRU victims);
-  * ours, prefetch top-1 with guesses as whole loads (session 5's design), for comparison;
+  * ours, LRU cache + speculative prefetch top-1 (the default): of a guess only the first 96 MiB are
+    queued, into one staging buffer on the GPU (+96 MiB), behind the guessing layer's demand loads; the
+    next layer's routing drops it, or loads only the rest and copies the head on the device;
+  * ours, the same guesses loaded into the slot they will use (evicting a resident outside the predicted
+    routing, or the least recent one), as whole loads (session 5's design), and top-k;
   * accelerate ``cpu_offload`` of the whole model (a fresh copy), as the issue's 0.29 tokens/s was measured.
 Beside each offloaded row: hit rate, prefetch precision/recall, GB moved per token and the PCIe bound
 ``H2D_GBPS / bytes per token`` from the measured miss bytes.
@@ -233,28 +234,32 @@ def main(argv=None):
         bench.skip(hooks_name)
         bench.skip(acc_name)
     ours = ["ours: LRU cache, prefetch off (mixtral-offloading design)",
-            f"ours: LRU + speculative prefetch top-{args.top_k}", "ours: LRU + speculative prefetch top-1",
-            "ours: prefetch top-1, whole-expert guesses (never dropped)",
-            "ours: prefetch top-1, 48 MiB head", "ours: prefetch top-1, LRU victim (not the predicted-routing one)"]
+            "ours: prefetch top-1, head staged (+96 MiB GPU; the default)",
+            "ours: prefetch top-1, 96 MiB head into a slot",
+            "ours: prefetch top-1, head into a slot, LRU victims",
+            "ours: prefetch top-1, whole-expert guesses into a slot",
+            f"ours: prefetch top-{args.top_k}, heads into slots"]
     if not budget.allows((cost["ours setup"] + cost["ours"]) * scale, "ours (offload_experts)"):
         for name in ours:
             bench.skip(name)
     else:
         progress("ours: offload_experts (experts into the pinned store)")
         handle = offload_experts(model, {"gpu_experts_per_layer": args.slots, "speculative_prefetch": False})
+        cache = handle.cache
         peer(ours[0], "ours", model, ids, args.tokens, handle)
         handle.speculative_prefetch = True
-        handle.cfg.prefetch_top_k = None
-        peer(ours[1], "ours", model, ids, args.tokens, handle)
         handle.cfg.prefetch_top_k = 1
+        peer(ours[1], "ours", model, ids, args.tokens, handle)
+        cache.stage_guesses = False  # the guess's head goes into the slot it will use (evicting a resident)
         peer(ours[2], "ours", model, ids, args.tokens, handle)
-        handle.keep_predicted = False  # the guess evicts the least recent resident, predicted or not
-        peer(ours[5], "ours", model, ids, args.tokens, handle)
-        handle.keep_predicted = True
-        handle.cache.prefetch_chunk_bytes = 48 << 20  # a shorter head: less of a right guess early, less waste
-        peer(ours[4], "ours", model, ids, args.tokens, handle)
-        handle.cache.prefetch_chunk_bytes = None  # session 5's design: a guess is one whole load, never dropped
+        handle.keep_predicted = False  # ... and the victim is the least recent, predicted or not
         peer(ours[3], "ours", model, ids, args.tokens, handle)
+        handle.keep_predicted = True
+        chunk, cache.prefetch_chunk_bytes = cache.prefetch_chunk_bytes, None  # session 5's whole-load guesses
+        peer(ours[4], "ours", model, ids, args.tokens, handle)
+        cache.prefetch_chunk_bytes = chunk
+        handle.cfg.prefetch_top_k = None
+        peer(ours[5], "ours", model, ids, args.tokens, handle)
         handle.close()
     # accelerate as the issue measured it (0.29 tokens/s there): the whole model under cpu_offload, a new copy
     whole = "accelerate cpu_offload (whole model)"

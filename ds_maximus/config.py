@@ -174,9 +174,9 @@ class MoEConfig(_Section):
     """Eviction policy of the expert cache."""
     speculative_prefetch: bool = True
     """Apply the next layer's router to the current hidden state and load its likely experts early. In
-    inference a guess queues its first 96 MiB, is dropped when the next layer's routing shows it wrong,
-    and never evicts an expert the prediction also routes to. Measured at 2 slots per layer, batch-1
-    decode on the H200 (before the eviction rule): on par with LRU-only (11.0 against 11.1 tokens/s)."""
+    inference a guess stages its first 96 MiB in one buffer on the device (evicting nothing); the next
+    layer's routing drops it or loads only the rest. Measured at 2 slots per layer, batch-1 decode on the
+    H200 with the head loaded into a slot instead: on par with LRU-only (11.0 against 11.1 tokens/s)."""
     prefetch_top_k: Optional[int] = Field(1, ge=1)
     """Experts to prefetch per layer (``None``: the model's top-k). 1 measured best on a Mixtral-shaped
     model: a wrong guess evicts a resident expert the next layer needs."""

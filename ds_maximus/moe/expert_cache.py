@@ -16,6 +16,9 @@ experts in flight (pinned from ``prefetch`` until their load event has completed
 With ``prefetch_chunk_bytes`` (inference), a prefetch is a guess of which only the first chunk is
 queued (see ``transfer.PrefetchJob``): when the layer's routing arrives (``acquire``), a guess the
 layer does not need is dropped and its slot forgotten, and the rest of one it needs is queued at once.
+With ``stage_guesses`` as well, the head goes into one staging buffer instead of a slot: a guess then
+evicts nothing (the eviction is decided when the routing is known, as without prefetch), a wrong guess
+costs only its head's link time, and a right one only moves the rest (the head is copied on the device).
 
 A later training issue reuses this core unchanged: the store then also holds fp32 masters and
 optimizer state, and the SlotMap's ``evicted_ids`` say which slots to write back first.
@@ -80,9 +83,13 @@ class ExpertCache:
 
     def __init__(self, store: ExpertStore, num_groups: int, num_experts: int, slots_per_group: int,
                  device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
-                 prefetch_chunk_bytes: Optional[int] = None):
+                 prefetch_chunk_bytes: Optional[int] = None, stage_guesses: bool = False):
         self.store = store
         self.prefetch_chunk_bytes = prefetch_chunk_bytes  # None: a prefetch is one whole load
+        self.stage_guesses = stage_guesses
+        self._stage: Optional[torch.Tensor] = None  # the staged guess's head (allocated on first use)
+        self._stage_ev = None                       # the staging buffer's last copy
+        self._guess: Optional[tuple] = None         # (group, expert) whose head is staged
         self.layout = store.layout
         self.num_groups = int(num_groups)
         self.num_experts = int(num_experts)
@@ -130,10 +137,50 @@ class ExpertCache:
         self.counters.host_stall_ms += (time.perf_counter() - t0) * 1e3
         self._reap(g)
 
-    def _load(self, gi: int, g: _Group, slot: int, expert: int) -> object:
-        ev = self.transfer.load(g.buffer[slot], self.store, gi * self.num_experts + expert, g.use_ev[slot])
+    def _load(self, gi: int, g: _Group, slot: int, expert: int, head: Optional[torch.Tensor] = None) -> object:
+        ev = self.transfer.load(g.buffer[slot], self.store, gi * self.num_experts + expert, g.use_ev[slot],
+                                head=head)
         g.load_ev[slot] = ev
         return ev
+
+    # -- staged guesses ---------------------------------------------------------------------
+    def _stage_guess(self, group: int, experts: Sequence[int]) -> int:
+        """Stage the head of the first of ``experts`` not resident (replacing an unresolved guess)."""
+        g = self.groups[group]
+        for e in (int(x) for x in experts):
+            if int(g.map.id_to_slot[e]) >= 0:
+                continue
+            uid = group * self.num_experts + e
+            if self.store.host_view(uid) is None:
+                return 0  # NVMe tier: no staged guesses
+            if self._stage is None:
+                n = min(self.layout.numel, max(1, self.prefetch_chunk_bytes // self.layout.dtype.itemsize))
+                self._stage = torch.empty(n, dtype=self.layout.dtype, device=self.device)
+            self._drop_staged()
+            self._stage_ev = self.transfer.load_head(self._stage, self.store, uid, self._stage_ev)
+            self._guess = (group, e)
+            self.counters.prefetch_issued += 1
+            self.counters.bytes_prefetch += self._stage.numel() * self._stage.element_size()
+            return 1
+        return 0
+
+    def _drop_staged(self) -> None:
+        if self._guess is not None:
+            self._guess = None
+            self.counters.prefetch_cancelled += 1
+
+    def _take_staged(self, group: int, experts: Sequence[int], needed: Sequence[int]) -> Optional[int]:
+        """The staged guess's expert if this round of ``group`` asks for it; a guess the layer does not
+        need at all is dropped, one for a later round of the layer is kept."""
+        if self._guess is None or self._guess[0] != group:
+            return None
+        e = self._guess[1]
+        if e in experts:
+            self._guess = None
+            return e
+        if e not in needed:
+            self._drop_staged()
+        return None
 
     def _drop_guesses(self, g: _Group, needed: Sequence[int]) -> None:
         """Drop the group's prefetches in flight whose expert is not in ``needed``; a dropped slot's
@@ -160,7 +207,9 @@ class ExpertCache:
         prefetches in flight for any other expert are dropped.
         """
         g = self.groups[group]
-        self._drop_guesses(g, experts if needed is None else needed)
+        needed = experts if needed is None else needed
+        self._drop_guesses(g, needed)
+        staged = self._take_staged(group, experts, needed)
         if len(experts) > self.slots_per_group:
             raise CapacityError(f"{len(experts)} experts asked for at once in layer {group}, but the cache has "
                                 f"{self.slots_per_group} slots per layer; compute in rounds, or raise "
@@ -180,13 +229,23 @@ class ExpertCache:
         c.evictions += int(a.evicted_ids.numel())
         slots = [int(s) for s in a.slots]
         for e, s in zip(experts, slots):
-            if s in miss_slots:
+            if s in miss_slots and int(e) == staged:  # the guess was right: only the rest crosses the link
+                g.prefetched[s] = False
+                self._stage_ev = self._load(group, g, s, int(e), head=self._stage)
+                c.bytes_demand += self.layout.nbytes - self._stage.numel() * self._stage.element_size()
+                c.demand_misses -= 1
+                c.demand_hits += 1
+                c.prefetch_useful += 1
+                staged = None
+            elif s in miss_slots:
                 g.prefetched[s] = False
                 self._load(group, g, s, int(e))
                 c.bytes_demand += self.layout.nbytes
             elif g.prefetched[s]:
                 g.prefetched[s] = False
                 c.prefetch_useful += 1
+        if staged is not None:  # staged, but resident after all
+            self.counters.prefetch_cancelled += 1
         g.map.pin(torch.tensor(slots, dtype=torch.long))
         for s in slots:
             g.in_use[s] += 1
@@ -211,6 +270,8 @@ class ExpertCache:
         Never evicts a pinned slot, nor a resident expert in ``keep``, and never loads more experts than
         there are slots left to evict.
         """
+        if self.stage_guesses and self.prefetch_chunk_bytes:
+            return self._stage_guess(group, experts)
         g = self.groups[group]
         self._reap(g)
         held = [int(g.map.id_to_slot[int(e)]) for e in (keep or ())]
@@ -280,6 +341,7 @@ class ExpertCache:
             "gpu_stall_ms": c.gpu_stall_ms,
             "evictions": c.evictions,
             "expert_bytes": self.layout.nbytes,
+            "staging_bytes": 0 if self._stage is None else self._stage.numel() * self._stage.element_size(),
             "slots_per_layer": self.slots_per_group,
         }
 
@@ -289,6 +351,7 @@ class ExpertCache:
         self.counters = ExpertCacheStats()
 
     def synchronize(self) -> None:
+        self.transfer.synchronize(self._stage_ev)
         for g in self.groups:
             for ev in g.load_ev:
                 self.transfer.synchronize(ev)

@@ -43,8 +43,10 @@ ConfigLike = Union[None, MaximusConfig, MoEConfig, dict, str, os.PathLike]
 
 # of a speculative load, only this much is queued before the next layer's routing confirms or drops it
 # (96 MiB: ~2 ms of the H200's link, about the time from a layer's loads ending to the next layer's loads
-# being queued; a wrong guess costs that, not a whole expert. Measured: 48 MiB 10.7, 96 MiB 11.0, whole
-# expert 10.4 tokens/s, benchmarks/bench_moe_offload.py at 4116309)
+# being queued; a wrong guess costs that, not a whole expert. Measured with the head loaded into a slot:
+# 48 MiB 10.7, 96 MiB 11.0, whole expert 10.4 tokens/s, benchmarks/bench_moe_offload.py at 4116309).
+# The head is staged in one buffer of this size on the device (ExpertCache(stage_guesses=True)), so a
+# guess evicts nothing; the buffer is the one extra piece of device memory prefetch uses.
 PREFETCH_CHUNK_BYTES = 96 << 20
 
 
@@ -95,7 +97,7 @@ class MoEOffload:
         self.cache = cache
         self.cfg = cfg
         self.speculative_prefetch = bool(cfg.speculative_prefetch)
-        self.keep_predicted = True  # guesses evict only residents outside the predicted routing (bench A/B)
+        self.keep_predicted = True  # in-slot guesses evict only residents outside the predicted routing
         self._tokens = 0
         self._t_first: Optional[float] = None
         self._t_last: Optional[float] = None
@@ -216,7 +218,7 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
             for e in range(E):
                 store.write(gi * E + e, {name: t[e] for name, t in tensors.items()})
     cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
-                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES)
+                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=True)
     handle = MoEOffload(blocks, cache, cfg)
     for gi, b in enumerate(blocks):
         original = b.experts

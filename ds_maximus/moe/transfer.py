@@ -82,15 +82,27 @@ class CpuTransfer:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="maximus-moe-copy")
         self.delay_s = float(delay_s)  # tests slow the copier down to keep loads in flight
 
-    def load(self, dst: torch.Tensor, store, uid: int, after=None):
+    def load(self, dst: torch.Tensor, store, uid: int, after=None, head: Optional[torch.Tensor] = None):
         def run():
             if self.delay_s:
                 time.sleep(self.delay_s)
             src = store.host_view(uid)
-            if src is None:
+            if head is not None:  # a staged guess: the first head.numel() elements are on the device already
+                n = head.numel()
+                dst.view(-1)[:n].copy_(head)
+                dst.view(-1)[n:].copy_(src.view(-1)[n:])
+            elif src is None:
                 store.read_into(uid, dst)
             else:
                 dst.copy_(src)
+        return self._pool.submit(run)
+
+    def load_head(self, stage: torch.Tensor, store, uid: int, after=None):
+        """Copy the first ``stage.numel()`` elements of expert ``uid`` into ``stage`` (a staged guess)."""
+        def run():
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            stage.copy_(store.host_view(uid).view(-1)[:stage.numel()])
         return self._pool.submit(run)
 
     def prefetch(self, dst: torch.Tensor, store, uid: int, after=None, chunk_bytes: Optional[int] = None):
@@ -189,8 +201,19 @@ class CudaTransfer:
             ev.synchronize()
         return i
 
-    def load(self, dst: torch.Tensor, store, uid: int, after=None) -> torch.cuda.Event:
+    def load(self, dst: torch.Tensor, store, uid: int, after=None,
+             head: Optional[torch.Tensor] = None) -> torch.cuda.Event:
         src = store.host_view(uid)
+        if head is not None:  # a staged guess: its head is on the device, only the rest crosses the link
+            n = head.numel()
+            with torch.cuda.stream(self.stream):
+                if after is not None:
+                    self.stream.wait_event(after)
+                dst.view(-1)[:n].copy_(head, non_blocking=True)
+                dst.view(-1)[n:].copy_(src.view(-1)[n:], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+            return ev
         staged = None
         if src is None:
             staged = self._staging_buffer(dst.numel(), dst.dtype)
@@ -204,6 +227,16 @@ class CudaTransfer:
             ev.record(self.stream)
         if staged is not None:
             self._staging_ev[staged] = ev
+        return ev
+
+    def load_head(self, stage: torch.Tensor, store, uid: int, after=None) -> torch.cuda.Event:
+        """Copy the first ``stage.numel()`` elements of expert ``uid`` into ``stage`` (a staged guess)."""
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            stage.copy_(store.host_view(uid).view(-1)[:stage.numel()], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
         return ev
 
     def prefetch(self, dst: torch.Tensor, store, uid: int, after=None, chunk_bytes: Optional[int] = None):

@@ -14,13 +14,13 @@ from ds_maximus.moe.transfer import CpuTransfer
 G, E = 3, 6
 
 
-def make_cache(slots, policy=CachePolicy.LRU, delay_s=0.0, chunk_bytes=None):
+def make_cache(slots, policy=CachePolicy.LRU, delay_s=0.0, chunk_bytes=None, stage=False):
     lay = ExpertLayout.from_stacked({"w": torch.zeros(E, 8, 4)}, num_experts=E)
     store = CpuExpertStore(lay, G * E, pin_memory=False)
     for uid in range(G * E):
         store.write(uid, {"w": torch.full((8, 4), float(uid))})
     return ExpertCache(store, G, E, slots, "cpu", policy, transfer=CpuTransfer(delay_s=delay_s),
-                       prefetch_chunk_bytes=chunk_bytes)
+                       prefetch_chunk_bytes=chunk_bytes, stage_guesses=stage)
 
 
 def content(cache, g, s):
@@ -68,6 +68,42 @@ def test_prefetch_precision_recall():
     assert st["prefetch_issued"] == 2 and st["prefetch_useful"] == 1
     assert st["prefetch_precision"] == 0.5 and st["prefetch_recall"] == 0.5
     assert st["bytes_prefetch"] == 2 * c.layout.nbytes
+
+
+def test_staged_guess_evicts_nothing_and_a_right_one_moves_only_the_rest():
+    """A staged guess (a 32-byte head of a 128-byte expert) leaves the residents alone; when the routing
+    confirms it, the slot gets the head from the staging buffer and only the rest from the store."""
+    c = make_cache(2, delay_s=0.01, chunk_bytes=32, stage=True)
+    for e in (1, 2):
+        c.release(0, c.acquire(0, [e]))
+    assert c.prefetch(0, [4]) == 1
+    assert c.resident(0) == [1, 2]                  # nothing evicted by the guess
+    s = c.acquire(0, [4])
+    assert torch.all(content(c, 0, s[0]) == 4.0)
+    c.release(0, s)
+    st = c.stats()
+    assert st["prefetch_useful"] == 1 and st["demand_hits"] == 1 and st["demand_misses"] == 2
+    assert st["bytes_demand"] == 3 * c.layout.nbytes - 32 and st["bytes_prefetch"] == 32
+    assert st["staging_bytes"] == 32
+
+
+def test_staged_guess_that_is_wrong_costs_only_its_head():
+    c = make_cache(2, delay_s=0.01, chunk_bytes=32, stage=True)
+    for e in (1, 2):
+        c.release(0, c.acquire(0, [e]))
+    c.prefetch(0, [4])
+    s = c.acquire(0, [2, 5])                        # 2 still hits: the guess evicted nothing
+    assert [float(content(c, 0, x)[0]) for x in s] == [2.0, 5.0]
+    c.release(0, s)
+    st = c.stats()
+    assert st["prefetch_cancelled"] == 1 and st["prefetch_useful"] == 0 and st["demand_hits"] == 1
+    c.prefetch(0, [3])
+    s = c.acquire(0, [1], needed=[1, 3])            # a guess for a later round of the layer is kept
+    c.release(0, s)
+    s = c.acquire(0, [3], needed=[1, 3])
+    assert torch.all(content(c, 0, s[0]) == 3.0)
+    c.release(0, s)
+    assert c.stats()["prefetch_useful"] == 1
 
 
 def test_prefetch_keeps_the_predicted_residents():
@@ -138,14 +174,14 @@ def test_guess_for_a_later_round_is_kept():
     assert c.stats()["prefetch_useful"] == 1 and c.stats()["prefetch_cancelled"] == 0
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, 32])
+@pytest.mark.parametrize("chunk_bytes,stage", [(None, False), (32, False), (32, True)])
 @pytest.mark.parametrize("slots", [1, 2, 4])
-def test_churn_never_evicts_in_use_or_in_flight(slots, chunk_bytes):
+def test_churn_never_evicts_in_use_or_in_flight(slots, chunk_bytes, stage):
     """Random demand and speculation on a slow copier: an acquired slot holds its expert from
     acquire to release, and a slot with a load in flight is never handed to another expert
     (whole-expert guesses, and chunked guesses that demand loads stop)."""
     rng = random.Random(slots)
-    c = make_cache(slots, delay_s=0.0005, chunk_bytes=chunk_bytes)
+    c = make_cache(slots, delay_s=0.0005, chunk_bytes=chunk_bytes, stage=stage)
     for step in range(150):
         g = rng.randrange(G)
         want = sorted(rng.sample(range(E), rng.randint(1, slots)))

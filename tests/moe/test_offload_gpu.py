@@ -63,16 +63,17 @@ def test_expert_compute_never_waits_on_the_host(impl):
     h.close()
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, 64 << 10])
-def test_cuda_churn_contents(chunk_bytes):
-    """Random demand and guesses (whole, or a head chunk of 1/8 that the next acquire drops or completes)
-    on the side stream."""
+@pytest.mark.parametrize("chunk_bytes,stage", [(None, False), (64 << 10, False), (64 << 10, True)])
+def test_cuda_churn_contents(chunk_bytes, stage):
+    """Random demand and guesses (whole, or a head chunk of 1/8, into the slot or staged, that the next
+    acquire drops or completes) on the side stream."""
     E, G, slots = 6, 3, 2
     lay = ExpertLayout.from_stacked({"w": torch.zeros(E, 1024, 256, dtype=torch.bfloat16)}, num_experts=E)
     store = CpuExpertStore(lay, G * E)
     for uid in range(G * E):
         store.write(uid, {"w": torch.full((1024, 256), float(uid), dtype=torch.bfloat16)})
-    c = ExpertCache(store, G, E, slots, "cuda", CachePolicy.LRU, prefetch_chunk_bytes=chunk_bytes)
+    c = ExpertCache(store, G, E, slots, "cuda", CachePolicy.LRU, prefetch_chunk_bytes=chunk_bytes,
+                    stage_guesses=stage)
     rng = random.Random(0)
     sums = []
     for _ in range(300):
