@@ -155,6 +155,7 @@ def main(argv=None):
     p.add_argument("--baseline-tokens", type=int, default=6, help="tokens for the slow move-every-layer peer")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
+    p.add_argument("--quick", action="store_true", help="only ours: LRU, staged guesses, in-slot guesses")
     p.add_argument("--budget-s", type=float, default=165.0, help="wall-clock budget; peers that no longer fit "
                    "are rows that say so")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
@@ -205,10 +206,13 @@ def main(argv=None):
     progress(f"model built on {device} ({expert_gib:.1f} GiB of experts); budget {args.budget_s:.0f} s")
     # the first peer warms up over the whole length: attention builds a cuDNN graph for each new sequence
     # length (~40 ms each on the H200), cached for the later peers
-    peer(base, "full", model, ids, args.tokens, warmup_tokens=args.tokens)
+    if not args.quick:
+        peer(base, "full", model, ids, args.tokens, warmup_tokens=args.tokens)
     hooks_name = "hooks: copy every expert of a layer per forward (pinned)"
     acc_name = "accelerate cpu_offload (experts modules)"
-    if budget.allows((cost["hooks setup"] + cost["hooks"]) * scale, hooks_name):
+    if args.quick:
+        pass
+    elif budget.allows((cost["hooks setup"] + cost["hooks"]) * scale, hooks_name):
         progress("hooks baseline: copying the experts to pinned CPU memory")
         hooks = hooks_baseline(model, device)
         peer(hooks_name, "hooks", model, ids, args.baseline_tokens)
@@ -246,20 +250,21 @@ def main(argv=None):
         progress("ours: offload_experts (experts into the pinned store)")
         handle = offload_experts(model, {"gpu_experts_per_layer": args.slots, "speculative_prefetch": False})
         cache = handle.cache
-        peer(ours[0], "ours", model, ids, args.tokens, handle)
+        peer(ours[0], "ours", model, ids, args.tokens, handle, warmup_tokens=args.tokens if args.quick else 2)
         handle.speculative_prefetch = True
         handle.cfg.prefetch_top_k = 1
         peer(ours[1], "ours", model, ids, args.tokens, handle)
         cache.stage_guesses = False  # the guess's head goes into the slot it will use (evicting a resident)
         peer(ours[2], "ours", model, ids, args.tokens, handle)
-        handle.keep_predicted = False  # ... and the victim is the least recent, predicted or not
-        peer(ours[3], "ours", model, ids, args.tokens, handle)
-        handle.keep_predicted = True
-        chunk, cache.prefetch_chunk_bytes = cache.prefetch_chunk_bytes, None  # session 5's whole-load guesses
-        peer(ours[4], "ours", model, ids, args.tokens, handle)
-        cache.prefetch_chunk_bytes = chunk
-        handle.cfg.prefetch_top_k = None
-        peer(ours[5], "ours", model, ids, args.tokens, handle)
+        if not args.quick:
+            handle.keep_predicted = False  # ... and the victim is the least recent, predicted or not
+            peer(ours[3], "ours", model, ids, args.tokens, handle)
+            handle.keep_predicted = True
+            chunk, cache.prefetch_chunk_bytes = cache.prefetch_chunk_bytes, None  # session 5's whole loads
+            peer(ours[4], "ours", model, ids, args.tokens, handle)
+            cache.prefetch_chunk_bytes = chunk
+            handle.cfg.prefetch_top_k = None
+            peer(ours[5], "ours", model, ids, args.tokens, handle)
         handle.close()
     # accelerate as the issue measured it (0.29 tokens/s there): the whole model under cpu_offload, a new copy
     whole = "accelerate cpu_offload (whole model)"
@@ -267,7 +272,9 @@ def main(argv=None):
         import accelerate
     except ImportError:
         accelerate = None
-    if accelerate is None:
+    if args.quick:
+        pass
+    elif accelerate is None:
         bench.add(f"{whole}: not installed", None, error="-")
     elif not budget.allows((cost["whole setup"] + cost["hooks"]) * scale, whole):
         bench.skip(whole)
@@ -281,7 +288,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         peer(f"{whole} {accelerate.__version__}", "hooks", model, ids, max(2, args.baseline_tokens // 2))
-    text = bench.report(baseline=base)
+    text = bench.report(baseline=None if args.quick else base)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
