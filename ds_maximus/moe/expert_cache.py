@@ -144,15 +144,16 @@ class ExpertCache:
         return ev
 
     # -- staged guesses ---------------------------------------------------------------------
-    def _stage_guess(self, group: int, experts: Sequence[int]) -> int:
-        """Stage the head of the first of ``experts`` not resident (replacing an unresolved guess)."""
+    def _stage_guess(self, group: int, experts: Sequence[int]) -> Optional[int]:
+        """Stage the head of the first of ``experts`` not resident (replacing an unresolved guess);
+        None when the tier cannot stage (NVMe: the guess goes into a slot, read whole)."""
         g = self.groups[group]
         for e in (int(x) for x in experts):
             if int(g.map.id_to_slot[e]) >= 0:
                 continue
             uid = group * self.num_experts + e
             if self.store.host_view(uid) is None:
-                return 0  # NVMe tier: no staged guesses
+                return None
             if self._stage is None:
                 n = min(self.layout.numel, max(1, self.prefetch_chunk_bytes // self.layout.dtype.itemsize))
                 self._stage = torch.empty(n, dtype=self.layout.dtype, device=self.device)
@@ -271,7 +272,9 @@ class ExpertCache:
         there are slots left to evict.
         """
         if self.stage_guesses and self.prefetch_chunk_bytes:
-            return self._stage_guess(group, experts)
+            started = self._stage_guess(group, experts)
+            if started is not None:
+                return started
         g = self.groups[group]
         self._reap(g)
         held = [int(g.map.id_to_slot[int(e)]) for e in (keep or ())]
