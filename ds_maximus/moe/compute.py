@@ -95,8 +95,7 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
         slots = ctx.acquire(chunk)
         try:
             for e, s in zip(chunk, slots):
-                top_k_pos, token_idx = (to_device(torch.tensor(v, dtype=torch.long), hidden.device)
-                                        for v in where[e])
+                top_k_pos, token_idx = to_device(torch.tensor(where[e], dtype=torch.long), hidden.device)
                 cur = hidden[token_idx]
                 flat = ctx.flat(s)
                 h = ctx.apply_gate(F.linear(cur, lay.view(flat, "gate_up_proj")))
@@ -169,8 +168,7 @@ def batched_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
         try:
             slot_of = dict(zip(chunk, slots))
             hit = [(i, slot_of[e]) for i, e in enumerate(pairs) if e in slot_of]  # the pairs of this round
-            rows = to_device(torch.tensor([i for i, _ in hit], dtype=torch.long), hidden.device)
-            sel = to_device(torch.tensor([s for _, s in hit], dtype=torch.long), hidden.device)
+            rows, sel = to_device(torch.tensor(hit, dtype=torch.long).t().contiguous(), hidden.device)  # one copy
             h = torch.bmm(gate_up[sel], x[rows].unsqueeze(-1)).squeeze(-1)
             h = ctx.apply_gate(h)
             h = torch.bmm(down[sel], h.unsqueeze(-1)).squeeze(-1)

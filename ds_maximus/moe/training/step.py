@@ -52,7 +52,7 @@ def step_in_place(tr, uids: List[int]) -> None:
     """Update ``uids`` on the in-memory CPU tier itself (gradients brought to the CPU), one expert at a time."""
     for u in uids:
         _update_in_place(tr, u, tr.grads.pop(u, torch.device("cpu")))
-        tr.refresh_slot(u, tr.store._tier.tensors["weight"][u])
+        tr.refresh_slot(u, tr.store.host_view(u))  # the compute copy the op just wrote (bf16: half the bytes)
     tr.counters.add_step_traffic(len(uids), STATE_BYTES * tr.numel * len(uids))
 
 
