@@ -78,6 +78,8 @@ def main(argv=None):
     ap.add_argument("--cache-frac", type=float, default=0.10)
     ap.add_argument("--policy", default="lfu")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cache-warmup", type=int, default=200, help="steps on other batches first (steady-state cache)")
+    ap.add_argument("--trace", help="also write a chrome trace of the profiled steps here")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from ds_maximus.config import EmbeddingConfig
@@ -98,6 +100,10 @@ def main(argv=None):
         emb(dev_batches[k]).backward(grad)
         emb.sparse_step(lr=1e-3)
 
+    for k in range(a.cache_warmup):
+        b = zipf_batches(V, a.batch * a.seq, 1, a.zipf, seed=1000 + k)[0]
+        emb(b.view(a.batch, a.seq).cuda()).backward(grad)
+        emb.sparse_step(lr=1e-3)
     for _ in range(a.steps):
         step()
     torch.cuda.synchronize()
@@ -115,6 +121,8 @@ def main(argv=None):
         for _ in range(a.steps):
             step()
         torch.cuda.synchronize()
+    if a.trace:
+        prof.export_chrome_trace(a.trace)
     ka = prof.key_averages()
     out.append(f"profiler, {a.steps} steps (times are totals over them):")
     out.append(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
