@@ -25,6 +25,18 @@ def check_range(uniq_sorted_cpu: Tensor, vocab_size: int) -> None:
                          f"[0, {vocab_size})); check the tokenizer / TokenMap matches the model")
 
 
+def unique_sorted_cpu(flat: Tensor, vocab_size: int) -> Tensor:
+    """Sorted unique ids of CPU ``flat``: a vocabulary-sized mask when the batch is large (no sort)."""
+    if flat.numel() * 8 < vocab_size:
+        return torch.unique(flat)
+    lo, hi = torch.aminmax(flat)
+    if int(lo) < 0 or int(hi) >= vocab_size:
+        return torch.unique(flat)  # the caller's range check names the bad id
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask.index_fill_(0, flat, True)
+    return torch.nonzero(mask).squeeze(1)
+
+
 def lookup(module, input: Tensor, pin: bool):
     """Gather the rows of ``input`` (any shape) -> ``(out [N, d], unique ids on CPU, backward plan)``."""
     from ds_maximus.ops import sharded_embedding as ops, to_device
@@ -50,6 +62,7 @@ class ShardedEmbeddingFunction(torch.autograd.Function):
     def forward(ctx, anchor, out, module, uniq_cpu, plan):
         ctx.module = module
         ctx.uniq_cpu = uniq_cpu
+        ctx.anchor_device = anchor.device
         ctx.save_for_backward(*(t for t in plan if t is not None))
         return out.view_as(out)
 
@@ -66,5 +79,7 @@ class ShardedEmbeddingFunction(torch.autograd.Function):
             if not bool(keep.all()):
                 uniq, rows = uniq[keep], rows[keep.to(rows.device)]
         module._accumulate(uniq, rows)
-        # a zero (not None) anchor gradient, so an anchor's own backward (the norm carrier) still runs
-        return torch.zeros((), dtype=torch.float32, device=grad_out.device), None, None, None, None
+        # a zero (not None) anchor gradient, so an anchor's own backward (the norm carrier) still runs; on
+        # the anchor's device: a GPU zero for the standalone module's CPU anchor would cost a device-to-host
+        # copy, i.e. a host wait for all queued GPU work, in every backward
+        return torch.zeros((), dtype=torch.float32, device=ctx.anchor_device), None, None, None, None

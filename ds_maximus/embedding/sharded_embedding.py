@@ -178,8 +178,8 @@ class ShardedEmbedding(nn.Module):
 
     def prefetch(self, ids: Tensor) -> None:
         """Stage the rows of an upcoming batch asynchronously (pinned until the next forward uses them)."""
-        uniq = torch.unique(ids.detach().reshape(-1).to("cpu", torch.long))
-        from ds_maximus.embedding.function import check_range
+        from ds_maximus.embedding.function import check_range, unique_sorted_cpu
+        uniq = unique_sorted_cpu(ids.detach().reshape(-1).to("cpu", torch.long), self.num_embeddings)
         check_range(uniq, self.num_embeddings)
         from ds_maximus.errors import CapacityError
         while len(self._prefetched) >= 2:

@@ -68,13 +68,18 @@ __global__ void segment_reduce_kernel(const T* __restrict__ grad, const int64_t*
 }
 
 // One block per row: replay the skipped steps (exact mode), then the gradient step.
+// The replay takes the skipped steps kThreads at a time: each thread computes one step's coefficients
+// into shared memory (double pow, in parallel), then each thread carries its elements through the whole
+// chunk in registers. Memory traffic is one read and write of the row per chunk, not per skipped step,
+// and the per-element arithmetic is the same sequence as one step at a time (identical results).
 __global__ void row_update_kernel(float* __restrict__ W, float* __restrict__ S0, float* __restrict__ S1,
                                   const int64_t* __restrict__ slots, const float* __restrict__ G,
                                   const int64_t* __restrict__ last, const double* __restrict__ lrh,
                                   const double* __restrict__ wdh, int64_t R, int64_t d, RowUpdateArgs a) {
-    __shared__ StepCoeffs sc;
+    __shared__ StepCoeffs sc[kThreads];
+    __shared__ int live[kThreads];  // index into sc of the chunk's steps that are not no-ops
+    __shared__ int n_live;
     const StepCoeffs gc = step_coeffs(a.optimizer, a.lazy, a.lr, a.weight_decay, a.beta1, a.beta2, a.eps, a.step);
-    float dummy = 0.f;
     for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
         const int64_t s = slots[r];
         float* p = W + s * d;
@@ -82,18 +87,33 @@ __global__ void row_update_kernel(float* __restrict__ W, float* __restrict__ S0,
         float* v = S1 ? S1 + s * d : nullptr;
         if (!a.lazy) {
             const int64_t end = a.has_grad ? a.step - 1 : a.step;
-            for (int64_t k = last[r] + 1; k <= end; ++k) {
-                if (replay_is_noop(a.optimizer, wdh[k])) continue;
+            for (int64_t k0 = last[r] + 1; k0 <= end; k0 += kThreads) {
+                const int n = (int)(end - k0 + 1 < kThreads ? end - k0 + 1 : kThreads);
+                __syncthreads();  // the previous chunk (or row) is done with sc
+                if (threadIdx.x < n) {
+                    const int64_t k = k0 + threadIdx.x;
+                    sc[threadIdx.x] = step_coeffs(a.optimizer, false, lrh[k], wdh[k], a.beta1, a.beta2, a.eps, k);
+                }
+                if (threadIdx.x == 0) {  // keep step order; drop no-op replays
+                    int c = 0;
+                    for (int i = 0; i < n; ++i)
+                        if (!replay_is_noop(a.optimizer, wdh[k0 + i])) live[c++] = i;
+                    n_live = c;
+                }
                 __syncthreads();
-                if (threadIdx.x == 0) sc = step_coeffs(a.optimizer, false, lrh[k], wdh[k], a.beta1, a.beta2, a.eps, k);
-                __syncthreads();
-                const StepCoeffs c = sc;
-                for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
-                    update_elem(a.optimizer, false, p[j], m[j], v ? v + j : &dummy, 0.f, c);
+                const int nl = n_live;
+                for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+                    float pj = p[j], mj = m[j], vj = v ? v[j] : 0.f;
+                    for (int i = 0; i < nl; ++i) update_elem(a.optimizer, false, pj, mj, &vj, 0.f, sc[live[i]]);
+                    p[j] = pj;
+                    m[j] = mj;
+                    if (v) v[j] = vj;
+                }
             }
         }
         if (G) {
             const float* g = G + r * d;
+            float dummy = 0.f;
             for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
                 update_elem(a.optimizer, a.lazy, p[j], m[j], v ? v + j : &dummy, g[j], gc);
         }

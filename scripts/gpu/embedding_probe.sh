@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# ShardedEmbedding on the GPU machine, quick loop: build our CUDA op, its GPU tests, the benchmark without
+# the DeepSpeed peers (ours at steady state, dense, SparseAdam), and a profile with a per-stream timeline.
+# About 3 min on an H200 (70 s of it the cold op build). The full benchmark is scripts/gpu/sharded_embedding.sh.
+set -x
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$PWD/bench_out}"
+mkdir -p "$OUT"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
+export MAXIMUS_BENCH_OUT="$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python -u -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_op('cuda') is not None; print('op built')" \
+  > "$OUT/op_build.log" 2>&1
+echo "build rc=$?"; tail -2 "$OUT/op_build.log"
+timeout 200 python -m pytest -q -m gpu tests/embedding/test_sharded_embedding_gpu.py tests/ops/test_sharded_embedding.py \
+  > "$OUT/emb_gpu_tests.log" 2>&1
+echo "emb gpu tests rc=$?"; tail -3 "$OUT/emb_gpu_tests.log"
+timeout 110 python -u -m benchmarks.bench_sharded_embedding --no-deepspeed --budget-s 100 --out "$OUT/sharded_embedding.md" \
+  > "$OUT/sharded_embedding_bench.log" 2>&1
+echo "emb bench rc=$?"; tail -9 "$OUT/sharded_embedding_bench.log"
+timeout 90 python -u -m benchmarks.profile_sharded_embedding --out "$OUT/emb_profile.txt" --trace "$OUT/emb_trace.json" \
+  > "$OUT/emb_profile.log" 2>&1
+echo "profile rc=$?"; sed -n 8,9p "$OUT/emb_profile.txt"
+python -m benchmarks.trace_timeline "$OUT/emb_trace.json" --bucket-ms 1 > "$OUT/emb_timeline.txt" 2>&1
+head -30 "$OUT/emb_timeline.txt"
+gzip -f "$OUT/emb_trace.json"
