@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,11 @@ from ds_maximus.embedding.stats import EmbeddingStats, format_line
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
 
 logger = logging.getLogger("ds_maximus")
+
+
+class _Prefetched(NamedTuple):
+    ids: Tensor    # sorted unique ids (CPU)
+    slots: Tensor  # their slots, pinned until a lookup adopts or releases them
 
 
 def _masked(t: Tensor, mask: Tensor) -> Tensor:
@@ -160,14 +165,16 @@ class ShardedEmbedding(nn.Module):
     def _resident(self, uniq_cpu: Tensor, pin: bool, wait: bool = True) -> Tensor:
         """Make rows ``uniq_cpu`` resident and current (exact-mode catch-up); returns their slots."""
         from ds_maximus.errors import CapacityError
-        try:
-            slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
-        except CapacityError:
-            if not self._prefetched:
-                raise
-            while self._prefetched:  # prefetched rows are a hint: give their slots up and retry
-                self.cache.unpin(self._prefetched.popleft())
-            slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
+        slots = self._adopt_prefetch(uniq_cpu, wait) if pin else None
+        if slots is None:
+            try:
+                slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
+            except CapacityError:
+                if not self._prefetched:
+                    raise
+                while self._prefetched:  # prefetched rows are a hint: give their slots up and retry
+                    self.cache.unpin(self._prefetched.popleft().slots)
+                slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
         if pin:
             self._step_pins.append(slots)
         w, states = self._tables()
@@ -183,14 +190,28 @@ class ShardedEmbedding(nn.Module):
         check_range(uniq, self.num_embeddings)
         from ds_maximus.errors import CapacityError
         while len(self._prefetched) >= 2:
-            self.cache.unpin(self._prefetched.popleft())
-        try:
-            slots = self.cache.acquire(uniq, pin=True, wait=False, count=False)
+            self.cache.unpin(self._prefetched.popleft().slots)
+        try:  # counted here: a lookup of exactly these ids adopts them without a second count
+            slots = self.cache.acquire(uniq, pin=True, wait=False, count=True)
         except CapacityError:
             logger.debug("prefetch of %d rows skipped: the cache cannot hold them beside the rows in use",
                          uniq.numel())
             return
-        self._prefetched.append(slots)
+        self._prefetched.append(_Prefetched(uniq, slots))
+
+    def _adopt_prefetch(self, uniq_cpu: Tensor, wait: bool) -> Optional[Tensor]:
+        """Slots of a prefetched set with exactly the ids ``uniq_cpu`` (its pins pass to the step), or None.
+
+        The common case (``prefetch(batch t+1)`` during step t): the lookup skips the cache's bookkeeping
+        a second time; the rows were counted, pinned and their fills queued by the prefetch.
+        """
+        for i, p in enumerate(self._prefetched):
+            if p.ids.numel() == uniq_cpu.numel() and torch.equal(p.ids, uniq_cpu):
+                del self._prefetched[i]  # the prefetch's assign already touched them (recency, frequency)
+                if wait:
+                    self.cache.wait_fills(p.slots)
+                return p.slots
+        return None
 
     def _release_prefetch(self, used_slots: Tensor) -> None:
         """Unpin the prefetched sets this lookup consumed (all their rows are among ``used_slots``)."""
@@ -199,11 +220,11 @@ class ShardedEmbedding(nn.Module):
         used = torch.zeros(self.cache.num_slots, dtype=torch.bool)
         used.index_fill_(0, used_slots, True)  # a mask: torch.isin sorts both sides (~1 ms per lookup)
         keep = collections.deque()
-        for s in self._prefetched:
-            if bool(used.index_select(0, s).all()):
-                self.cache.unpin(s)
+        for p in self._prefetched:
+            if bool(used.index_select(0, p.slots).all()):
+                self.cache.unpin(p.slots)
             else:
-                keep.append(s)
+                keep.append(p)
         self._prefetched = keep
 
     def _accumulate(self, ids: Tensor, rows: Tensor) -> None:

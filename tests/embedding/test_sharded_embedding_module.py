@@ -133,3 +133,26 @@ def test_prefetch_then_forward_hits():
     assert emb.cache.counters.hits == 3
     torch.testing.assert_close(out, emb.full_weight()[ids])
     assert int(emb.cache.map.pin_count.sum()) == 0
+
+
+def test_prefetch_is_adopted_by_the_lookup_and_counted_once():
+    emb = ShardedEmbedding(100, 4, config=make_config(cache_rows=32))
+    ref = emb.full_weight()
+    emb.prefetch(torch.tensor([5, 7, 9, 7]))
+    out = emb(torch.tensor([[9, 5], [7, 7]]))
+    torch.testing.assert_close(out, ref[torch.tensor([[9, 5], [7, 7]])])
+    out.sum().backward()
+    c = emb.cache.counters
+    assert (c.lookups, c.misses, c.hits) == (3, 3, 0)  # the prefetch counted them; the lookup did not again
+    assert not emb._prefetched and int(emb.cache.map.pin_count.sum()) == 3  # pinned until the step
+    emb.sparse_step(lr=0.1)
+    assert int(emb.cache.map.pin_count.sum()) == 0
+    emb.prefetch(torch.tensor([5, 9]))
+    emb(torch.tensor([5, 9])).sum().backward()
+    emb.sparse_step(lr=0.1)
+    assert (c.lookups, c.hits) == (5, 2) and int(emb.cache.map.pin_count.sum()) == 0
+    # a lookup of other ids than the prefetched ones still releases the prefetch's pins
+    emb.prefetch(torch.tensor([1, 2]))
+    emb(torch.tensor([1, 2, 3])).sum().backward()
+    emb.sparse_step(lr=0.1)
+    assert not emb._prefetched and int(emb.cache.map.pin_count.sum()) == 0
