@@ -1,4 +1,9 @@
-"""Per-step and cumulative statistics of a ``ShardedEmbedding`` (hit rate, traffic, stall, sparsity)."""
+"""Per-step and cumulative statistics of a ``ShardedEmbedding`` (hit rate, traffic, stall, sparsity).
+
+Hit rate: of the unique rows each batch asks for, those already in the GPU cache when first asked for
+(by ``prefetch`` when the batch was prefetched, else by the lookup). Traffic counts rows and bytes moved
+between the cache and its tier; stall is the time the compute stream waited for fills.
+"""
 from __future__ import annotations
 
 import dataclasses
