@@ -161,9 +161,12 @@ class ExpertCache:
             self._stage_ev = self.transfer.load_head(self._stage, self.store, uid, self._stage_ev)
             self._guess = (group, e)
             self.counters.prefetch_issued += 1
-            self.counters.bytes_prefetch += self._stage.numel() * self._stage.element_size()
+            self.counters.bytes_prefetch += self._stage_bytes()
             return 1
         return 0
+
+    def _stage_bytes(self) -> int:
+        return 0 if self._stage is None else self._stage.numel() * self._stage.element_size()
 
     def _drop_staged(self) -> None:
         if self._guess is not None:
@@ -233,7 +236,7 @@ class ExpertCache:
             if s in miss_slots and int(e) == staged:  # the guess was right: only the rest crosses the link
                 g.prefetched[s] = False
                 self._stage_ev = self._load(group, g, s, int(e), head=self._stage)
-                c.bytes_demand += self.layout.nbytes - self._stage.numel() * self._stage.element_size()
+                c.bytes_demand += self.layout.nbytes - self._stage_bytes()
                 c.demand_misses -= 1
                 c.demand_hits += 1
                 c.prefetch_useful += 1
@@ -344,7 +347,7 @@ class ExpertCache:
             "gpu_stall_ms": c.gpu_stall_ms,
             "evictions": c.evictions,
             "expert_bytes": self.layout.nbytes,
-            "staging_bytes": 0 if self._stage is None else self._stage.numel() * self._stage.element_size(),
+            "staging_bytes": self._stage_bytes(),
             "slots_per_layer": self.slots_per_group,
         }
 

@@ -206,38 +206,32 @@ class CudaTransfer:
         src = store.host_view(uid)
         if head is not None:  # a staged guess: its head is on the device, only the rest crosses the link
             n = head.numel()
-            with torch.cuda.stream(self.stream):
-                if after is not None:
-                    self.stream.wait_event(after)
-                dst.view(-1)[:n].copy_(head, non_blocking=True)
-                dst.view(-1)[n:].copy_(src.view(-1)[n:], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-            return ev
+            return self._copies(after, (dst.view(-1)[:n], head), (dst.view(-1)[n:], src.view(-1)[n:]))
         staged = None
         if src is None:
             staged = self._staging_buffer(dst.numel(), dst.dtype)
             src = self._staging[staged]
             store.read_into(uid, src)
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
+        ev = self._copies(after, (dst, src))
         if staged is not None:
             self._staging_ev[staged] = ev
         return ev
 
-    def load_head(self, stage: torch.Tensor, store, uid: int, after=None) -> torch.cuda.Event:
-        """Copy the first ``stage.numel()`` elements of expert ``uid`` into ``stage`` (a staged guess)."""
+    def _copies(self, after, *pairs) -> torch.cuda.Event:
+        """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on the copy stream after event ``after``;
+        returns the event of the last."""
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
-            stage.copy_(store.host_view(uid).view(-1)[:stage.numel()], non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return ev
+
+    def load_head(self, stage: torch.Tensor, store, uid: int, after=None) -> torch.cuda.Event:
+        """Copy the first ``stage.numel()`` elements of expert ``uid`` into ``stage`` (a staged guess)."""
+        return self._copies(after, (stage, store.host_view(uid).view(-1)[:stage.numel()]))
 
     def prefetch(self, dst: torch.Tensor, store, uid: int, after=None, chunk_bytes: Optional[int] = None):
         """A speculative load: a job whose head chunk is queued now, behind the demand loads queued so far
@@ -252,12 +246,7 @@ class CudaTransfer:
 
     def _queue(self, job: PrefetchJob, a: int, b: int) -> torch.cuda.Event:
         """Queue ``job``'s elements ``[a, b)`` on the copy stream (caller holds ``job.lock``)."""
-        with torch.cuda.stream(self.stream):
-            if a == 0 and job.after is not None:
-                self.stream.wait_event(job.after)
-            job.dst[a:b].copy_(job.src[a:b], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
+        ev = self._copies(job.after if a == 0 else None, (job.dst[a:b], job.src[a:b]))
         if b == job.n:
             job.final = ev
         return ev
