@@ -50,9 +50,15 @@ def _worker(rank, world, port, args, out):
     from ds_maximus.distributed import PartitionedEmbedding, allreduce_sparse_rows
     from ds_maximus.embedding import ShardedEmbedding
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    cfg = EmbeddingConfig(gpu_cache_rows=args.cache_rows, optimizer={"lr": 1e-3, "weight_decay": 0.0})
     rows = {}
     for mode in args.modes.split(","):
+        # the GPU cache holds --cache-frac of the rows this rank keeps: partitioned keeps 1/world of them
+        held = args.vocab // world if mode == "partitioned" else args.vocab
+        cache = args.cache_rows or max(1, int(args.cache_frac * held))
+        cfg = EmbeddingConfig(gpu_cache_rows=cache, optimizer={"lr": 1e-3, "weight_decay": 0.0})
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
         if mode == "partitioned":
             emb = PartitionedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
         else:
@@ -79,12 +85,17 @@ def _worker(rank, world, port, args, out):
             if step >= args.warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
                 sent.append(moved)
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        peak = torch.tensor([torch.cuda.max_memory_allocated(dev) if cuda else 0], dtype=torch.float64, device=dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         table = emb.tier_bytes() if hasattr(emb, "tier_bytes") else args.vocab * args.dim * 12
+        st = emb.stats()
         rows[mode] = {"ms": float(t), "bytes_sent_per_step": statistics.mean(sent), "tier_bytes": table,
                       "comm_ms": emb.comm.stats()["comm_ms"] / (args.warmup + args.steps)
-                      if mode == "partitioned" else None}
+                      if mode == "partitioned" else None, "cache_rows": cache,
+                      "peak_gib": float(peak) / 2**30,
+                      "hit_rate": st.get("last_step", {}).get("hit_rate", st.get("hit_rate"))}
         del emb
     if rank == 0:
         with open(out, "w") as f:
@@ -95,11 +106,12 @@ def _worker(rank, world, port, args, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="1,2", help="world sizes to run, comma-separated (1 is the baseline)")
-    ap.add_argument("--modes", default="partitioned,replicated")
+    ap.add_argument("--modes", default="replicated,partitioned")
     ap.add_argument("--vocab", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=2048, help="ids per rank per step")
-    ap.add_argument("--cache-rows", type=int, default=8192)
+    ap.add_argument("--cache-rows", type=int, default=0, help="GPU cache rows per rank (0: --cache-frac)")
+    ap.add_argument("--cache-frac", type=float, default=0.1, help="GPU cache as a fraction of the rows a rank holds")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the markdown table here")
@@ -107,7 +119,8 @@ def main():
     worlds = sorted({int(x) for x in args.ranks.split(",")} | {1})
     bench = Bench("distributed_embedding", dtype="fp32",
                   sizes={"V": args.vocab, "d": args.dim, "tokens/rank": args.tokens},
-                  notes="weak scaling; efficiency = ms(1 rank) / ms(N ranks); bytes = sent per rank per step")
+                  notes="weak scaling; efficiency = ms(1 rank) / ms(N ranks) of the same mode; vs 1 GPU = "
+                        "ms(one ShardedEmbedding, replicated x1) / ms(N ranks); bytes = sent per rank per step")
     base = {}
     for world in worlds:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -116,10 +129,14 @@ def main():
             res = json.load(open(f.name))
         for mode, r in res.items():
             base.setdefault(mode, r["ms"])
+            one = base.get("replicated", base[mode])  # replicated on one rank is one plain ShardedEmbedding
             bench.add(f"{mode} x{world}", r["ms"], efficiency=round(base[mode] / r["ms"], 3),
+                      vs_one_gpu=round(one / r["ms"], 3),
                       MiB_sent_per_step=r["bytes_sent_per_step"] / 2**20,
                       comm_ms_per_step=r["comm_ms"] if r["comm_ms"] is not None else "-",
-                      table_MiB_per_rank=r["tier_bytes"] / 2**20)
+                      table_MiB_per_rank=r["tier_bytes"] / 2**20, cache_rows_per_rank=r["cache_rows"],
+                      peak_GiB_per_rank=round(r["peak_gib"], 2),
+                      hit_rate=round(r["hit_rate"], 3) if r["hit_rate"] is not None else "-")
         bench.checkpoint(args.out)
     bench.report()
     if args.out:

@@ -49,6 +49,7 @@ class Collectives:
         backend = dist.get_backend(self.group)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                                  else torch.device("cpu"))
+        self.on_device = self.device.type != "cpu"  # NCCL's wait() does not block the host: see _poll
         self.step = 0  # the caller's step, for error messages
         self.bytes_sent = 0
         self.bytes_recv = 0
@@ -59,7 +60,10 @@ class Collectives:
     def _wait(self, work, name: str, t0: float) -> None:
         where = f"maximus collective '{name}' (step {self.step}, rank {self.rank} of {self.world})"
         try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            if self.on_device:
+                ok = self._poll(work, t0)
+            else:
+                ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:  # a peer closed its connection (died), or the wait timed out
             timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
             what = f"timed out after {self.timeout_s:g} s" if timed_out else f"failed: {e}"
@@ -72,6 +76,19 @@ class Collectives:
         if ok is False:
             raise DistributedError(f"{where} timed out after {self.timeout_s:g} s; another rank died or stopped "
                                    "calling it. fix: see the other ranks' logs; raise maximus.distributed.timeout_s")
+
+    def _poll(self, work, t0: float) -> bool:
+        """NCCL: ``wait()`` orders the current stream after the collective; the host then polls the work
+        against the deadline (``wait(timeout=...)`` would sleep 1 ms between polls, a millisecond per
+        collective). Returns False when the deadline passes."""
+        work.wait()
+        spins = 0
+        while not work.is_completed():
+            if time.perf_counter() - t0 > self.timeout_s:
+                return False
+            spins += 1
+            time.sleep(0 if spins < 2000 else 1e-3)  # spin a few ms, then back off
+        return True
 
     # -- collectives ----------------------------------------------------------------------------------------
     def all_to_all(self, name: str, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:

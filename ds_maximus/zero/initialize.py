@@ -47,6 +47,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if not cfg.enabled or model is None:
         return _DEEPSPEED_INITIALIZE(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                      config=ds_config, **kwargs)
+    _init_distributed(cfg, kwargs)
     plan = swap_embeddings(model, cfg)
     modules = dict(plan.swapped)
     if cfg.lm_head.enabled:
@@ -94,6 +95,24 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
             modules["moe"].configure_from_engine(engine)
         runtime.install()
     return engine, opt, loader, sched
+
+
+def _init_distributed(cfg: MaximusConfig, kwargs: dict) -> None:
+    """What ``deepspeed.initialize`` does first, done before the swap: the partitioned and broadcast tables
+    talk to the other ranks while they are built. Also each launched rank's GPU (``LOCAL_RANK``), which the
+    engine would set only later: NCCL needs every rank on its own device from the first collective."""
+    from ds_maximus.config import ShardMode
+    if cfg.distributed.shard_mode == ShardMode.REPLICATED or kwargs.get("dist_init_required") is False:
+        return
+    import os
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" and "LOCAL_RANK" in os.environ:
+        acc.set_device(int(os.environ["LOCAL_RANK"]))
+    if not comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
+                                   distributed_port=kwargs.get("distributed_port", 29500))
 
 
 def _strip_args(args):

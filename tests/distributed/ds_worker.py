@@ -62,9 +62,10 @@ def main():
                 engine.save_checkpoint(args.ckpt, tag=f"step{args.save_at}")
         emb = engine.module.model.embed_tokens
         w = embedding_weight(engine)  # collective in partitioned mode
-        sizes = [torch.zeros(1) for _ in range(world)]
+        dev = engine.device  # NCCL (GPU ranks) gathers device tensors only
+        sizes = [torch.zeros(1, dtype=torch.float64, device=dev) for _ in range(world)]
         own = float(emb.tier_bytes()) if hasattr(emb, "tier_bytes") else -1.0
-        torch.distributed.all_gather(sizes, torch.tensor([own]))
+        torch.distributed.all_gather(sizes, torch.tensor([own], dtype=torch.float64, device=dev))
         results[key] = {"losses": losses, "embedding": w, "tier_bytes": [float(s) for s in sizes],
                         "stats": dict(emb.stats()), "steps": engine.maximus.steps, "start": start}
     if rank == 0:

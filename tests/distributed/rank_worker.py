@@ -21,13 +21,20 @@ def batches(world):
             for _ in range(STEPS)]
 
 
+def device():
+    """Each rank's GPU under ``MAXIMUS_TEST_RANKS=cuda`` (NCCL), else the CPU (gloo)."""
+    if os.environ.get("MAXIMUS_TEST_RANKS", "cpu") == "cuda":
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return torch.device("cpu")
+
+
 def make(world, **kw):
     from ds_maximus.config import EmbeddingConfig
     from ds_maximus.distributed import PartitionedEmbedding
     torch.manual_seed(0)
     w = torch.randn(VOCAB, DIM)
     cfg = EmbeddingConfig(gpu_cache_rows=16, optimizer={"lr": 0.05, "weight_decay": 0.1})
-    return PartitionedEmbedding(VOCAB, DIM, padding_idx=1, config=cfg, _weight=w, **kw), w, cfg
+    return PartitionedEmbedding(VOCAB, DIM, padding_idx=1, config=cfg, _weight=w, device=device(), **kw), w, cfg
 
 
 def equal(rank, world, out):
@@ -35,9 +42,9 @@ def equal(rank, world, out):
     emb, _, _ = make(world)
     losses = []
     for ids in batches(world):
-        local = ids[rank * 2:(rank + 1) * 2]
+        local = ids[rank * 2:(rank + 1) * 2].to(device())
         y = emb(local)
-        loss = (y * torch.linspace(-1, 1, DIM)).pow(2).mean()
+        loss = (y * torch.linspace(-1, 1, DIM, device=y.device)).pow(2).mean()
         loss.backward()
         emb.sparse_step()
         t = loss.detach().reshape(1)
@@ -51,12 +58,12 @@ def equal(rank, world, out):
 def bad_id(rank, world, out):
     emb, _, _ = make(world, timeout_s=60)
     ids = torch.tensor([[2, 3]]) if rank == 0 else torch.tensor([[5, VOCAB + 7]])
-    emb(ids)
+    emb(ids.to(device()))
 
 
 def die(rank, world, out):
     emb, _, _ = make(world, timeout_s=20)
-    ids = torch.tensor([[2, 3, 40, 77]])
+    ids = torch.tensor([[2, 3, 40, 77]], device=device())
     y = emb(ids)
     if rank == world - 1:
         os._exit(7)  # killed mid-step, before backward
@@ -66,7 +73,7 @@ def die(rank, world, out):
 
 def hang(rank, world, out):
     emb, _, _ = make(world, timeout_s=3)
-    y = emb(torch.tensor([[2, 3, 40, 77]]))
+    y = emb(torch.tensor([[2, 3, 40, 77]], device=device()))
     if rank == world - 1:
         time.sleep(6)  # alive but never joins the backward collective
         os._exit(0)
@@ -75,7 +82,11 @@ def hang(rank, world, out):
 
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                            timeout=__import__("datetime").timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     rc = 0
     for name in scenario.split(","):  # several scenarios in one start-up (imports cost seconds per rank)

@@ -1,4 +1,9 @@
-"""Start N CPU ranks (gloo) of a worker script, or N ranks under the ``deepspeed`` launcher."""
+"""Start N ranks of a worker script, or N ranks under the ``deepspeed`` launcher.
+
+Ranks are CPU processes with gloo by default. With ``MAXIMUS_TEST_RANKS=cuda`` (the multi-GPU machine:
+``scripts/gpu/distributed.sh``) every rank gets its own GPU and the ranks talk NCCL, so the same tests
+check the multi-GPU runs.
+"""
 from __future__ import annotations
 
 import os
@@ -17,10 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def on_gpus() -> bool:
+    """Whether the ranks run on GPUs with NCCL (``MAXIMUS_TEST_RANKS=cuda``) rather than on CPU with gloo."""
+    return os.environ.get("MAXIMUS_TEST_RANKS", "cpu") == "cuda"
+
+
 def clean_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
                                                              "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
-    env["DS_ACCELERATOR"] = "cpu"
+    env["DS_ACCELERATOR"] = "cuda" if on_gpus() else "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
@@ -31,6 +41,8 @@ def prebuild_ops() -> None:
     inside a rank timeout got killed mid-build and left its lock behind (a CI run did)."""
     from ds_maximus.ops.sharded_embedding import load_op
     load_op("cpu")
+    if on_gpus():
+        load_op("cuda")
 
 
 def run_ranks(n: int, script: Path, *args, timeout: float = 120):

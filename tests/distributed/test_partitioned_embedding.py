@@ -1,12 +1,13 @@
-"""PartitionedEmbedding over 2 gloo ranks (no DeepSpeed engine): equal to one ShardedEmbedding, 1/N
-memory, clear errors for bad ids, and a dead or stalled rank makes the others fail (not hang)."""
+"""PartitionedEmbedding over 2 ranks (no DeepSpeed engine): equal to one ShardedEmbedding, 1/N memory,
+clear errors for bad ids, and a dead or stalled rank makes the others fail (not hang). Gloo CPU ranks here;
+2 GPUs with NCCL under ``MAXIMUS_TEST_RANKS=cuda`` (``scripts/gpu/distributed.sh``)."""
 from pathlib import Path
 
 import pytest
 import torch
 
 from ds_maximus.distributed import RowPartition
-from tests.distributed.ranks import run_ranks
+from tests.distributed.ranks import on_gpus, run_ranks
 
 WORKER = Path(__file__).parent / "rank_worker.py"
 
@@ -45,11 +46,12 @@ def test_two_ranks_equal_one_and_bad_ids_fail_everywhere(tmp_path):
 
     torch.manual_seed(0)
     w = torch.randn(rw.VOCAB, rw.DIM)
-    ref = ShardedEmbedding(rw.VOCAB, rw.DIM, padding_idx=1, _weight=w,
+    dev = torch.device("cuda", 0) if on_gpus() else torch.device("cpu")  # one GPU against two, or one CPU rank
+    ref = ShardedEmbedding(rw.VOCAB, rw.DIM, padding_idx=1, _weight=w, device=dev,
                            config=EmbeddingConfig(gpu_cache_rows=16, optimizer={"lr": 0.05, "weight_decay": 0.1}))
     losses = []
     for ids in rw.batches(2):
-        loss = (ref(ids) * torch.linspace(-1, 1, rw.DIM)).pow(2).mean()
+        loss = (ref(ids.to(dev)) * torch.linspace(-1, 1, rw.DIM, device=dev)).pow(2).mean()
         loss.backward()
         ref.sparse_step()
         losses.append(float(loss.detach()))

@@ -2,20 +2,22 @@
 equal to one rank with the same global batch (exact AdamW, fp32, clipping on); partitioned mode
 holds 1/N of the table per rank; a checkpoint saved on 4 ranks resumes on 2 and continues equal.
 
-Two launches in all (4 ranks, then 2 ranks): the machine has 2 cores.
+Two launches in all (4 ranks, then 2 ranks): the machine has 2 cores. On GPUs (``MAXIMUS_TEST_RANKS=cuda``,
+NCCL) the first launch has as many ranks as the host has GPUs, up to 4 (2 on a 2-GPU host).
 """
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.ranks import launch
+from tests.distributed.ranks import launch, on_gpus
 
 WORKER = Path(__file__).parent / "ds_worker.py"
 STEPS, SAVE_AT = 20, 10
 VOCAB, DIM, STATES = 384, 32, 2  # tiny_llama's table; AdamW keeps two state tensors per row
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+BIG = min(4, torch.cuda.device_count()) if on_gpus() else 4  # ranks of the first launch (it saves the checkpoint)
 
 
 def one_rank(stage: int):
@@ -28,7 +30,7 @@ def one_rank(stage: int):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shard_modes")
-    launch(4, WORKER, "--out", tmp / "four.pt", "--modes", "partitioned", "--stage", 0, "--steps", STEPS,
+    launch(BIG, WORKER, "--out", tmp / "four.pt", "--modes", "partitioned", "--stage", 0, "--steps", STEPS,
            "--save-at", SAVE_AT, "--ckpt", tmp / "ckpt")
     log = launch(2, WORKER, "--out", tmp / "two.pt", "--modes", "partitioned,broadcast,replicated", "--stage", 2,
                  "--steps", STEPS, "--save-at", SAVE_AT, "--resume", tmp / "ckpt", "--resume-stage", 0)
@@ -55,12 +57,13 @@ def test_two_ranks_equal_one(runs, mode):
 
 
 def test_four_ranks_equal_one(runs):
+    """(``BIG`` ranks: 4, or the GPUs of a smaller GPU host)"""
     close(runs["four"]["partitioned"], runs["ref0"])
 
 
 def test_partitioned_tier_is_one_nth(runs):
     full = VOCAB * DIM * 4 * (1 + STATES)
-    for key, world in (("two", 2), ("four", 4)):
+    for key, world in (("two", 2), ("four", BIG)):
         sizes = runs[key]["partitioned"]["tier_bytes"]
         assert sizes == [full / world] * world, (key, sizes, full)
 
@@ -73,7 +76,7 @@ def test_partitioned_stats_count_traffic(runs):
 
 def test_checkpoint_of_four_ranks_resumes_on_two(runs):
     files = sorted(p.name for p in (runs["ckpt"] / f"step{SAVE_AT}").glob("maximus_states_rank*.pt"))
-    assert files == [f"maximus_states_rank{r:05d}.pt" for r in range(4)]
+    assert files == [f"maximus_states_rank{r:05d}.pt" for r in range(BIG)]
     got = runs["two"]["resume"]
     assert got["start"] == SAVE_AT and got["steps"] == STEPS
     close(got, runs["ref0"], start=SAVE_AT)
