@@ -41,6 +41,9 @@ def _ids(step, rank, tokens, vocab):
 
 def _worker(rank, world, port, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    from ds_maximus.distributed.cores import share_host_cores
+    share_host_cores()  # what ds_maximus.initialize does for launched ranks
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if cuda:
         torch.cuda.set_device(rank)
@@ -63,7 +66,12 @@ def _worker(rank, world, port, args, out):
             emb = PartitionedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
         else:
             emb = ShardedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
-        times, sent = [], []
+        times, sent, phases = [], [], []
+
+        def mark(t):
+            if args.phases and cuda:
+                torch.cuda.synchronize()
+            return t + [time.perf_counter()] if args.phases else t
         for step in range(args.warmup + args.steps):
             ids = _ids(step, rank, args.tokens, args.vocab).to(dev)
             before = emb.comm.stats()["bytes_sent"] if mode == "partitioned" else 0
@@ -71,7 +79,11 @@ def _worker(rank, world, port, args, out):
                 torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-            emb(ids).float().pow(2).mean().backward()
+            ph = [t0]
+            y = emb(ids)
+            ph = mark(ph)
+            y.float().pow(2).mean().backward()
+            ph = mark(ph)
             if mode != "partitioned" and world > 1:
                 g_ids, g_rows = emb.sparse_grads()
                 g_ids, g_rows = allreduce_sparse_rows(g_ids, g_rows)
@@ -79,12 +91,16 @@ def _worker(rank, world, port, args, out):
                 moved = (world - 1) * g_ids.numel() * (8 + 4 * args.dim)  # lower bound: the padding not counted
             else:
                 moved = emb.comm.stats()["bytes_sent"] - before if mode == "partitioned" else 0
+            ph = mark(ph)
             emb.sparse_step()
             if cuda:
                 torch.cuda.synchronize()
             if step >= args.warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
                 sent.append(moved)
+                if args.phases:
+                    ph = mark(ph)
+                    phases.append([(b - a) * 1e3 for a, b in zip(ph, ph[1:])])
         t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         peak = torch.tensor([torch.cuda.max_memory_allocated(dev) if cuda else 0], dtype=torch.float64, device=dev)
@@ -95,7 +111,8 @@ def _worker(rank, world, port, args, out):
                       "comm_ms": emb.comm.stats()["comm_ms"] / (args.warmup + args.steps)
                       if mode == "partitioned" else None, "cache_rows": cache,
                       "peak_gib": float(peak) / 2**30,
-                      "hit_rate": st.get("last_step", {}).get("hit_rate", st.get("hit_rate"))}
+                      "hit_rate": st.get("last_step", {}).get("hit_rate", st.get("hit_rate")),
+                      "phases": [statistics.median(c) for c in zip(*phases)] if phases else None}
         del emb
     if rank == 0:
         with open(out, "w") as f:
@@ -114,6 +131,8 @@ def main():
     ap.add_argument("--cache-frac", type=float, default=0.1, help="GPU cache as a fraction of the rows a rank holds")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--phases", action="store_true", help="also time forward, backward, the replicated mode's "
+                    "reduction and the step apart (a device sync between them)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args()
     worlds = sorted({int(x) for x in args.ranks.split(",")} | {1})
@@ -136,7 +155,9 @@ def main():
                       comm_ms_per_step=r["comm_ms"] if r["comm_ms"] is not None else "-",
                       table_MiB_per_rank=r["tier_bytes"] / 2**20, cache_rows_per_rank=r["cache_rows"],
                       peak_GiB_per_rank=round(r["peak_gib"], 2),
-                      hit_rate=round(r["hit_rate"], 3) if r["hit_rate"] is not None else "-")
+                      hit_rate=round(r["hit_rate"], 3) if r["hit_rate"] is not None else "-",
+                      **({"fwd/bwd/reduce/step_ms": "/".join(f"{x:.1f}" for x in r["phases"])}
+                         if r.get("phases") else {}))
         bench.checkpoint(args.out)
     bench.report()
     if args.out:

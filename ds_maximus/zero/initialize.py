@@ -47,6 +47,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if not cfg.enabled or model is None:
         return _DEEPSPEED_INITIALIZE(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                      config=ds_config, **kwargs)
+    from ds_maximus.distributed.cores import share_host_cores
+    share_host_cores()
     _init_distributed(cfg, kwargs)
     plan = swap_embeddings(model, cfg)
     modules = dict(plan.swapped)

@@ -4,6 +4,7 @@
 #            ids, a dead and a stalled rank), every shard mode under the deepspeed launcher = 1 GPU,
 #            data-parallel training = 1 GPU, MoE expert training on 2 ranks, HF Trainer on 2 ranks
 #   bench  - benchmarks/bench_distributed_embedding.py at V=262144, d=4096, 8 x 2048 Zipf tokens per rank
+#            (BENCH_ARGS: more of its arguments, e.g. --phases)
 #   llama  - examples/train_llama.py (ZeRO-2, bf16, 262144-token vocabulary, the headline's model) on 1 and 2 GPUs
 # PARTS picks them (default "tests bench llama"). Writes $OUT/distributed_tests.txt, $OUT/distributed.md,
 # $OUT/llama_x{1,2}.{log,json}.
@@ -33,7 +34,7 @@ if [[ " $PARTS " == *" tests "* ]]; then
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
   timeout ${BENCH_S:-300} python -m benchmarks.bench_distributed_embedding --ranks "$RANKS" --vocab 262144 \
-    --dim 4096 --tokens 16384 --cache-frac 0.1 --warmup ${WARMUP:-30} --steps 20 --out "$OUT/distributed.md"
+    --dim 4096 --tokens 16384 --cache-frac 0.1 --warmup ${WARMUP:-30} --steps 20 --out "$OUT/distributed.md" ${BENCH_ARGS:-}
 fi
 if [[ " $PARTS " == *" llama "* ]]; then
   args="--deepspeed_config ds_configs/llama_262k_16gib.json --vocab 262144 --hidden 2048 --layers 16 --heads 16

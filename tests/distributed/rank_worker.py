@@ -52,7 +52,8 @@ def equal(rank, world, out):
         losses.append(float(t) / world)
     w = emb.full_weight()
     if rank == 0:
-        torch.save({"losses": losses, "weight": w, "table_bytes": emb.table_bytes(), "stats": emb.stats()}, out)
+        torch.save({"losses": losses, "weight": w, "table_bytes": emb.table_bytes(), "stats": emb.stats(),
+                    "backend": dist.get_backend(), "device": str(emb.compute_device)}, out)
 
 
 def bad_id(rank, world, out):

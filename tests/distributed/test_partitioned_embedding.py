@@ -43,6 +43,7 @@ def test_two_ranks_equal_one_and_bad_ids_fail_everywhere(tmp_path):
     assert f"token id {rw.VOCAB + 7} on rank 1 is outside the table" in outs[1]
     assert outs[0].count("RANK0 ") == 1, outs[0]
     got = torch.load(tmp_path / "r.pt", weights_only=False)
+    assert (got["backend"], got["device"]) == (("nccl", "cuda:0") if on_gpus() else ("gloo", "cpu"))
 
     torch.manual_seed(0)
     w = torch.randn(rw.VOCAB, rw.DIM)
