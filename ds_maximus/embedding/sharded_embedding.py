@@ -294,14 +294,37 @@ class ShardedEmbedding(nn.Module):
                                     self.stats()))
 
     def _tier_update(self, ids: Tensor, rows: Tensor) -> None:
-        """Step rows that are not in the cache where they live (the CPU tier)."""
+        """Step rows that are not in the cache (another rank's rows in data-parallel training, after the
+        gradient all-reduce). On a GPU they cross to it for the step and back, without taking cache slots:
+        exact mode replays every skipped step per element, which on the CPU cost 104 ms a step at V=262144,
+        d=4096 on 2 H200s (``docs/bench/distributed.md``). Without a GPU they are stepped in the tier."""
         self.cache._finish_write_backs(block=True)
         names = ("weight", *self.optimizer.state_names)
-        buf = {n: torch.empty(ids.numel(), self.embedding_dim) for n in names}
-        self.tier.read(ids, buf)
-        local = torch.arange(ids.numel())
-        self.optimizer.update(buf["weight"], [buf[n] for n in names[1:]], local, rows.to("cpu"), ids)
+        dev = rows.device
+        n = ids.numel()
+        if dev.type == "cuda":
+            buf = self._tier_staging(n, names)
+            self.tier.read(ids, buf)
+            on_dev = {k: buf[k][:n].to(dev, non_blocking=True) for k in names}
+            self.optimizer.update(on_dev["weight"], [on_dev[k] for k in names[1:]],
+                                  torch.arange(n, device=dev), rows, ids)
+            for k in names:
+                buf[k][:n].copy_(on_dev[k], non_blocking=True)
+            torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
+        else:
+            buf = {k: torch.empty(n, self.embedding_dim) for k in names}
+            self.tier.read(ids, buf)
+            self.optimizer.update(buf["weight"], [buf[k] for k in names[1:]], torch.arange(n), rows.to("cpu"), ids)
         self.tier.write(ids, buf)
+
+    def _tier_staging(self, n: int, names) -> dict:
+        """Pinned host rows for :meth:`_tier_update`, kept and grown by half again when too small."""
+        have = getattr(self, "_tier_buf", None)
+        if have is None or have["weight"].shape[0] < n:
+            rows = max(n, int(1.5 * (have["weight"].shape[0] if have is not None else 0)))
+            have = {k: torch.empty(rows, self.embedding_dim, pin_memory=True) for k in names}
+            object.__setattr__(self, "_tier_buf", have)
+        return have
 
     def _catch_up_all(self) -> None:
         """Exact mode: bring every row to the current step (cache rows first, then the tier's)."""

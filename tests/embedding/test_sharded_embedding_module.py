@@ -156,3 +156,33 @@ def test_prefetch_is_adopted_by_the_lookup_and_counted_once():
     emb(torch.tensor([1, 2, 3])).sum().backward()
     emb.sparse_step(lr=0.1)
     assert not emb._prefetched and int(emb.cache.map.pin_count.sum()) == 0
+
+
+@pytest.mark.parametrize("mode", ["exact", "lazy"])
+def test_rows_outside_the_cache_are_stepped_like_dense(device, mode):
+    """Data parallel: after the gradient all-reduce a rank steps rows it never looked up, most of them not in
+    its cache. They are stepped without taking slots (on the GPU when there is one), equal to dense AdamW
+    (exact) or SparseAdam (lazy), skipped steps replayed."""
+    from ds_maximus.distributed.sparse_grads import merge_rows
+    g = torch.Generator().manual_seed(5)
+    vocab, dim = 200, 33
+    ref = nn.Embedding(vocab, dim)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=24, mode=mode)).to(device)
+    ref = ref.to(device)
+    dense = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False) if mode == "exact" \
+        else torch.optim.SparseAdam(ref.parameters(), lr=1e-2)
+    for step in range(30):
+        own = zipf_batch(g, vocab, 12).to(device)
+        (emb(own) * torch.randn(12, dim, generator=g).to(device)).sum().backward()
+        ids, rows = emb.sparse_grads()
+        other = torch.randint(0, vocab, (16,), generator=g)  # "another rank's" rows, mostly not cached here
+        dev = rows.device
+        ids, rows = merge_rows(torch.cat([ids.to(dev), other.to(dev)]),
+                               torch.cat([rows, torch.randn(16, dim, generator=g).to(dev)]))
+        emb.set_sparse_grads_(ids, rows)
+        emb.sparse_step(lr=1e-2, weight_decay=0.1 if mode == "exact" else 0.0)
+        grad = torch.zeros(vocab, dim, device=device).index_add_(0, ids.to(device), rows.to(device))
+        ref.weight.grad = grad if mode == "exact" else grad.to_sparse()
+        dense.step()
+    assert emb.stats()["rows_fetched"] > 0
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
