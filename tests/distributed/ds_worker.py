@@ -26,9 +26,10 @@ def main():
     ap.add_argument("--resume-stage", type=int, default=0)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    import deepspeed
-    deepspeed.init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    # no deepspeed.init_distributed() here: ds_maximus.initialize must set up the process group (and each
+    # rank's GPU) itself before it builds a partitioned or broadcast table, as in a script written for plain
+    # deepspeed.initialize
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     from tests.zero.llama_utils import build, embedding_weight, maximus_section, zipf_batches
     batches = zipf_batches(args.steps, batch=args.global_batch, seqlen=16)
     per = args.global_batch // world
