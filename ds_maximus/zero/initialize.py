@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from typing import Any, Optional
 
 import deepspeed
@@ -106,7 +107,6 @@ def _init_distributed(cfg: MaximusConfig, kwargs: dict) -> None:
     from ds_maximus.config import ShardMode
     if cfg.distributed.shard_mode == ShardMode.REPLICATED or kwargs.get("dist_init_required") is False:
         return
-    import os
     from deepspeed import comm
     from deepspeed.accelerator import get_accelerator
     acc = get_accelerator()
