@@ -3,10 +3,14 @@
     python -m benchmarks.bench_distributed_embedding --ranks 1,2 --vocab 65536 --dim 256 --tokens 4096
 
 Weak scaling: every rank looks up ``--tokens`` Zipf ids per step (a frequency-ordered vocabulary), so
-efficiency = step time on 1 rank / step time on N ranks (1.0 = perfect). A step is forward, backward
+efficiency = step time on 1 rank / step time on N ranks of the same mode (1.0 = perfect); ``vs_one_gpu``
+divides one plain ``ShardedEmbedding`` (``replicated x1``) by the row's time. A step is forward, backward
 and the sparse AdamW update; ``replicated`` also all-gathers the sparse grads
-(``allreduce_sparse_rows``), ``partitioned`` does its all-to-alls. Ranks are processes on this host:
-NCCL on GPUs when there are enough, else gloo on CPU. Each world size runs in fresh processes.
+(``allreduce_sparse_rows``), ``partitioned`` does its all-to-alls. Each rank's GPU cache is
+``--cache-frac`` of the rows it holds (partitioned: 1/N of them). Ranks are processes on this host:
+NCCL on GPUs when there are enough, else gloo on CPU; they share the host's cores as launched ranks do
+(``ds_maximus/distributed/cores.py``). Each world size runs in fresh processes. The H200 runs:
+``scripts/gpu/distributed.sh``, ``docs/bench/distributed.md``.
 """
 from __future__ import annotations
 
