@@ -70,12 +70,13 @@ def _worker(rank, world, port, args, out):
             emb = PartitionedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
         else:
             emb = ShardedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
-        times, sent, phases = [], [], []
+        times, sent, phases, ph = [], [], [], []
 
-        def mark(t):
-            if args.phases and cuda:
-                torch.cuda.synchronize()
-            return t + [time.perf_counter()] if args.phases else t
+        def mark():  # --phases: a device sync, then a timestamp
+            if args.phases:
+                if cuda:
+                    torch.cuda.synchronize()
+                ph.append(time.perf_counter())
         for step in range(args.warmup + args.steps):
             ids = _ids(step, rank, args.tokens, args.vocab).to(dev)
             before = emb.comm.stats()["bytes_sent"] if mode == "partitioned" else 0
@@ -83,11 +84,11 @@ def _worker(rank, world, port, args, out):
                 torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-            ph = [t0]
+            ph[:] = [t0]
             y = emb(ids)
-            ph = mark(ph)
+            mark()
             y.float().pow(2).mean().backward()
-            ph = mark(ph)
+            mark()
             if mode != "partitioned" and world > 1:
                 g_ids, g_rows = emb.sparse_grads()
                 g_ids, g_rows = allreduce_sparse_rows(g_ids, g_rows)
@@ -95,7 +96,7 @@ def _worker(rank, world, port, args, out):
                 moved = (world - 1) * g_ids.numel() * (8 + 4 * args.dim)  # lower bound: the padding not counted
             else:
                 moved = emb.comm.stats()["bytes_sent"] - before if mode == "partitioned" else 0
-            ph = mark(ph)
+            mark()
             emb.sparse_step()
             if cuda:
                 torch.cuda.synchronize()
@@ -103,7 +104,7 @@ def _worker(rank, world, port, args, out):
                 times.append((time.perf_counter() - t0) * 1e3)
                 sent.append(moved)
                 if args.phases:
-                    ph = mark(ph)
+                    mark()
                     phases.append([(b - a) * 1e3 for a, b in zip(ph, ph[1:])])
         t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace

@@ -299,32 +299,17 @@ class ShardedEmbedding(nn.Module):
         exact mode replays every skipped step per element, which on the CPU cost 104 ms a step at V=262144,
         d=4096 on 2 H200s (``docs/bench/distributed.md``). Without a GPU they are stepped in the tier."""
         self.cache._finish_write_backs(block=True)
-        names = ("weight", *self.optimizer.state_names)
-        dev = rows.device
-        n = ids.numel()
+        n, dev = ids.numel(), rows.device
+        buf = self.cache._staging(n)  # pinned when the cache is on a GPU
+        self.tier.read(ids, buf)
+        work = {k: v.to(dev, non_blocking=True) for k, v in buf.items()}  # on a CPU: the same tensors
+        self.optimizer.update(work["weight"], [work[k] for k in self.optimizer.state_names],
+                              torch.arange(n, device=dev), rows, ids)
         if dev.type == "cuda":
-            buf = self._tier_staging(n, names)
-            self.tier.read(ids, buf)
-            on_dev = {k: buf[k][:n].to(dev, non_blocking=True) for k in names}
-            self.optimizer.update(on_dev["weight"], [on_dev[k] for k in names[1:]],
-                                  torch.arange(n, device=dev), rows, ids)
-            for k in names:
-                buf[k][:n].copy_(on_dev[k], non_blocking=True)
+            for k, v in buf.items():
+                v.copy_(work[k], non_blocking=True)
             torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
-        else:
-            buf = {k: torch.empty(n, self.embedding_dim) for k in names}
-            self.tier.read(ids, buf)
-            self.optimizer.update(buf["weight"], [buf[k] for k in names[1:]], torch.arange(n), rows.to("cpu"), ids)
         self.tier.write(ids, buf)
-
-    def _tier_staging(self, n: int, names) -> dict:
-        """Pinned host rows for :meth:`_tier_update`, kept and grown by half again when too small."""
-        have = getattr(self, "_tier_buf", None)
-        if have is None or have["weight"].shape[0] < n:
-            rows = max(n, int(1.5 * (have["weight"].shape[0] if have is not None else 0)))
-            have = {k: torch.empty(rows, self.embedding_dim, pin_memory=True) for k in names}
-            object.__setattr__(self, "_tier_buf", have)
-        return have
 
     def _catch_up_all(self) -> None:
         """Exact mode: bring every row to the current step (cache rows first, then the tier's)."""

@@ -10,14 +10,7 @@
 # $OUT/llama_x{1,2}.{log,json}.
 set -x
 set -o pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-bench_out}
-mkdir -p "$OUT"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
-export DS_ACCELERATOR=cuda
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the host's rule: no NVLink multicast
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/common.sh"
 PARTS=${PARTS:-tests bench llama}
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 RANKS=1,2

@@ -3,12 +3,7 @@
 # the DeepSpeed peers (ours at steady state, dense, SparseAdam), and a profile with a per-stream timeline.
 # About 3 min on an H200 (70 s of it the cold op build). The full benchmark is scripts/gpu/sharded_embedding.sh.
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
-export MAXIMUS_BENCH_OUT="$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/common.sh"
 python -u -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_op('cuda') is not None; print('op built')" \
   > "$OUT/op_build.log" 2>&1
 echo "build rc=$?"; tail -2 "$OUT/op_build.log"

@@ -10,14 +10,7 @@
 #      hidden 1024, 4 layers, 8 x 512 tokens (the full model's 200 steps would take ~4 min alone)
 # -> $OUT/headline.md (+ CSV, + the full log in $OUT/headline.log). About 480 s wall on an H200.
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
-export DS_ACCELERATOR=cuda
-export MAXIMUS_BENCH_OUT="$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/common.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv || true
 
 # builds never run under `timeout`: a killed JIT build leaves torch's lock and later loads wait on it

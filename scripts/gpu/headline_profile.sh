@@ -5,14 +5,9 @@
 # ZeRO-2 uncapped. About 2 x 40 s on an H200. Env: MAXIMUS_ARGS (extra train_llama arguments of the maximus
 # run, e.g. "--maximus lm_head.grad_on_device=bf16"), PROFILE_PLAIN=0 leaves the plain run out.
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
+. "$(dirname "$0")/common.sh"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"  # as bench_headline
 export DS_ACCELERATOR=cuda MASTER_ADDR=127.0.0.1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 args="--deepspeed_config ds_configs/llama_262k_16gib.json --vocab 262144 --hidden 2048 --layers 16 --heads 16
   --ffn 2816 --seq 2048 --micro-batch 8 --zipf 1.1 --seed 0 --grad-checkpointing --steps 6 --warmup-steps 3 --log-every 1"
 # our CUDA op first (~70 s cold), outside the runs' time limits

@@ -6,12 +6,8 @@
 #      -> $OUT/lm_head.md (+ CSV, + full log in $OUT/lm_head_bench.log)
 # About 100 s on an H200.
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export DS_ACCELERATOR="${DS_ACCELERATOR:-cuda}"
-export MAXIMUS_BENCH_OUT="$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site"
+. "$(dirname "$0")/common.sh"
+export PYTHONPATH="$PYTHONPATH:/tmp/site"
 
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/liger_kernel-*.whl \
     .device/cut_cross_entropy-*.whl 2>&1 | tail -3 || true

@@ -4,11 +4,7 @@
 # weight init), batch-1 decode of 32 tokens, under a 165 s budget
 #   -> $OUT/moe_offload.md (+ CSV, + full log in $OUT/moe_offload_bench.log). At most ~165 s on an H200.
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export MAXIMUS_BENCH_OUT="$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/common.sh"
 timeout 200 python -u -m benchmarks.bench_moe_offload --tokens 64 --budget-s 190 --out "$OUT/moe_offload.md" \
   > "$OUT/moe_offload_bench.log" 2>&1
 bench_rc=$?

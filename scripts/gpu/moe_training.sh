@@ -12,12 +12,8 @@
 # timeout is a row naming the phase it was in), its phases and output are in the .log.
 #   -> $OUT/moe_training_{mixtral,fine}.md (+ CSV, + logs).
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export MAXIMUS_BENCH_OUT="$OUT"
+. "$(dirname "$0")/common.sh"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # never under `timeout`: a killed JIT build leaves its lock and the peers would wait on it forever
 python -c "from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 CPUAdamBuilder().load(); FusedAdamBuilder().load()" > "$OUT/moe_training_adam_build.log" 2>&1 &

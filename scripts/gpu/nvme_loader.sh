@@ -5,13 +5,7 @@
 #      -> $OUT/nvme_loader.md (+ CSV, + full log in $OUT/nvme_loader_bench.log)
 # About 30 s build + <= 70 s benchmark on an H200 box.
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export DS_ACCELERATOR="${DS_ACCELERATOR:-cuda}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
-export MAXIMUS_BENCH_OUT="$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/common.sh"
 
 df -h . /tmp || true
 timeout 90 python -u -c "

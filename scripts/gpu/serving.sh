@@ -5,12 +5,7 @@
 # the GPU vs embedding + head off the GPU, then the same peers at batch 32 (32 new tokens, 2 calls)
 #   -> $OUT/serving.md (both tables; + CSVs, + full log in $OUT/serving_bench.log). At most ~70 s on an H200.
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export DS_ACCELERATOR="${DS_ACCELERATOR:-cuda}"
-export MAXIMUS_BENCH_OUT="$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/common.sh"
 
 timeout 80 python -u -m benchmarks.bench_serving --budget-s 70 --also-batch 32 --also-new 32 --also-repeat 2 \
     --out "$OUT/serving.md" > "$OUT/serving_bench.log" 2>&1

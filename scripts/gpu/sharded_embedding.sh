@@ -8,14 +8,7 @@
 #   4. benchmarks/profile_sharded_embedding.py: link bandwidth, host/device profile, per-stream timeline
 # About 70 s build + 45 s tests + <= 160 s benchmark + ~40 s profile on an H200.
 set -x
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/bench_out}"
-mkdir -p "$OUT"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
-export DS_ACCELERATOR=cuda
-export MAXIMUS_BENCH_OUT="$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/common.sh"
 
 timeout 150 python -u -c "
 import traceback

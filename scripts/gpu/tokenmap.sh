@@ -3,9 +3,7 @@
 # buffers and a real NVMe disk), the token map tests, and the token map benchmark -> $OUT/tokenmap.md
 set -x
 set -u
-OUT="${OUT:-bench_out}"
-mkdir -p "$OUT"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
+. "$(dirname "$0")/common.sh"
 python -m pytest -q tests/store tests/tokenmap 2>&1 | tail -20 | tee "$OUT/tokenmap_tests.txt"
 {
   echo "## tokenmap (GPU machine, CPU work: tokenizer counting)"
