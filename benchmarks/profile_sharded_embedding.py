@@ -64,6 +64,10 @@ def link_table(d: int, rows: int, table_rows: int) -> str:
              f"  copy_rows H2D + DMA copy_ D2H at once   {_bw(uva_h2d_dma_d2h, 2 * nbytes):6.1f} GB/s (sum)",
              f"  pinned contiguous copy_ D2H             {_bw(lambda: host_flat.copy_(dev2, non_blocking=True), nbytes):6.1f} GB/s",
              f"  pinned contiguous copy_ H2D             {_bw(lambda: dev.copy_(host_flat, non_blocking=True), nbytes):6.1f} GB/s"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for blocks in (8, 16, max(8, sms // 4), sms, 8 * sms):  # the default cap is a quarter of the SMs
+        lines.append(f"  copy_rows H2D, {blocks:4d} blocks            "
+                     f"{_bw(lambda: op.copy_rows(host, ids, dev, slots, max_blocks=blocks), nbytes):6.1f} GB/s")
     del host, dev, dev2, host_flat
     return "\n".join(lines)
 

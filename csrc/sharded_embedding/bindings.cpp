@@ -45,10 +45,12 @@ void row_update_scaled(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const
     row_update_cpu(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a, shadow);
 }
 
-void copy_rows(const at::Tensor& src, const at::Tensor& src_idx, at::Tensor& dst, const at::Tensor& dst_idx) {
+void copy_rows(const at::Tensor& src, const at::Tensor& src_idx, at::Tensor& dst, const at::Tensor& dst_idx,
+               int64_t max_blocks) {
 #ifdef MAXIMUS_WITH_CUDA
-    return copy_rows_cuda(src, src_idx, dst, dst_idx);
+    return copy_rows_cuda(src, src_idx, dst, dst_idx, max_blocks);
 #else
+    (void)max_blocks;
     TORCH_CHECK(false, "copy_rows needs the CUDA op (maximus_sharded_embedding_cuda)");
 #endif
 }
@@ -70,7 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("segment_reduce", &maximus::segment_reduce, "CUDA: sum grad[order[offsets[u]:offsets[u+1]]] into out[u]",
           "grad"_a, "order"_a, "offsets"_a, "out"_a, nogil());
     m.def("copy_rows", &maximus::copy_rows, "dst[dst_idx] = src[src_idx] by a GPU kernel; either may be pinned host",
-          "src"_a, "src_idx"_a, "dst"_a, "dst_idx"_a, nogil());
+          "src"_a, "src_idx"_a, "dst"_a, "dst_idx"_a, "max_blocks"_a = 0, nogil());
     m.def("row_update", &maximus::row_update, "fused exact-replay + AdamW/SparseAdam/Adagrad step on rows", "weight"_a,
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
           "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true,

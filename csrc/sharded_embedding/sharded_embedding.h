@@ -25,7 +25,8 @@ void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at
 void gather_cuda(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out);
 void segment_reduce_cuda(const at::Tensor& grad, const at::Tensor& order, const at::Tensor& offsets,
                          at::Tensor& out);
-void copy_rows_cuda(const at::Tensor& src, const at::Tensor& src_idx, at::Tensor& dst, const at::Tensor& dst_idx);
+void copy_rows_cuda(const at::Tensor& src, const at::Tensor& src_idx, at::Tensor& dst, const at::Tensor& dst_idx,
+                    int64_t max_blocks);
 void row_update_cuda(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
                      const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
                      const at::Tensor& wd_hist, const RowUpdateArgs& a);

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from ds_maximus.config import CachePolicy
@@ -116,7 +117,7 @@ class SlotMap:
             score.masked_fill_(self.slot_to_id < 0, -1.0)  # free slots first
             score.masked_fill_(self.pin_count > 0, float("inf"))
             score.index_fill_(0, hit_slots, float("inf"))
-            victims = torch.topk(score, n_miss, largest=False, sorted=False).indices
+            victims = self._lowest(score, n_miss)
             if bool(torch.isinf(score.index_select(0, victims)).any()):
                 pinned = int((self.pin_count > 0).sum())
                 raise CapacityError(
@@ -156,6 +157,14 @@ class SlotMap:
         self.id_to_slot.index_fill_(0, self.slot_to_id.index_select(0, slots), -1)
         self.slot_to_id.index_fill_(0, slots, -1)
         return slots
+
+    @staticmethod
+    def _lowest(score: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices of the ``k`` lowest scores, unordered. On the host through numpy's introselect: CPU
+        ``torch.topk`` takes 3-4x as long on these scores (few distinct values, many infinities)."""
+        if score.device.type != "cpu":
+            return torch.topk(score, k, largest=False, sorted=False).indices
+        return torch.from_numpy(np.argpartition(score.numpy(), k - 1)[:k].astype(np.int64, copy=False))
 
     def _score(self) -> torch.Tensor:
         if self.policy == CachePolicy.LRU:

@@ -79,9 +79,12 @@ class RowOptimizer:
                 new_lr[:filled].copy_(lr_t[:filled])
                 new_wd[:filled].copy_(wd_t[:filled])
             lr_t, wd_t = new_lr, new_wd
-        if filled < need:
-            lr_t[filled:need].copy_(torch.tensor(self.lr_hist[filled:need], dtype=torch.float64), non_blocking=True)
-            wd_t[filled:need].copy_(torch.tensor(self.wd_hist[filled:need], dtype=torch.float64), non_blocking=True)
+        if filled < need:  # through pinned memory: a pageable copy would wait for the stream's queued work
+            from ds_maximus.ops import to_device
+            new = torch.tensor([self.lr_hist[filled:need], self.wd_hist[filled:need]], dtype=torch.float64)
+            new = to_device(new, device)
+            lr_t[filled:need].copy_(new[0])
+            wd_t[filled:need].copy_(new[1])
         self._dev_hist[device] = (lr_t, wd_t, need)
         return lr_t, wd_t
 

@@ -186,3 +186,39 @@ def test_rows_outside_the_cache_are_stepped_like_dense(device, mode):
         dense.step()
     assert emb.stats()["rows_fetched"] > 0
     torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_exact_adamw_with_the_next_batch_prefetched_equals_dense(device, policy):
+    """The loader's pattern: ``prefetch(batch t+1)`` before step t. The optimizer step then brings the
+    prefetched rows up to date (replaying their skipped steps), and the next lookup finds nothing to replay."""
+    g = torch.Generator().manual_seed(11)
+    vocab, dim, steps = 120, 33, 40
+    ref = nn.Embedding(vocab, dim)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=40, policy=policy)).to(device)
+    ref = ref.to(device)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    batches = [zipf_batch(g, vocab, 16) for _ in range(steps + 1)]
+    replays = []
+    real = emb.optimizer.catch_up
+
+    def counted(w, states, slots, ids):
+        lag = real(w, states, slots, ids)
+        replays.append(int(lag.sum()))
+        return lag
+    emb.optimizer.catch_up = counted
+    for step in range(steps):
+        lr = 1e-2 * (0.5 + 0.5 * torch.rand((), generator=g).item())
+        opt.param_groups[0]["lr"] = lr
+        emb.prefetch(batches[step + 1])
+        w = torch.randn(16, dim, generator=g).to(device)
+        opt.zero_grad()
+        (ref(batches[step].to(device)) * w).sum().backward()
+        opt.step()
+        replays.clear()
+        (emb(batches[step].to(device)) * w).sum().backward()
+        if step:
+            assert replays == [0], "the lookup of a prefetched batch replayed rows the step should have"
+        emb.sparse_step(lr=lr, weight_decay=0.1)
+    assert emb.stats()["rows_evicted"] > 50
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
