@@ -73,6 +73,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "grad"_a, "order"_a, "offsets"_a, "out"_a, nogil());
     m.def("copy_rows", &maximus::copy_rows, "dst[dst_idx] = src[src_idx] by a GPU kernel; either may be pinned host",
           "src"_a, "src_idx"_a, "dst"_a, "dst_idx"_a, "max_blocks"_a = 0, nogil());
+    m.def("slot_assign", &maximus::slot_assign_cpu,
+          "SlotMap.assign on CPU tensors: (status, slots, miss positions, victims, evicted ids, evicted slots)",
+          "ids"_a, "id_to_slot"_a, "slot_to_id"_a, "last_use"_a, "slot_freq"_a, "id_freq"_a, "pin_count"_a,
+          "clock"_a, "lfu"_a, nogil());
     m.def("row_update", &maximus::row_update, "fused exact-replay + AdamW/SparseAdam/Adagrad step on rows", "weight"_a,
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
           "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true,

@@ -21,6 +21,11 @@ void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at
                     const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
                     const at::Tensor& wd_hist, const RowUpdateArgs& a, const at::Tensor& shadow = at::Tensor());
 
+// SlotMap.assign of ds_maximus/cache/policy.py in one call; returns (status: 0 ok, 1 more misses than slots,
+// 2 too few unpinned slots; slots, miss positions, victim slots, evicted ids, their slots). No change on failure.
+std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> slot_assign_cpu(
+    const at::Tensor& ids, at::Tensor& id_to_slot, at::Tensor& slot_to_id, at::Tensor& last_use,
+    at::Tensor& slot_freq, at::Tensor& id_freq, const at::Tensor& pin_count, double clock, bool lfu);
 #ifdef MAXIMUS_WITH_CUDA
 void gather_cuda(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out);
 void segment_reduce_cuda(const at::Tensor& grad, const at::Tensor& order, const at::Tensor& offsets,

@@ -223,7 +223,7 @@ class PartitionCache:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self._pending.append((ids, staging, ev))
-        self._pending_mask[ids] = True
+        self._pending_mask.index_fill_(0, ids, True)
 
     def _uva_write_back(self, ids: Tensor, slots: Tensor, stage: bool) -> None:
         cur = torch.cuda.current_stream(self.device)
@@ -254,7 +254,7 @@ class PartitionCache:
             ev.record(self.wb_stream)
         self._wb_event = ev
         self._uva_pending.append((ids, ev))
-        self._pending_mask[ids] = True
+        self._pending_mask.index_fill_(0, ids, True)
 
     def _finish_write_backs(self, block: bool) -> None:
         """Retire write-backs whose copies have landed (``block``: wait for all, fills included)."""
@@ -266,7 +266,7 @@ class PartitionCache:
                         t0 = time.perf_counter()
                         ev.synchronize()  # GPU-written rows of the tier are now visible to the host
                         self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
-                    self._pending_mask[ids] = False
+                    self._pending_mask.index_fill_(0, ids, False)
                 else:
                     keep.extend(self._uva_pending[i:])  # one stream: they land in order
                     break
@@ -284,7 +284,7 @@ class PartitionCache:
                     ev.synchronize()
                     self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
                 self.tier.write(ids, staging)
-                self._pending_mask[ids] = False
+                self._pending_mask.index_fill_(0, ids, False)
             else:
                 keep.extend(self._pending[i:])  # finish in order
                 break

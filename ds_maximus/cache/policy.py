@@ -99,7 +99,51 @@ class SlotMap:
 
     # -- the one operation ------------------------------------------------------------------
     def assign(self, ids: torch.Tensor, count: bool = True) -> Assignment:
-        """Give every id of ``ids`` (unique) a slot, evicting unpinned entries not in ``ids``."""
+        """Give every id of ``ids`` (unique) a slot, evicting unpinned entries not in ``ids``.
+
+        On the host this is one call of the ``slot_assign`` op (ties among victims broken by slot number);
+        :meth:`assign_reference` is the same in torch ops, used where the op is not built.
+        """
+        ids = ids.to(self.device, torch.long).reshape(-1).contiguous()
+        op = self._op()
+        if op is None:
+            return self.assign_reference(ids, count)
+        status, slots, miss_pos, victims, evicted_ids, evicted_slots = op.slot_assign(
+            ids, self.id_to_slot, self.slot_to_id, self.last_use, self.slot_freq, self.id_freq, self.pin_count,
+            float(self.clock + 1), self.policy == CachePolicy.LFU)
+        if status:
+            self._capacity_error(ids, miss_pos.numel() if status == 1 else int((slots < 0).sum()), status == 1)
+        self.clock += 1
+        n_miss = int(miss_pos.numel())
+        if count:
+            self.counters.evictions += int(evicted_ids.numel())
+            self.counters.lookups += int(ids.numel())
+            self.counters.misses += n_miss
+            self.counters.hits += int(ids.numel()) - n_miss
+        return Assignment(slots, ids.index_select(0, miss_pos), victims, evicted_ids, evicted_slots)
+
+    def _op(self):
+        if self.device.type != "cpu":
+            return None
+        if not hasattr(self, "_slot_op"):
+            from ds_maximus.ops.sharded_embedding import host_op
+            op = host_op()
+            self._slot_op = op if op is not None and hasattr(op, "slot_assign") else None
+        return self._slot_op
+
+    def _capacity_error(self, ids: torch.Tensor, n_miss: int, too_many: bool):
+        if too_many:
+            raise CapacityError(
+                f"a batch needs {ids.numel()} distinct entries but the cache has {self.num_slots} slots; "
+                "raise gpu_cache_rows (or gpu_experts_per_layer), or use smaller batches")
+        pinned = int((self.pin_count > 0).sum())
+        raise CapacityError(
+            f"cache of {self.num_slots} slots cannot take {n_miss} new entries: {pinned} slots are "
+            f"pinned (in use or in flight) and {ids.numel() - n_miss} hold this batch; raise the cache size "
+            "(gpu_cache_rows / gpu_experts_per_layer) or use smaller batches")
+
+    def assign_reference(self, ids: torch.Tensor, count: bool = True) -> Assignment:
+        """:meth:`assign` in torch ops (any device)."""
         ids = ids.to(self.device, torch.long).reshape(-1)
         slots = self.id_to_slot.index_select(0, ids)
         miss_pos = torch.nonzero(slots < 0).squeeze(1)
@@ -109,9 +153,7 @@ class SlotMap:
         miss_ids = ids.index_select(0, miss_pos)
         if n_miss:
             if n_miss > self.num_slots:
-                raise CapacityError(
-                    f"a batch needs {ids.numel()} distinct entries but the cache has {self.num_slots} slots; "
-                    "raise gpu_cache_rows (or gpu_experts_per_layer), or use smaller batches")
+                self._capacity_error(ids, n_miss, True)
             hit_slots = slots.index_select(0, torch.nonzero(slots >= 0).squeeze(1))
             score = self._score()
             score.masked_fill_(self.slot_to_id < 0, -1.0)  # free slots first
@@ -119,11 +161,7 @@ class SlotMap:
             score.index_fill_(0, hit_slots, float("inf"))
             victims = self._lowest(score, n_miss)
             if bool(torch.isinf(score.index_select(0, victims)).any()):
-                pinned = int((self.pin_count > 0).sum())
-                raise CapacityError(
-                    f"cache of {self.num_slots} slots cannot take {n_miss} new entries: {pinned} slots are "
-                    f"pinned (in use or in flight) and {hit_slots.numel()} hold this batch; raise the cache size "
-                    "(gpu_cache_rows / gpu_experts_per_layer) or use smaller batches")
+                self._capacity_error(ids, n_miss, False)
             old = self.slot_to_id.index_select(0, victims)
             was = torch.nonzero(old >= 0).squeeze(1)
             evicted_ids = old.index_select(0, was)
@@ -160,11 +198,15 @@ class SlotMap:
 
     @staticmethod
     def _lowest(score: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices of the ``k`` lowest scores, unordered. On the host through numpy's introselect: CPU
-        ``torch.topk`` takes 3-4x as long on these scores (few distinct values, many infinities)."""
+        """Slots of the ``k`` lowest scores, ties broken by slot number, in ascending slot order (as the
+        ``slot_assign`` op chooses them)."""
         if score.device.type != "cpu":
-            return torch.topk(score, k, largest=False, sorted=False).indices
-        return torch.from_numpy(np.argpartition(score.numpy(), k - 1)[:k].astype(np.int64, copy=False))
+            return torch.sort(torch.topk(score, k, largest=False, sorted=False).indices).values
+        a = score.numpy()
+        kth = np.partition(a, k - 1)[k - 1]
+        less = np.flatnonzero(a < kth)
+        chosen = np.concatenate([less, np.flatnonzero(a == kth)[:k - less.size]])
+        return torch.from_numpy(np.sort(chosen).astype(np.int64, copy=False))
 
     def _score(self) -> torch.Tensor:
         if self.policy == CachePolicy.LRU:

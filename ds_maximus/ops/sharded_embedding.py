@@ -54,6 +54,13 @@ def op_for(t: Tensor):
     return load_op("cuda" if t.is_cuda else "cpu")
 
 
+def host_op():
+    """The op for host-side work (the slot map): the CUDA op where there is a GPU (it serves CPU tensors
+    too, so no second build), else the CPU op; ``None`` when neither builds."""
+    op = load_op("cuda") if torch.cuda.is_available() else None
+    return op if op is not None else load_op("cpu")
+
+
 def gather(table: Tensor, slots: Tensor, inverse: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``out[n] = table[slots[inverse[n]]]`` in ``out_dtype`` (one fused kernel)."""
     op = op_for(table)

@@ -59,3 +59,45 @@ def test_churn_keeps_map_consistent(policy):
         assert torch.equal(m.slot_to_id[a.slots], ids)  # every requested id resident in its slot
         assert not set(a.evicted_ids.tolist()) & set(ids.tolist())
         _check_consistent(m)
+
+
+def _pair(num_slots, num_ids, policy):
+    ops, ref = SlotMap(num_slots, num_ids, policy), SlotMap(num_slots, num_ids, policy)
+    assert ops._op() is not None, "the slot_assign op did not build"
+    ref._slot_op = None
+    return ops, ref
+
+
+@pytest.mark.parametrize("policy", list(CachePolicy))
+def test_slot_assign_op_equals_the_reference(policy):
+    """The host op and the torch reference make the same decisions (ties by slot number), pins included."""
+    g = torch.Generator().manual_seed(3)
+    ops, ref = _pair(24, 300, policy)
+    pins = []
+    for step in range(300):
+        ids = torch.unique(torch.multinomial(torch.arange(1, 301, dtype=torch.float).pow(-1.1), 10,
+                                             replacement=True, generator=g))
+        results = []
+        for m in (ops, ref):
+            try:
+                results.append(m.assign(ids))
+            except CapacityError as e:
+                results.append(str(e))
+        a, b = results
+        if isinstance(a, str) or isinstance(b, str):
+            assert a == b  # both refuse, with the same message, and change nothing
+        else:
+            for f in ("slots", "miss_ids", "miss_slots", "evicted_ids", "evicted_slots"):
+                assert torch.equal(getattr(a, f), getattr(b, f)), (step, f)
+            if step % 3 == 0:
+                for m, r in ((ops, a), (ref, b)):
+                    m.pin(r.slots[:4])
+                pins.append(a.slots[:4])
+        if len(pins) > 2:
+            s = pins.pop(0)
+            ops.unpin(s)
+            ref.unpin(s)
+        for name in ("id_to_slot", "slot_to_id", "last_use", "id_freq", "slot_freq"):
+            assert torch.equal(getattr(ops, name), getattr(ref, name)), (step, name)
+        assert ops.counters == ref.counters and ops.clock == ref.clock
+    assert ops.counters.evictions > 100
