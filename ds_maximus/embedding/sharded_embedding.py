@@ -10,6 +10,7 @@ import collections
 import logging
 from typing import NamedTuple, Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -76,7 +77,7 @@ class ShardedEmbedding(nn.Module):
         self.stats_tracker = EmbeddingStats(self.num_embeddings)
         self._step_pins: list = []
         self._prefetched: collections.deque = collections.deque()
-        self._id_mask: Optional[Tensor] = None  # unique_sorted_cpu's buffer (prefetch)
+        self._id_mask: Optional[np.ndarray] = None  # unique_sorted_cpu's buffer (prefetch)
         self._anchor = torch.zeros((), requires_grad=True)  # not a Parameter: autograd reaches backward through it
         self._anchor_fn = None  # set by the engine integration (ds_maximus/zero/norm_carrier.py)
 
@@ -188,7 +189,7 @@ class ShardedEmbedding(nn.Module):
         """Stage the rows of an upcoming batch asynchronously (pinned until the next forward uses them)."""
         from ds_maximus.embedding.function import check_range, unique_sorted_cpu
         if self._id_mask is None:
-            self._id_mask = torch.zeros(self.num_embeddings, dtype=torch.bool)
+            self._id_mask = np.zeros(self.num_embeddings, dtype=bool)
         uniq = unique_sorted_cpu(ids.detach().reshape(-1).to("cpu", torch.long), self.num_embeddings, self._id_mask)
         check_range(uniq, self.num_embeddings)
         from ds_maximus.errors import CapacityError
@@ -201,6 +202,39 @@ class ShardedEmbedding(nn.Module):
                          uniq.numel())
             return
         self._prefetched.append(_Prefetched(uniq, slots))
+        self._catch_up_after_fill(uniq, slots)
+
+    def _catch_up_after_fill(self, ids: Tensor, slots: Tensor) -> None:
+        """Exact mode: replay the skipped steps of prefetched rows on the fill stream, after their fills.
+
+        Rows that come from the tier lag by hundreds of steps; their replay (0.8 ms a step at V=262144,
+        d=4096) then overlaps the current step instead of preceding the next one's gather. It runs on half
+        the SMs, and is registered as a fill of those slots, so a lookup's compute waits for it. The rows'
+        host step counters move on here, so no other replay repeats it.
+        """
+        if self.optimizer.lazy or self.optimizer.step == 0:
+            return
+        lag = self.optimizer.lagging(ids)
+        if not bool(lag.any()):
+            return
+        pos = torch.nonzero(lag).squeeze(1)
+        ids, slots = ids.index_select(0, pos), slots.index_select(0, pos)
+        w, states = self._tables()
+        cache = self.cache
+        if not cache.cuda:
+            self.optimizer.catch_up(w, states, slots, ids)
+        else:
+            cache.stream.wait_stream(torch.cuda.current_stream(cache.device))  # queued updates of these rows first
+            with torch.cuda.stream(cache.stream):
+                self.optimizer.catch_up(w, states, slots, ids, max_blocks=max(1, self._sms // 2))
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(cache.stream)
+            cache._register_fill(ev, slots)
+        cache.mark_dirty(slots)
+
+    @property
+    def _sms(self) -> int:
+        return torch.cuda.get_device_properties(self.compute_device).multi_processor_count
 
     def _adopt_prefetch(self, uniq_cpu: Tensor, wait: bool) -> Optional[Tensor]:
         """Slots of a prefetched set with exactly the ids ``uniq_cpu`` (its pins pass to the step), or None.
