@@ -23,9 +23,8 @@ void segment_reduce(const at::Tensor& grad, const at::Tensor& order, const at::T
 void row_update(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots, const at::Tensor& grads,
                 const at::Tensor& last_step, const at::Tensor& lr_hist, const at::Tensor& wd_hist, int64_t step,
                 double lr, double weight_decay, double beta1, double beta2, double eps, int64_t optimizer, bool lazy,
-                bool has_grad, int64_t max_blocks) {
+                bool has_grad) {
     RowUpdateArgs a{step, lr, weight_decay, beta1, beta2, eps, (int)optimizer, lazy, has_grad};
-    a.max_blocks = max_blocks;
 #ifdef MAXIMUS_WITH_CUDA
     if (weight.is_cuda()) return row_update_cuda(weight, s0, s1, slots, grads, last_step, lr_hist, wd_hist, a);
 #endif
@@ -81,7 +80,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("row_update", &maximus::row_update, "fused exact-replay + AdamW/SparseAdam/Adagrad step on rows", "weight"_a,
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
           "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true,
-          "max_blocks"_a = 0, nogil());
+          nogil());
     m.def("row_update_scaled", &maximus::row_update_scaled,
           "CPU: row_update with grad * grad_scale, the updated rows also cast into shadow (empty: none)", "weight"_a,
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,

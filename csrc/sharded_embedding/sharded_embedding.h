@@ -11,8 +11,6 @@ struct RowUpdateArgs {
     int optimizer;
     bool lazy, has_grad;
     float grad_scale = 1.f;  // the gradient step uses grad * grad_scale (CPU entry row_update_scaled only)
-    int64_t max_blocks = 0;  // CUDA: cap on the blocks of the launch (0: one per row), so a replay on a side stream
-                             // leaves SMs to the compute stream
 };
 
 void gather_cpu(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out);

@@ -202,39 +202,6 @@ class ShardedEmbedding(nn.Module):
                          uniq.numel())
             return
         self._prefetched.append(_Prefetched(uniq, slots))
-        self._catch_up_after_fill(uniq, slots)
-
-    def _catch_up_after_fill(self, ids: Tensor, slots: Tensor) -> None:
-        """Exact mode: replay the skipped steps of prefetched rows on the fill stream, after their fills.
-
-        Rows that come from the tier lag by hundreds of steps; their replay (0.8 ms a step at V=262144,
-        d=4096) then overlaps the current step instead of preceding the next one's gather. It runs on half
-        the SMs, and is registered as a fill of those slots, so a lookup's compute waits for it. The rows'
-        host step counters move on here, so no other replay repeats it.
-        """
-        if self.optimizer.lazy or self.optimizer.step == 0:
-            return
-        lag = self.optimizer.lagging(ids)
-        if not bool(lag.any()):
-            return
-        pos = torch.nonzero(lag).squeeze(1)
-        ids, slots = ids.index_select(0, pos), slots.index_select(0, pos)
-        w, states = self._tables()
-        cache = self.cache
-        if not cache.cuda:
-            self.optimizer.catch_up(w, states, slots, ids)
-        else:
-            cache.stream.wait_stream(torch.cuda.current_stream(cache.device))  # queued updates of these rows first
-            with torch.cuda.stream(cache.stream):
-                self.optimizer.catch_up(w, states, slots, ids, max_blocks=max(1, self._sms // 2))
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record(cache.stream)
-            cache._register_fill(ev, slots)
-        cache.mark_dirty(slots)
-
-    @property
-    def _sms(self) -> int:
-        return torch.cuda.get_device_properties(self.compute_device).multi_processor_count
 
     def _adopt_prefetch(self, uniq_cpu: Tensor, wait: bool) -> Optional[Tensor]:
         """Slots of a prefetched set with exactly the ids ``uniq_cpu`` (its pins pass to the step), or None.
@@ -341,10 +308,13 @@ class ShardedEmbedding(nn.Module):
         """
         if self.optimizer.lazy or not self._prefetched:
             return
+        w, states = self._tables()
         for p in self._prefetched:
-            if bool(self.optimizer.lagging(p.ids).any()):
+            lag = self.optimizer.lagging(p.ids)
+            if bool(lag.any()):
                 self.cache.wait_fills(p.slots)  # the compute stream waits on the GPU for their fills
-                self._resident_catch_up(p.ids, p.slots)
+                self.optimizer.catch_up(w, states, p.slots, p.ids, lag=lag)
+                self.cache.mark_dirty(_masked(p.slots, lag))
 
     def _tier_update(self, ids: Tensor, rows: Tensor) -> None:
         """Step rows that are not in the cache (another rank's rows in data-parallel training, after the
@@ -379,8 +349,8 @@ class ShardedEmbedding(nn.Module):
             if bool(changed.any()) and hasattr(self.tier, "mark_dirty_range"):
                 self.tier.mark_dirty_range(lo, hi)
 
-    def _resident_catch_up(self, ids: Tensor, slots: Optional[Tensor] = None) -> None:
-        slots = self.cache.slots_of(ids) if slots is None else slots
+    def _resident_catch_up(self, ids: Tensor) -> None:
+        slots = self.cache.slots_of(ids)
         w, states = self._tables()
         changed = self.optimizer.catch_up(w, states, slots, ids)
         if bool(changed.any()):

@@ -132,7 +132,7 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
                last_step: Optional[Tensor], *, step: int, lr_hist: Optional[Tensor], wd_hist: Optional[Tensor],
                lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
                optimizer: int = ref.ADAMW, lazy: bool = False, grad_scale: float = 1.0,
-               shadow: Optional[Tensor] = None, max_blocks: int = 0) -> None:
+               shadow: Optional[Tensor] = None) -> None:
     """Fused exact-replay + optimizer step on rows ``slots`` (see :func:`reference.row_update_ref`).
 
     CPU tensors may also take ``grad_scale`` (the gradient step uses ``grads * grad_scale``) and ``shadow``
@@ -164,4 +164,4 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
     if fused:
         op.row_update_scaled(*args, float(grad_scale), shadow if shadow is not None else empty_f)
     else:
-        op.row_update(*args, int(max_blocks))
+        op.row_update(*args)

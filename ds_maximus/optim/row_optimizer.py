@@ -115,12 +115,12 @@ class RowOptimizer:
             lag &= ids != self.frozen_row
         return lag
 
-    def catch_up(self, weight: Tensor, states: List[Tensor], slots: Tensor, ids: Tensor, max_blocks: int = 0) -> Tensor:
-        """Replay the skipped steps of rows ``ids`` (in ``slots``); returns the mask of rows changed.
-
-        ``max_blocks`` caps the GPU launch (a replay on a side stream leaves SMs to the compute stream)."""
+    def catch_up(self, weight: Tensor, states: List[Tensor], slots: Tensor, ids: Tensor,
+                 lag: Optional[Tensor] = None) -> Tensor:
+        """Replay the skipped steps of rows ``ids`` (in ``slots``); returns the mask of rows changed
+        (``lag``: :meth:`lagging` of ``ids`` when the caller has it)."""
         from ds_maximus.ops import sharded_embedding as ops
-        lag = self.lagging(ids)
+        lag = self.lagging(ids) if lag is None else lag
         if bool(lag.any()):
             pos = torch.nonzero(lag).squeeze(1)
             ids_l = ids.index_select(0, pos)
@@ -128,8 +128,7 @@ class RowOptimizer:
             ops.row_update(weight, states, slots.index_select(0, pos), None,
                            self.last_step.index_select(0, ids_l),
                            step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=0.0, weight_decay=0.0,
-                           beta1=self.beta1, beta2=self.beta2, eps=self.eps, optimizer=self.kind, lazy=False,
-                           max_blocks=max_blocks)
+                           beta1=self.beta1, beta2=self.beta2, eps=self.eps, optimizer=self.kind, lazy=False)
             self.last_step.index_fill_(0, ids_l, self.step)
         return lag
 

@@ -202,8 +202,8 @@ def test_exact_adamw_with_the_next_batch_prefetched_equals_dense(device, policy)
     replays = []
     real = emb.optimizer.catch_up
 
-    def counted(w, states, slots, ids):
-        lag = real(w, states, slots, ids)
+    def counted(w, states, slots, ids, **kw):
+        lag = real(w, states, slots, ids, **kw)
         replays.append(int(lag.sum()))
         return lag
     emb.optimizer.catch_up = counted

@@ -260,8 +260,7 @@ void row_update_cuda(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const a
     const int64_t R = slots.numel(), d = weight.size(1);
     if (R == 0) return;
     auto stream = c10::cuda::getCurrentCUDAStream();
-    const int blocks = a.max_blocks > 0 ? (int)std::min<int64_t>(R, a.max_blocks) : grid_for(R);
-    row_update_kernel<<<blocks, kThreads, 0, stream>>>(
+    row_update_kernel<<<grid_for(R), kThreads, 0, stream>>>(
         weight.data_ptr<float>(), s0.data_ptr<float>(), a.optimizer == kAdagrad ? nullptr : s1.data_ptr<float>(),
         slots.data_ptr<int64_t>(), a.has_grad ? grads.data_ptr<float>() : nullptr,
         a.lazy ? nullptr : last_step.data_ptr<int64_t>(), a.lazy ? nullptr : lr_hist.data_ptr<double>(),
