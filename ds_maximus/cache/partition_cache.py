@@ -239,7 +239,6 @@ class PartitionCache:
             self.wb_stream.wait_event(staged)
         else:
             self.wb_stream.wait_stream(cur)
-            self.wb_stream.wait_stream(self.stream)  # and work queued on the fill stream (exact-mode replays)
             src = self.storage
             with torch.cuda.stream(self.wb_stream):
                 src_idx = to_device(slots, self.device)

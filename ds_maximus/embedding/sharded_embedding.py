@@ -301,31 +301,20 @@ class ShardedEmbedding(nn.Module):
     def _catch_up_prefetched(self) -> None:
         """Exact mode: bring the prefetched rows (the next batch's) to this step now.
 
-        On a GPU the replay is queued on the cache's fill stream after this step's update, and registered
-        as a fill of those slots: it runs while the host goes on to the next batch, and the next lookup's
-        compute waits for it on the GPU. Otherwise, after that lookup's host sync, the GPU would idle while
-        the host planned the replay, then run it (0.8 ms a step at V=262144, d=4096: rows that come from
-        the tier lag by hundreds of steps) before the gather could start.
+        Queued on the compute stream right after the update, while the host goes on to the next batch, so
+        the next lookup finds its rows current: after that lookup's host sync the GPU would otherwise idle
+        while the host plans the replay, then run it (0.8 ms a step at V=262144, d=4096; rows that come from
+        the tier lag by hundreds of steps) before the gather can start.
         """
         if self.optimizer.lazy or not self._prefetched:
             return
         w, states = self._tables()
-        cache = self.cache
         for p in self._prefetched:
             lag = self.optimizer.lagging(p.ids)
-            if not bool(lag.any()):
-                continue
-            slots = _masked(p.slots, lag)
-            if cache.cuda:
-                cache.stream.wait_stream(torch.cuda.current_stream(cache.device))  # this step's update first
-                with torch.cuda.stream(cache.stream):  # after the rows' own fills, in stream order
-                    self.optimizer.catch_up(w, states, p.slots, p.ids, lag=lag)
-                    ev = torch.cuda.Event(enable_timing=True)
-                    ev.record(cache.stream)
-                cache._register_fill(ev, slots)
-            else:
+            if bool(lag.any()):
+                self.cache.wait_fills(p.slots)  # the compute stream waits on the GPU for their fills
                 self.optimizer.catch_up(w, states, p.slots, p.ids, lag=lag)
-            cache.mark_dirty(slots)
+                self.cache.mark_dirty(_masked(p.slots, lag))
 
     def _tier_update(self, ids: Tensor, rows: Tensor) -> None:
         """Step rows that are not in the cache (another rank's rows in data-parallel training, after the
