@@ -78,6 +78,7 @@ class SlotMap:
         self.pin_count = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
         self.clock = 0
         self.counters = CacheCounters()
+        self.use_op = True  # False: always the torch reference (tests compare the two)
 
     # -- queries ---------------------------------------------------------------------------
     # (index_select / index_copy_ / index_fill_ throughout: CPU advanced indexing is ~20x slower)
@@ -123,13 +124,13 @@ class SlotMap:
         return Assignment(slots, ids.index_select(0, miss_pos), victims, evicted_ids, evicted_slots)
 
     def _op(self):
-        if self.device.type != "cpu":
+        """The built op with ``slot_assign``, or None (then the reference). Looked up on each call, not kept:
+        a map holding a module object could not be deep-copied or pickled with its model."""
+        if self.device.type != "cpu" or not self.use_op:
             return None
-        if not hasattr(self, "_slot_op"):
-            from ds_maximus.ops.sharded_embedding import host_op
-            op = host_op()
-            self._slot_op = op if op is not None and hasattr(op, "slot_assign") else None
-        return self._slot_op
+        from ds_maximus.ops.sharded_embedding import host_op
+        op = host_op()
+        return op if op is not None and hasattr(op, "slot_assign") else None
 
     def _capacity_error(self, ids: torch.Tensor, n_miss: int, too_many: bool):
         if too_many:

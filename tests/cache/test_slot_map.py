@@ -64,7 +64,7 @@ def test_churn_keeps_map_consistent(policy):
 def _pair(num_slots, num_ids, policy):
     ops, ref = SlotMap(num_slots, num_ids, policy), SlotMap(num_slots, num_ids, policy)
     assert ops._op() is not None, "the slot_assign op did not build"
-    ref._slot_op = None
+    ref.use_op = False
     return ops, ref
 
 
@@ -101,3 +101,13 @@ def test_slot_assign_op_equals_the_reference(policy):
             assert torch.equal(getattr(ops, name), getattr(ref, name)), (step, name)
         assert ops.counters == ref.counters and ops.clock == ref.clock
     assert ops.counters.evictions > 100
+
+
+def test_a_used_map_deep_copies_and_the_copy_is_independent():
+    """Models holding a cache are deep-copied (EMA copies, trainers); the map keeps no op object."""
+    import copy
+    m = SlotMap(4, 20, CachePolicy.LRU)
+    m.assign(torch.tensor([1, 2, 3]))
+    c = copy.deepcopy(m)
+    c.assign(torch.tensor([7]))
+    assert int(m.id_to_slot[7]) == -1 and int(c.id_to_slot[7]) >= 0
