@@ -26,7 +26,7 @@ tail -5 "$OUT/sharded_embedding_build.txt"
 timeout 200 python -m pytest -q -m gpu tests/embedding/test_sharded_embedding_gpu.py tests/ops/test_sharded_embedding.py \
   > "$OUT/sharded_embedding_gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -2 "$OUT/sharded_embedding_gpu_tests.log"
-timeout 170 python -u -m benchmarks.bench_sharded_embedding --budget-s 160 --out "$OUT/sharded_embedding.md" \
+timeout 170 python -u -m benchmarks.bench_sharded_embedding --repeat 20 --budget-s 160 --out "$OUT/sharded_embedding.md" \
   > "$OUT/sharded_embedding_bench.log" 2>&1
 bench_rc=$?
 tail -20 "$OUT/sharded_embedding_bench.log"
