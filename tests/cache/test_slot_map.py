@@ -73,7 +73,7 @@ def test_slot_assign_op_equals_the_reference(policy):
     """The host op and the torch reference make the same decisions (ties by slot number), pins included."""
     g = torch.Generator().manual_seed(3)
     ops, ref = _pair(24, 300, policy)
-    pins = []
+    pins, refused = [], 0
     for step in range(300):
         ids = torch.unique(torch.multinomial(torch.arange(1, 301, dtype=torch.float).pow(-1.1), 10,
                                              replacement=True, generator=g))
@@ -86,13 +86,14 @@ def test_slot_assign_op_equals_the_reference(policy):
         a, b = results
         if isinstance(a, str) or isinstance(b, str):
             assert a == b  # both refuse, with the same message, and change nothing
+            refused += 1
         else:
             for f in ("slots", "miss_ids", "miss_slots", "evicted_ids", "evicted_slots"):
                 assert torch.equal(getattr(a, f), getattr(b, f)), (step, f)
-            if step % 3 == 0:
+            if step % 3 == 0:  # whole batches stay pinned for a while: some assigns find too few free slots
                 for m, r in ((ops, a), (ref, b)):
-                    m.pin(r.slots[:4])
-                pins.append(a.slots[:4])
+                    m.pin(r.slots)
+                pins.append(a.slots)
         if len(pins) > 2:
             s = pins.pop(0)
             ops.unpin(s)
@@ -100,7 +101,7 @@ def test_slot_assign_op_equals_the_reference(policy):
         for name in ("id_to_slot", "slot_to_id", "last_use", "id_freq", "slot_freq"):
             assert torch.equal(getattr(ops, name), getattr(ref, name)), (step, name)
         assert ops.counters == ref.counters and ops.clock == ref.clock
-    assert ops.counters.evictions > 100
+    assert ops.counters.evictions > 100 and refused > 0
 
 
 def test_a_used_map_deep_copies_and_the_copy_is_independent():
