@@ -115,12 +115,8 @@ class SlotMap:
         if status:
             self._capacity_error(ids, miss_pos.numel() if status == 1 else int((slots < 0).sum()), status == 1)
         self.clock += 1
-        n_miss = int(miss_pos.numel())
         if count:
-            self.counters.evictions += int(evicted_ids.numel())
-            self.counters.lookups += int(ids.numel())
-            self.counters.misses += n_miss
-            self.counters.hits += int(ids.numel()) - n_miss
+            self._count(ids.numel(), miss_pos.numel(), evicted_ids.numel())
         return Assignment(slots, ids.index_select(0, miss_pos), victims, evicted_ids, evicted_slots)
 
     def _op(self):
@@ -172,14 +168,15 @@ class SlotMap:
             self.id_to_slot.index_copy_(0, miss_ids, victims)
             slots = slots.clone()
             slots.index_copy_(0, miss_pos, victims)
-            if count:
-                self.counters.evictions += int(evicted_ids.numel())
         self.touch(ids, slots)
         if count:
-            self.counters.lookups += int(ids.numel())
-            self.counters.misses += n_miss
-            self.counters.hits += int(ids.numel()) - n_miss
+            self._count(ids.numel(), n_miss, evicted_ids.numel())
         return Assignment(slots, miss_ids, victims, evicted_ids, evicted_slots)
+
+    def _count(self, n_ids: int, n_miss: int, n_evicted: int) -> None:
+        c = self.counters
+        c.lookups, c.misses, c.hits = c.lookups + n_ids, c.misses + n_miss, c.hits + n_ids - n_miss
+        c.evictions += n_evicted
 
     def touch(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Record a use of ``ids`` (already resident in ``slots``)."""

@@ -6,7 +6,7 @@ max: no kernel ever sees a bad id) and the cache decides residency.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 import torch

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ds_maximus.cache import PartitionCache, TensorTier
 from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
+from ds_maximus.embedding.sharded_state import ShardedStateMixin
 from ds_maximus.embedding.stats import EmbeddingStats, format_line
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
 
@@ -32,7 +33,7 @@ def _masked(t: Tensor, mask: Tensor) -> Tensor:
     return t.index_select(0, torch.nonzero(mask).squeeze(1))
 
 
-class ShardedEmbedding(nn.Module):
+class ShardedEmbedding(ShardedStateMixin, nn.Module):
     """Embedding table with a row cache on the compute device and a row-sparse optimizer.
 
     Example::
@@ -179,10 +180,7 @@ class ShardedEmbedding(nn.Module):
                 slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
         if pin:
             self._step_pins.append(slots)
-        w, states = self._tables()
-        changed = self.optimizer.catch_up(w, states, slots, uniq_cpu)
-        if bool(changed.any()):
-            self.cache.mark_dirty(_masked(slots, changed))
+        self._replay(uniq_cpu, slots)
         return slots
 
     def prefetch(self, ids: Tensor) -> None:
@@ -308,13 +306,11 @@ class ShardedEmbedding(nn.Module):
         """
         if self.optimizer.lazy or not self._prefetched:
             return
-        w, states = self._tables()
         for p in self._prefetched:
             lag = self.optimizer.lagging(p.ids)
             if bool(lag.any()):
                 self.cache.wait_fills(p.slots)  # the compute stream waits on the GPU for their fills
-                self.optimizer.catch_up(w, states, p.slots, p.ids, lag=lag)
-                self.cache.mark_dirty(_masked(p.slots, lag))
+                self._replay(p.ids, p.slots, lag)
 
     def _tier_update(self, ids: Tensor, rows: Tensor) -> None:
         """Step rows that are not in the cache (another rank's rows in data-parallel training, after the
@@ -334,37 +330,15 @@ class ShardedEmbedding(nn.Module):
             torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
         self.tier.write(ids, buf)
 
-    def _catch_up_all(self) -> None:
-        """Exact mode: bring every row to the current step (cache rows first, then the tier's)."""
-        if self.optimizer.lazy or self.optimizer.step == 0:
-            return
-        resident = self.cache.map.resident_ids()
-        if resident.numel():
-            self._resident_catch_up(resident)
-        self.cache.flush()
-        names = self.optimizer.state_names
-        for lo, hi, t in self.tier.blocks():
-            ids = torch.arange(lo, hi)
-            changed = self.optimizer.catch_up(t["weight"], [t[n] for n in names], ids - lo, ids)
-            if bool(changed.any()) and hasattr(self.tier, "mark_dirty_range"):
-                self.tier.mark_dirty_range(lo, hi)
-
     def _resident_catch_up(self, ids: Tensor) -> None:
-        slots = self.cache.slots_of(ids)
+        self._replay(ids, self.cache.slots_of(ids))
+
+    def _replay(self, ids: Tensor, slots: Tensor, lag: Optional[Tensor] = None) -> None:
+        """Exact mode: replay the skipped steps of cached rows ``ids`` in ``slots``; mark the changed ones dirty."""
         w, states = self._tables()
-        changed = self.optimizer.catch_up(w, states, slots, ids)
+        changed = self.optimizer.catch_up(w, states, slots, ids, lag=lag)
         if bool(changed.any()):
             self.cache.mark_dirty(_masked(slots, changed))
-
-    def flush(self) -> None:
-        """Write every dirty cached row back to the tier (and the tier to disk)."""
-        self.cache.flush()
-
-    def full_weight(self) -> Tensor:
-        """The whole table on CPU in fp32, exact-mode catch-up applied."""
-        self._catch_up_all()
-        self.cache.flush()
-        return self.tier.materialize("weight")
 
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
         """Rows ``[lo, hi)`` as they are now (catch-up applied), on ``device`` in ``dtype`` (tied heads)."""
@@ -405,53 +379,3 @@ class ShardedEmbedding(nn.Module):
     def stats(self) -> dict:
         """Cumulative figures, and ``"last_step"``: the same for the last optimizer step."""
         return self.stats_tracker.as_dict(self.cache)
-
-    # -- checkpoints -------------------------------------------------------------------------------------
-    def maximus_state_dict(self) -> dict:
-        """Table + optimizer state + step counters + lr history (exact catch-up applied, cache flushed)."""
-        self._catch_up_all()
-        self.cache.flush()
-        names = ("weight", *self.optimizer.state_names)
-        return {"format_version": 1, "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
-                "padding_idx": self.padding_idx, "tensors": {n: self.tier.materialize(n) for n in names},
-                "optimizer": self.optimizer.state_dict()}
-
-    def load_maximus_state_dict(self, d: dict) -> None:
-        from ds_maximus.errors import ConfigError
-        if (d["num_embeddings"], d["embedding_dim"]) != (self.num_embeddings, self.embedding_dim):
-            raise ConfigError(f"checkpoint table is {d['num_embeddings']}x{d['embedding_dim']}, this module is "
-                              f"{self.num_embeddings}x{self.embedding_dim}; load it into a module of that shape")
-        names = ("weight", *self.optimizer.state_names)
-        missing = [n for n in names if n not in d["tensors"]]
-        if missing:
-            raise ConfigError(f"checkpoint lacks optimizer tensors {missing} (it holds {sorted(d['tensors'])}); "
-                              "was it saved with another optimizer type?")
-        self.cache.clear()
-        self._step_pins.clear()
-        self._prefetched.clear()
-        self.grad.clear()
-        self.tier.load({n: d["tensors"][n] for n in names})
-        self.optimizer.load_state_dict(d["optimizer"])
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.full_weight()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        key = prefix + "weight"
-        if key in state_dict:
-            w = state_dict[key]
-            if tuple(w.shape) != (self.num_embeddings, self.embedding_dim):
-                error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(w.shape)}, module "
-                                  f"({self.num_embeddings}, {self.embedding_dim})")
-            else:
-                self._catch_up_all()
-                self.cache.clear()
-                self.tier.load({"weight": w.detach().to("cpu", torch.float32)})
-                self.optimizer.last_step.fill_(self.optimizer.step)
-        elif strict:
-            missing_keys.append(key)
-        local = {k: v for k, v in state_dict.items() if k != key}
-        super()._load_from_state_dict(local, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
