@@ -72,6 +72,30 @@ def link_table(d: int, rows: int, table_rows: int) -> str:
     return "\n".join(lines)
 
 
+def phase_table(emb, batches, dev_batches, grad, steps: int) -> str:
+    """Host time of each phase of a step, with a sync after every step (the benchmark's timing): where the
+    host spends the step, and how long it then waits for the GPU."""
+    names = ("prefetch", "forward", "backward", "sparse_step", "sync wait")
+    tot = dict.fromkeys(names, 0.0)
+    for k in range(steps):
+        t = [time.perf_counter()]
+        emb.prefetch(batches[k + 1])
+        t.append(time.perf_counter())
+        out = emb(dev_batches[k])
+        t.append(time.perf_counter())
+        out.backward(grad)
+        t.append(time.perf_counter())
+        emb.sparse_step(lr=1e-3)
+        t.append(time.perf_counter())
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        for n, a, b in zip(names, t, t[1:]):
+            tot[n] += (b - a) * 1e3
+    all_ms = sum(tot.values()) / steps
+    return (f"host phases, sync after each step ({steps} steps, ms/step; total {all_ms:.2f}): "
+            + ", ".join(f"{n} {v / steps:.2f}" for n, v in tot.items()))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--vocab", type=int, default=262144)
@@ -90,7 +114,7 @@ def main(argv=None):
     from ds_maximus.embedding import ShardedEmbedding
     V, d = a.vocab, a.dim
     out = [link_table(d, 3500, V)]
-    batches = zipf_batches(V, a.batch * a.seq, 3 * a.steps + 2, a.zipf)
+    batches = zipf_batches(V, a.batch * a.seq, 4 * a.steps + 2, a.zipf)
     dev_batches = [b.view(a.batch, a.seq).cuda() for b in batches]
     grad = torch.randn(a.batch, a.seq, d, device="cuda") * 1e-3
     emb = ShardedEmbedding(V, d, config=EmbeddingConfig(gpu_cache_rows=int(V * a.cache_frac), cache_policy=a.policy,
@@ -111,6 +135,7 @@ def main(argv=None):
     for _ in range(a.steps):
         step()
     torch.cuda.synchronize()
+    out.append(phase_table(emb, batches[3 * a.steps:], dev_batches[3 * a.steps:], grad, a.steps))
     t0 = time.perf_counter()
     for _ in range(a.steps):
         step()
