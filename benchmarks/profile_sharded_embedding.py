@@ -68,8 +68,66 @@ def link_table(d: int, rows: int, table_rows: int) -> str:
     for blocks in (8, 16, max(8, sms // 4), sms, 8 * sms):  # the default cap is a quarter of the SMs
         lines.append(f"  copy_rows H2D, {blocks:4d} blocks            "
                      f"{_bw(lambda: op.copy_rows(host, ids, dev, slots, max_blocks=blocks), nbytes):6.1f} GB/s")
+    lines += contention_lines(op, host, dev, dev2, host_flat, ids, slots, sms)
     del host, dev, dev2, host_flat
     return "\n".join(lines)
+
+
+def contention_lines(op, host, dev, dev2, host_flat, ids, slots, sms) -> list:
+    """How much the cache's copies slow the compute stream: the lookup's sort-and-sync and a 5000-row
+    gather, alone and while fills and write-backs run on two other streams (per copy kernel grid)."""
+    from ds_maximus.ops import sharded_embedding as ops
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randint(0, host.shape[0], (16384,), generator=g).cuda()
+    rows = torch.randint(0, dev.shape[0], (5000,), generator=g).cuda()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def compute():
+        t0 = time.perf_counter()
+        ops.sorted_unique(flat, host.shape[0])
+        t1 = time.perf_counter()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(4):
+            dev.index_select(0, rows)
+        e1.record()
+        e1.synchronize()
+        return (t1 - t0) * 1e3, e0.elapsed_time(e1) / 4
+
+    def under(copies) -> str:
+        res = []
+        for _ in range(7):
+            torch.cuda.synchronize()
+            copies()
+            res.append(compute())
+            torch.cuda.synchronize()
+        res.sort()
+        su = sorted(r[0] for r in res)[3]
+        ga = sorted(r[1] for r in res)[3]
+        return f"sort+sync {su:6.3f} ms, 5000-row gather {ga:6.3f} ms"
+
+    def uva(blocks):
+        def go():
+            for _ in range(3):
+                with torch.cuda.stream(s1):
+                    op.copy_rows(host, ids, dev2, slots, max_blocks=blocks)
+                with torch.cuda.stream(s2):
+                    op.copy_rows(dev2, slots, host, ids, max_blocks=blocks)
+        return go
+
+    def dma():
+        for _ in range(3):
+            with torch.cuda.stream(s1):
+                dev2.copy_(host_flat, non_blocking=True)
+            with torch.cuda.stream(s2):
+                host_flat.copy_(dev2, non_blocking=True)
+
+    out = [f"compute beside the copies (median of 7; copies = 3 x {ids.numel()} rows each way):",
+           f"  alone                                   {under(lambda: None)}"]
+    for b in (2, 4, 8, 16, max(8, sms // 4)):
+        out.append(f"  copy_rows both ways, {b:3d} blocks each    {under(uva(b))}")
+    out.append(f"  DMA copy_ both ways                     {under(dma)}")
+    return out
 
 
 def phase_table(emb, batches, dev_batches, grad, steps: int) -> str:
