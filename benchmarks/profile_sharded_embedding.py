@@ -74,9 +74,9 @@ def link_table(d: int, rows: int, table_rows: int) -> str:
 
 
 def contention_lines(op, host, dev, dev2, host_flat, ids, slots, sms) -> list:
-    """How much the cache's copies slow the compute stream: the lookup's sort-and-sync and a 5000-row
-    gather, alone and while fills and write-backs run on two other streams (per copy kernel grid)."""
-    from ds_maximus.ops import sharded_embedding as ops
+    """How much the cache's copies slow the compute stream: the lookup's host sync (its 16K ids to the host)
+    and a 5000-row gather, alone and while fills and write-backs run on two other streams (per copy grid)."""
+    from ds_maximus.embedding.function import ids_on_host
     g = torch.Generator().manual_seed(1)
     flat = torch.randint(0, host.shape[0], (16384,), generator=g).cuda()
     rows = torch.randint(0, dev.shape[0], (5000,), generator=g).cuda()
@@ -84,7 +84,7 @@ def contention_lines(op, host, dev, dev2, host_flat, ids, slots, sms) -> list:
 
     def compute():
         t0 = time.perf_counter()
-        ops.sorted_unique(flat, host.shape[0])
+        ids_on_host(flat)
         t1 = time.perf_counter()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
@@ -104,7 +104,7 @@ def contention_lines(op, host, dev, dev2, host_flat, ids, slots, sms) -> list:
         res.sort()
         su = sorted(r[0] for r in res)[3]
         ga = sorted(r[1] for r in res)[3]
-        return f"sort+sync {su:6.3f} ms, 5000-row gather {ga:6.3f} ms"
+        return f"ids to host {su:6.3f} ms, 5000-row gather {ga:6.3f} ms"
 
     def uva(blocks):
         def go():

@@ -1,12 +1,12 @@
 """The lookup of ``ShardedEmbedding`` and its autograd function (row-sparse backward).
 
-``lookup`` does the one host sync of the forward: the unique ids of the batch come to the host,
-where the range is checked (the unique ids are sorted, so their first and last are the min and
-max: no kernel ever sees a bad id) and the cache decides residency.
+``lookup`` does the one host sync of the forward: the batch's ids come to the host, where the range is
+checked (no kernel ever sees a bad id), the batch is planned (:class:`BatchPlanner`; a prefetched batch
+was planned by ``prefetch``) and the cache decides residency.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -26,43 +26,102 @@ def check_range(uniq_sorted_cpu: Tensor, vocab_size: int) -> None:
                          f"[0, {vocab_size})); check the tokenizer / TokenMap matches the model")
 
 
-def unique_sorted_cpu(flat: Tensor, vocab_size: int, mask: Optional[np.ndarray] = None) -> Tensor:
-    """Sorted unique ids of CPU ``flat``: a vocabulary-sized mask when the batch is large (no sort).
+class BatchPlan(NamedTuple):
+    """What a lookup and its backward need of a batch of ids: ``uniq`` (sorted unique ids, CPU long),
+    ``inverse`` (each token's position in ``uniq``), ``order`` (token positions sorted stably by id) and
+    ``offsets`` ([U + 1] segment starts in ``order``), on the compute device."""
 
-    ``mask`` (all False, ``vocab_size`` numpy bools) is a buffer kept by the caller and left all False
-    again: a fresh one costs page faults (~0.25 ms at 262K) on every call. The mask is numpy's, on one
-    thread: torch's parallel ``nonzero`` over it cost 3-13 ms in some steps on a 16-core host (its
-    threads waited for one another), against ~0.1 ms.
+    uniq: Tensor
+    inverse: Tensor
+    order: Tensor
+    offsets: Tensor
+
+
+class BatchPlanner:
+    """Plans batches of token ids on the host, in numpy, with vocabulary-sized buffers kept between calls.
+
+    A batch of 16K ids over a 262K vocabulary takes ~0.4 ms on one core of a 2-core machine: a mask gives
+    the unique ids (no sort), a rank table the inverse, and a radix argsort of the (16-bit) inverse the
+    stable order. On a GPU the same plan took a 20-kernel sort and ~0.8 ms, up to 3.4 ms while the
+    cache's copies held the PCIe link (``benchmarks/profile_sharded_embedding.py``).
+
+    >>> import numpy as np
+    >>> p = BatchPlanner(10).plan(np.array([7, 2, 7, 5]))
+    >>> p.uniq.tolist(), p.inverse.tolist(), p.order.tolist(), p.offsets.tolist()
+    ([2, 5, 7], [2, 0, 2, 1], [1, 3, 0, 2], [0, 1, 2, 4])
     """
-    if flat.numel() * 64 < vocab_size:  # a mask costs ~V/64 sort elements' time
-        return torch.unique(flat)
-    a = flat.numpy()
-    if a.min() < 0 or a.max() >= vocab_size:
-        return torch.unique(flat)  # the caller's range check names the bad id
-    if mask is None or mask.shape != (vocab_size,):
-        mask = np.zeros(vocab_size, dtype=bool)
-    mask[a] = True
-    uniq = np.flatnonzero(mask)
-    mask[uniq] = False
-    return torch.from_numpy(uniq.astype(np.int64, copy=False))
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = int(vocab_size)
+        self._mask: Optional[np.ndarray] = None  # all False between calls
+        self._rank: Optional[np.ndarray] = None
+
+    def _check(self, a: np.ndarray) -> None:
+        if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+            check_range(torch.tensor([int(a.min()), int(a.max())]), self.vocab_size)
+
+    def unique(self, a: np.ndarray) -> np.ndarray:
+        """Sorted unique ids of int64 ``a`` (raises ``IndexError`` naming an id outside the vocabulary)."""
+        self._check(a)
+        if a.size * 64 < self.vocab_size:  # a mask costs ~V/64 sort elements' time
+            return np.unique(a)
+        if self._mask is None:  # a fresh one costs page faults (~0.25 ms at 262K) on every call
+            self._mask = np.zeros(self.vocab_size, dtype=bool)
+        self._mask[a] = True
+        uniq = np.flatnonzero(self._mask)
+        self._mask[uniq] = False
+        return uniq.astype(np.int64, copy=False)
+
+    def plan(self, a: np.ndarray, device=None) -> BatchPlan:
+        """The plan of int64 ``a`` with its index tensors on ``device`` (one host-to-device copy)."""
+        uniq = self.unique(a)
+        n, u = a.size, uniq.size
+        if self._rank is None:
+            self._rank = np.zeros(self.vocab_size, dtype=np.int64)
+        self._rank[uniq] = np.arange(u)
+        buf = torch.empty(2 * n + u + 1, dtype=torch.long,
+                          pin_memory=device is not None and torch.device(device).type == "cuda")
+        b = buf.numpy()
+        inverse, order, offsets = b[:n], b[n:2 * n], b[2 * n:]
+        np.take(self._rank, a, out=inverse)
+        # stable: token order within an id; a radix sort when the inverse fits 16 bits
+        order[:] = np.argsort(inverse.astype(np.uint16) if u <= 1 << 16 else inverse, kind="stable")
+        offsets[0] = 0
+        np.cumsum(np.bincount(inverse, minlength=u), out=offsets[1:])
+        if device is not None:
+            from ds_maximus.ops import to_device
+            buf = to_device(buf, device)
+        return BatchPlan(torch.from_numpy(uniq), buf[:n], buf[n:2 * n], buf[2 * n:])
+
+
+def ids_on_host(flat: Tensor) -> np.ndarray:
+    """``flat`` (any integer dtype, any device) as int64 numpy; from a GPU, one copy and one host sync."""
+    if flat.device.type == "cuda":
+        host = torch.empty(flat.numel(), dtype=torch.long, pin_memory=True)
+        host.copy_(flat.to(torch.long), non_blocking=True)
+        torch.cuda.current_stream(flat.device).synchronize()  # the one host sync of the lookup
+        return host.numpy()
+    return flat.to(torch.long).numpy()
 
 
 def lookup(module, input: Tensor, pin: bool):
-    """Gather the rows of ``input`` (any shape) -> ``(out [N, d], unique ids on CPU, backward plan)``."""
+    """Gather the rows of ``input`` (any shape) -> ``(out [N, d], unique ids on CPU, backward plan)``.
+
+    The ids come to the host (one sync on a GPU), where a prefetched batch with the same ids gives its plan
+    (made and uploaded by ``prefetch``); otherwise the host plans them now. The range is checked on the host,
+    so no kernel ever sees a bad id, and the cache decides residency there.
+    """
     from ds_maximus.ops import sharded_embedding as ops, to_device
     dev = module.compute_device
-    flat = input.reshape(-1).to(dev, torch.long)
-    if dev.type == "cuda":
-        uniq_cpu, inverse, order, offsets = ops.sorted_unique(flat, module.num_embeddings)  # the one host sync of the step
-    else:
-        uniq_cpu, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        order = offsets = None
-    check_range(uniq_cpu, module.num_embeddings)
-    slots = module._resident(uniq_cpu, pin=pin)
+    host = ids_on_host(input.reshape(-1))
+    plan = module._prefetched_plan(host)
+    if plan is None:
+        plan = module._planner.plan(host, dev)
+    slots = module._resident(plan.uniq, pin=pin)
     module._release_prefetch(slots)
     w = module.cache.storage["weight"]
-    out = ops.gather(w, to_device(slots, dev), inverse, module.out_dtype)
-    return out, uniq_cpu, (inverse, order, offsets)
+    out = ops.gather(w, to_device(slots, dev), plan.inverse, module.out_dtype)
+    return out, plan.uniq, (plan.inverse, plan.order, plan.offsets)
 
 
 class ShardedEmbeddingFunction(torch.autograd.Function):

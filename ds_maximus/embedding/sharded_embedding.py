@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ds_maximus.cache import PartitionCache, TensorTier
 from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
+from ds_maximus.embedding.function import BatchPlan, BatchPlanner, ids_on_host
 from ds_maximus.embedding.sharded_state import ShardedStateMixin
 from ds_maximus.embedding.stats import EmbeddingStats, format_line
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
@@ -24,8 +25,10 @@ logger = logging.getLogger("ds_maximus")
 
 
 class _Prefetched(NamedTuple):
-    ids: Tensor    # sorted unique ids (CPU)
-    slots: Tensor  # their slots, pinned until a lookup adopts or releases them
+    ids: Tensor        # sorted unique ids (CPU)
+    slots: Tensor      # their slots, pinned until a lookup adopts or releases them
+    flat: np.ndarray   # the batch's ids as given (a copy): a lookup of exactly these takes ``plan``
+    plan: BatchPlan    # its index tensors already on the compute device
 
 
 def _masked(t: Tensor, mask: Tensor) -> Tensor:
@@ -78,7 +81,7 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         self.stats_tracker = EmbeddingStats(self.num_embeddings)
         self._step_pins: list = []
         self._prefetched: collections.deque = collections.deque()
-        self._id_mask: Optional[np.ndarray] = None  # unique_sorted_cpu's buffer (prefetch)
+        self._planner = BatchPlanner(self.num_embeddings)
         self._anchor = torch.zeros((), requires_grad=True)  # not a Parameter: autograd reaches backward through it
         self._anchor_fn = None  # set by the engine integration (ds_maximus/zero/norm_carrier.py)
 
@@ -184,22 +187,30 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         return slots
 
     def prefetch(self, ids: Tensor) -> None:
-        """Stage the rows of an upcoming batch asynchronously (pinned until the next forward uses them)."""
-        from ds_maximus.embedding.function import check_range, unique_sorted_cpu
-        if self._id_mask is None:
-            self._id_mask = np.zeros(self.num_embeddings, dtype=bool)
-        uniq = unique_sorted_cpu(ids.detach().reshape(-1).to("cpu", torch.long), self.num_embeddings, self._id_mask)
-        check_range(uniq, self.num_embeddings)
+        """Stage the rows of an upcoming batch asynchronously (pinned until the next forward uses them).
+
+        The batch is planned here too (unique ids, inverse, order; uploaded at once), so the forward of the
+        same ids only brings them to the host to compare.
+        """
         from ds_maximus.errors import CapacityError
+        flat = ids_on_host(ids.detach().reshape(-1))
+        plan = self._planner.plan(flat, self.compute_device)  # raises IndexError naming a bad id
         while len(self._prefetched) >= 2:
             self.cache.unpin(self._prefetched.popleft().slots)
         try:  # counted here: a lookup of exactly these ids adopts them without a second count
-            slots = self.cache.acquire(uniq, pin=True, wait=False, count=True)
+            slots = self.cache.acquire(plan.uniq, pin=True, wait=False, count=True)
         except CapacityError:
             logger.debug("prefetch of %d rows skipped: the cache cannot hold them beside the rows in use",
-                         uniq.numel())
+                         plan.uniq.numel())
             return
-        self._prefetched.append(_Prefetched(uniq, slots))
+        self._prefetched.append(_Prefetched(plan.uniq, slots, flat.copy(), plan))
+
+    def _prefetched_plan(self, flat: np.ndarray) -> Optional[BatchPlan]:
+        """The plan of a prefetched batch whose ids are exactly ``flat``, or None."""
+        for p in self._prefetched:
+            if p.flat.size == flat.size and np.array_equal(p.flat, flat):
+                return p.plan
+        return None
 
     def _adopt_prefetch(self, uniq_cpu: Tensor, wait: bool) -> Optional[Tensor]:
         """Slots of a prefetched set with exactly the ids ``uniq_cpu`` (its pins pass to the step), or None.
@@ -208,7 +219,7 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         a second time; the rows were counted, pinned and their fills queued by the prefetch.
         """
         for i, p in enumerate(self._prefetched):
-            if p.ids.numel() == uniq_cpu.numel() and torch.equal(p.ids, uniq_cpu):
+            if p.ids is uniq_cpu or (p.ids.numel() == uniq_cpu.numel() and torch.equal(p.ids, uniq_cpu)):
                 del self._prefetched[i]  # the prefetch's assign already touched them (recency, frequency)
                 if wait:
                     self.cache.wait_fills(p.slots)

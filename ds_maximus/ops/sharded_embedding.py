@@ -76,7 +76,7 @@ def segment_reduce(grad: Tensor, inverse: Tensor, num_unique: int, order: Option
     """Sum ``grad`` rows per unique id (token order within an id) into fp32 ``[num_unique, d]``.
 
     CUDA: ``order`` (token positions sorted stably by id) and ``offsets`` ([U + 1] segment starts),
-    when the caller has them from its own sort (:func:`sorted_unique`), save a second sort.
+    when the caller has them (the lookup's :class:`~ds_maximus.embedding.function.BatchPlanner`), save a sort.
     """
     op = op_for(grad)
     if op is None:
@@ -93,39 +93,6 @@ def segment_reduce(grad: Tensor, inverse: Tensor, num_unique: int, order: Option
     else:
         op.segment_reduce_cpu(grad, inverse, out)
     return out
-
-
-def sorted_unique(flat: Tensor, bound: Optional[int] = None):
-    """Unique ids of CUDA ``flat`` with one host sync: ``(uniq on CPU, inverse, order, offsets)`` (device).
-
-    ``order`` sorts token positions stably by id and ``offsets`` are the segment starts: the backward
-    reuses them (:func:`segment_reduce`). ``torch.unique`` would sync twice and sort again in backward.
-    With ``bound`` (the vocabulary size) below 2**31 and every id in ``[0, bound)`` (checked on the
-    device, reported in the same sync), the sort runs on 32-bit keys (half the radix passes); any id
-    outside falls back to the 64-bit sort, so the caller's range check sees it unchanged.
-    """
-    from ds_maximus.ops import to_device
-    n = flat.numel()
-    narrow = bound is not None and bound < 2**31
-    keys = torch.where((flat >= 0) & (flat < bound), flat, -1).to(torch.int32) if narrow else flat
-    sorted_ids, order = torch.sort(keys, stable=True)
-    flag = torch.ones(n, dtype=torch.bool, device=flat.device)
-    if n > 1:
-        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=flag[1:])
-    seg = torch.cumsum(flag, 0) - 1
-    inverse = torch.empty_like(seg).index_copy_(0, order, seg)
-    host_ids = torch.empty(n, dtype=sorted_ids.dtype, pin_memory=True)
-    host_flag = torch.empty(n, dtype=torch.bool, pin_memory=True)
-    host_ids.copy_(sorted_ids, non_blocking=True)
-    host_flag.copy_(flag, non_blocking=True)
-    torch.cuda.current_stream(flat.device).synchronize()  # the one host sync of the lookup
-    if narrow and n and int(host_ids[0]) < 0:  # an id outside [0, bound): the caller's range check names it
-        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        return uniq.cpu(), inverse, None, None
-    starts = torch.nonzero(host_flag).squeeze(1)
-    uniq = host_ids.index_select(0, starts).long()
-    offsets = to_device(torch.cat([starts, torch.tensor([n])]), flat.device)
-    return uniq, inverse, order, offsets
 
 
 def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optional[Tensor],

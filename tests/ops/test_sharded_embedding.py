@@ -49,25 +49,22 @@ def test_segment_reduce_matches_reference(device, dim, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [0, 1, 7, 4099])
-def test_sorted_unique_plan_equals_torch_unique_and_reference(n):
-    """The lookup's one-sync unique (and the order/offsets the backward reuses) against torch.unique and
-    the reference segment sum, bit for bit; a hot id with thousands of tokens spans the unrolled loop."""
+def test_planned_segment_reduce_equals_the_reference(n):
+    """The CUDA backward with the lookup's host plan (order and offsets uploaded) against the reference
+    segment sum, bit for bit; a hot id with thousands of tokens spans the unrolled loop."""
+    from ds_maximus.embedding.function import BatchPlanner
     _op("cuda")
     g = torch.Generator().manual_seed(n)
     flat = torch.randint(0, 50, (n,), generator=g)
     if n > 100:
         flat[: n // 2] = 3  # one hot id
-    for bound in (None, 50):  # 64-bit keys, and 32-bit keys under the vocabulary bound
-        uniq, inverse, order, offsets = ops.sorted_unique(flat.cuda(), bound)
-        want_u, want_inv = torch.unique(flat, sorted=True, return_inverse=True)
-        assert torch.equal(uniq, want_u) and torch.equal(inverse.cpu(), want_inv)
-    if n:  # an id outside the bound comes back unchanged (the caller's range check names it)
-        bad = flat.clone()
-        bad[0] = 2**32 + 7
-        assert int(ops.sorted_unique(bad.cuda(), 50)[0][-1]) == 2**32 + 7
+    plan = BatchPlanner(50).plan(flat.numpy(), "cuda")
+    want_u, want_inv = torch.unique(flat, sorted=True, return_inverse=True)
+    assert torch.equal(plan.uniq, want_u) and torch.equal(plan.inverse.cpu(), want_inv)
     grad = torch.randn(n, 4100, generator=g)  # not a multiple of the column tile
-    got = ops.segment_reduce(grad.cuda(), inverse, uniq.numel(), order=order, offsets=offsets)
-    torch.testing.assert_close(got.cpu(), ref.segment_reduce_ref(grad, want_inv, uniq.numel()), rtol=0, atol=0)
+    got = ops.segment_reduce(grad.cuda(), plan.inverse, plan.uniq.numel(), order=plan.order, offsets=plan.offsets)
+    torch.testing.assert_close(got.cpu(), ref.segment_reduce_ref(grad, want_inv, plan.uniq.numel()), rtol=0, atol=0)
+
 
 def _tables(opt, g, rows=24, dim=5, device="cpu"):
     w = torch.randn(rows, dim, generator=g)
