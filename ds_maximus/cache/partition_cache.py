@@ -30,13 +30,14 @@ import dataclasses
 import time
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ds_maximus.cache.policy import CacheCounters, SlotMap
 from ds_maximus.cache.tier import Tier
 from ds_maximus.config import CachePolicy
-from ds_maximus.ops import to_device
+from ds_maximus.ops import to_device, to_device_pair
 
 
 @dataclasses.dataclass
@@ -80,6 +81,9 @@ class PartitionCache:
         self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
         self._stall_events: List[Tuple[object, object]] = []
+        # numpy views of the host bookkeeping: a numpy op on a few thousand entries costs ~1-7 us, the
+        # torch op ~5-25 us (its reductions start a thread pool), and a step makes dozens
+        self._dirty, self._seq, self._pending_np = self.dirty.numpy(), self._slot_seq.numpy(), self._pending_mask.numpy()
         self._uva = self._uva_op()
         self._uva_in_flight = False
 
@@ -128,7 +132,7 @@ class PartitionCache:
         if slots is None:
             seq = self._fill_seq
         else:
-            seq = int(self._slot_seq.index_select(0, slots.to("cpu", torch.long)).max()) if slots.numel() else 0
+            seq = int(self._seq[_np(slots)].max()) if slots.numel() else 0
         if seq <= self._waited_seq:
             return
         ev = self._fill_events[seq]
@@ -144,13 +148,13 @@ class PartitionCache:
     def _register_fill(self, ev, slots: Tensor) -> None:
         self._fill_seq += 1
         self._fill_events[self._fill_seq] = ev
-        self._slot_seq.index_fill_(0, slots, self._fill_seq)
+        self._seq[_np(slots)] = self._fill_seq
 
     def unpin(self, slots: Tensor) -> None:
         self.map.unpin(slots.to("cpu", torch.long))
 
     def mark_dirty(self, slots: Tensor) -> None:
-        self.dirty.index_fill_(0, slots.to("cpu", torch.long), True)
+        self._dirty[_np(slots)] = True
 
     def slots_of(self, ids: Tensor) -> Tensor:
         """Slots of ``ids`` (-1 where not resident), without touching the policy."""
@@ -197,9 +201,10 @@ class PartitionCache:
         ``stage`` (UVA path): copy them on the GPU first so the slots can be refilled at once; a
         flush, which refills nothing, writes straight from the slots.
         """
-        dirty = torch.nonzero(self.dirty.index_select(0, slots)).squeeze(1)
-        self.dirty.index_fill_(0, slots, False)
-        ids, slots = ids.index_select(0, dirty), slots.index_select(0, dirty)
+        s = _np(slots)
+        dirty = self._dirty[s]
+        self._dirty[s] = False
+        ids, slots = torch.from_numpy(_np(ids)[dirty]), torch.from_numpy(s[dirty])
         n = int(ids.numel())
         if not n:
             return
@@ -223,7 +228,7 @@ class PartitionCache:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self._pending.append((ids, staging, ev))
-        self._pending_mask.index_fill_(0, ids, True)
+        self._pending_np[_np(ids)] = True
 
     def _uva_write_back(self, ids: Tensor, slots: Tensor, stage: bool) -> None:
         cur = torch.cuda.current_stream(self.device)
@@ -231,7 +236,7 @@ class PartitionCache:
             # on the fill stream, before the fills that reuse these slots: a device-to-device copy
             self.stream.wait_stream(cur)
             with torch.cuda.stream(self.stream):
-                dslots = to_device(slots, self.device)
+                dslots, dids = to_device_pair(slots, ids, self.device)
                 src = {k: v.index_select(0, dslots) for k, v in self.storage.items()}
                 src_idx = torch.arange(ids.numel(), device=self.device)
                 staged = torch.cuda.Event()
@@ -241,20 +246,20 @@ class PartitionCache:
             self.wb_stream.wait_stream(cur)
             src = self.storage
             with torch.cuda.stream(self.wb_stream):
-                src_idx = to_device(slots, self.device)
+                src_idx, dids = to_device_pair(slots, ids, self.device)
         with torch.cuda.stream(self.wb_stream):
-            dids = to_device(ids, self.device)
             for k, v in src.items():
                 self._uva.copy_rows(v, src_idx, self.tier.tensors[k], dids)
                 if stage:
                     v.record_stream(self.wb_stream)
-            if stage:
+            if stage:  # made on the fill stream, read on this one
                 src_idx.record_stream(self.wb_stream)
+                dids.record_stream(self.wb_stream)
             ev = torch.cuda.Event()
             ev.record(self.wb_stream)
         self._wb_event = ev
         self._uva_pending.append((ids, ev))
-        self._pending_mask.index_fill_(0, ids, True)
+        self._pending_np[_np(ids)] = True
 
     def _finish_write_backs(self, block: bool) -> None:
         """Retire write-backs whose copies have landed (``block``: wait for all, fills included)."""
@@ -266,7 +271,7 @@ class PartitionCache:
                         t0 = time.perf_counter()
                         ev.synchronize()  # GPU-written rows of the tier are now visible to the host
                         self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
-                    self._pending_mask.index_fill_(0, ids, False)
+                    self._pending_np[_np(ids)] = False
                 else:
                     keep.extend(self._uva_pending[i:])  # one stream: they land in order
                     break
@@ -284,7 +289,7 @@ class PartitionCache:
                     ev.synchronize()
                     self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
                 self.tier.write(ids, staging)
-                self._pending_mask.index_fill_(0, ids, False)
+                self._pending_np[_np(ids)] = False
             else:
                 keep.extend(self._pending[i:])  # finish in order
                 break
@@ -296,13 +301,12 @@ class PartitionCache:
         self.traffic.bytes_h2d += n * self.entry_bytes
         if self._uva is not None:
             self._finish_write_backs(block=False)
-            back = bool(self._pending_mask.index_select(0, ids).any())
+            back = bool(self._pending_np[_np(ids)].any())
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier readers of these slots
             if back:
                 self.stream.wait_event(self._wb_event)  # an id coming back before its write-back landed
             with torch.cuda.stream(self.stream):
-                dslots = to_device(slots, self.device)
-                dids = to_device(ids, self.device)
+                dslots, dids = to_device_pair(slots, ids, self.device)
                 for k, v in self.storage.items():
                     self._uva.copy_rows(self.tier.tensors[k], dids, v, dslots)
                 ev = torch.cuda.Event(enable_timing=True)
@@ -310,7 +314,7 @@ class PartitionCache:
             self._register_fill(ev, slots)
             self._uva_in_flight = True
             return
-        if self._pending and bool(self._pending_mask.index_select(0, ids).any()):
+        if self._pending and bool(self._pending_np[_np(ids)].any()):
             self._finish_write_backs(block=True)  # an id coming back before its write-back landed
         staging = self._staging(n)
         self.tier.read(ids, staging)
@@ -329,3 +333,7 @@ class PartitionCache:
             ev.record(self.stream)
         self._register_fill(ev, slots)
 
+
+def _np(t: Tensor) -> np.ndarray:
+    """A CPU index tensor as an int64 numpy array (shares memory when it is one already)."""
+    return t.to("cpu", torch.long).numpy()

@@ -72,9 +72,10 @@ class BatchPlanner:
         self._mask[uniq] = False
         return uniq.astype(np.int64, copy=False)
 
-    def plan(self, a: np.ndarray, device=None) -> BatchPlan:
-        """The plan of int64 ``a`` with its index tensors on ``device`` (one host-to-device copy)."""
-        uniq = self.unique(a)
+    def plan(self, a: np.ndarray, device=None, uniq: Optional[np.ndarray] = None) -> BatchPlan:
+        """The plan of int64 ``a`` with its index tensors on ``device`` (one host-to-device copy);
+        ``uniq``: :meth:`unique` of ``a`` when the caller has it."""
+        uniq = self.unique(a) if uniq is None else uniq
         n, u = a.size, uniq.size
         if self._rank is None:
             self._rank = np.zeros(self.vocab_size, dtype=np.int64)

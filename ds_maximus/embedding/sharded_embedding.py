@@ -32,8 +32,8 @@ class _Prefetched(NamedTuple):
 
 
 def _masked(t: Tensor, mask: Tensor) -> Tensor:
-    """``t[mask]`` for CPU tensors through index_select (CPU boolean indexing costs milliseconds here)."""
-    return t.index_select(0, torch.nonzero(mask).squeeze(1))
+    """``t[mask]`` for CPU tensors, in numpy (torch's CPU boolean indexing costs milliseconds here)."""
+    return torch.from_numpy(t.numpy()[mask.numpy()])
 
 
 class ShardedEmbedding(ShardedStateMixin, nn.Module):
@@ -194,15 +194,16 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         """
         from ds_maximus.errors import CapacityError
         flat = ids_on_host(ids.detach().reshape(-1))
-        plan = self._planner.plan(flat, self.compute_device)  # raises IndexError naming a bad id
+        uniq = self._planner.unique(flat)  # raises IndexError naming a bad id
         while len(self._prefetched) >= 2:
             self.cache.unpin(self._prefetched.popleft().slots)
         try:  # counted here: a lookup of exactly these ids adopts them without a second count
-            slots = self.cache.acquire(plan.uniq, pin=True, wait=False, count=True)
+            slots = self.cache.acquire(torch.from_numpy(uniq), pin=True, wait=False, count=True)
         except CapacityError:
             logger.debug("prefetch of %d rows skipped: the cache cannot hold them beside the rows in use",
-                         plan.uniq.numel())
+                         uniq.size)
             return
+        plan = self._planner.plan(flat, self.compute_device, uniq)  # after the fills are queued
         self._prefetched.append(_Prefetched(plan.uniq, slots, flat.copy(), plan))
 
     def _prefetched_plan(self, flat: np.ndarray) -> Optional[BatchPlan]:
@@ -230,11 +231,11 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         """Unpin the prefetched sets this lookup consumed (all their rows are among ``used_slots``)."""
         if not self._prefetched:
             return
-        used = torch.zeros(self.cache.num_slots, dtype=torch.bool)
-        used.index_fill_(0, used_slots, True)  # a mask: torch.isin sorts both sides (~1 ms per lookup)
+        used = np.zeros(self.cache.num_slots, dtype=bool)  # a mask: torch.isin sorts both sides (~1 ms)
+        used[used_slots.numpy()] = True
         keep = collections.deque()
         for p in self._prefetched:
-            if bool(used.index_select(0, p.slots).all()):
+            if p.slots.numel() <= used_slots.numel() and used[p.slots.numpy()].all():
                 self.cache.unpin(p.slots)
             else:
                 keep.append(p)
@@ -290,7 +291,7 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
             slots = self.cache.slots_of(ids)
             res = slots >= 0
             w, states = self._tables()
-            if bool(res.all()):
+            if res.numpy().all():
                 self.optimizer.update(w, states, slots, rows, ids)
                 self.cache.mark_dirty(slots)
             else:
@@ -319,7 +320,7 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
             return
         for p in self._prefetched:
             lag = self.optimizer.lagging(p.ids)
-            if bool(lag.any()):
+            if lag.numpy().any():
                 self.cache.wait_fills(p.slots)  # the compute stream waits on the GPU for their fills
                 self._replay(p.ids, p.slots, lag)
 
@@ -348,7 +349,7 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         """Exact mode: replay the skipped steps of cached rows ``ids`` in ``slots``; mark the changed ones dirty."""
         w, states = self._tables()
         changed = self.optimizer.catch_up(w, states, slots, ids, lag=lag)
-        if bool(changed.any()):
+        if changed.numpy().any():
             self.cache.mark_dirty(_masked(slots, changed))
 
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:

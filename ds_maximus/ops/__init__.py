@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -16,6 +17,19 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def to_device_pair(a: torch.Tensor, b: Optional[torch.Tensor], device):
+    """CPU index tensors ``a`` and ``b`` (int64) on ``device``: to a GPU in one pinned copy, not two."""
+    device = torch.device(device)
+    if b is None or device.type != "cuda" or a.is_cuda or b.is_cuda:
+        return to_device(a, device), (to_device(b, device) if b is not None else None)
+    n = a.numel()
+    buf = torch.empty(n + b.numel(), dtype=torch.long, pin_memory=True)
+    h = buf.numpy()
+    h[:n], h[n:] = a.to(torch.long).reshape(-1).numpy(), b.to(torch.long).reshape(-1).numpy()
+    buf = buf.to(device, non_blocking=True)
+    return buf[:n], buf[n:]
 
 
 def op_builder_module():

@@ -118,13 +118,13 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
         if shadow is not None and slots.numel():
             shadow.index_copy_(0, slots, weight.index_select(0, slots).to(shadow.dtype))
         return
-    from ds_maximus.ops import to_device
     dev = weight.device
-    empty_f = torch.empty(0, dtype=torch.float32, device=dev)
-    empty_d = torch.empty(0, dtype=torch.float64, device=dev)
+    empty_f, empty_d, empty_l = _empties(dev)
     s1 = states[1] if len(states) > 1 else empty_f
-    args = (weight, states[0], s1, to_device(slots, dev), grads.float().contiguous() if grads is not None else empty_f,
-            to_device(last_step, dev) if last_step is not None else torch.empty(0, dtype=torch.long, device=dev),
+    from ds_maximus.ops import to_device_pair
+    d_slots, d_last = to_device_pair(slots, last_step, dev)
+    args = (weight, states[0], s1, d_slots, grads.float().contiguous() if grads is not None else empty_f,
+            d_last if d_last is not None else empty_l,
             lr_hist if lr_hist is not None else empty_d, wd_hist if wd_hist is not None else empty_d,
             int(step), float(lr), float(weight_decay), float(beta1), float(beta2), float(eps),
             int(optimizer), bool(lazy), grads is not None)
@@ -132,3 +132,13 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
         op.row_update_scaled(*args, float(grad_scale), shadow if shadow is not None else empty_f)
     else:
         op.row_update(*args)
+
+
+_EMPTIES = {}
+
+
+def _empties(dev: torch.device):
+    """Empty fp32, fp64 and int64 tensors on ``dev`` (the op's "absent" arguments), made once per device."""
+    if dev not in _EMPTIES:
+        _EMPTIES[dev] = tuple(torch.empty(0, dtype=t, device=dev) for t in (torch.float32, torch.float64, torch.long))
+    return _EMPTIES[dev]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -67,26 +68,31 @@ class RowOptimizer:
         return self.step
 
     def history(self, device: torch.device) -> Tuple[Tensor, Tensor]:
-        """lr and weight-decay history on ``device`` (float64, index k = step k), grown incrementally."""
+        """lr and weight-decay history on ``device`` (float64, index k = step k), grown incrementally.
+
+        On a GPU the new steps go up from a pinned mirror (a pageable copy would wait for the
+        stream's queued work); earlier entries of the mirror are never rewritten, so no copy in flight
+        reads a changing buffer.
+        """
         device = torch.device(device)
         need = len(self.lr_hist)
-        lr_t, wd_t, filled = self._dev_hist.get(device, (None, None, 0))
-        if lr_t is None or lr_t.numel() < need:
+        dev_t, host, filled = self._dev_hist.get(device, (None, None, 0))
+        if dev_t is None or dev_t.shape[1] < need:
             cap = max(1024, 2 * need)
-            new_lr = torch.zeros(cap, dtype=torch.float64, device=device)
-            new_wd = torch.zeros(cap, dtype=torch.float64, device=device)
-            if lr_t is not None:
-                new_lr[:filled].copy_(lr_t[:filled])
-                new_wd[:filled].copy_(wd_t[:filled])
-            lr_t, wd_t = new_lr, new_wd
-        if filled < need:  # through pinned memory: a pageable copy would wait for the stream's queued work
-            from ds_maximus.ops import to_device
-            new = torch.tensor([self.lr_hist[filled:need], self.wd_hist[filled:need]], dtype=torch.float64)
-            new = to_device(new, device)
-            lr_t[filled:need].copy_(new[0])
-            wd_t[filled:need].copy_(new[1])
-        self._dev_hist[device] = (lr_t, wd_t, need)
-        return lr_t, wd_t
+            new = torch.zeros(2, cap, dtype=torch.float64, device=device)
+            new_host = torch.zeros(2, cap, dtype=torch.float64, pin_memory=device.type == "cuda")
+            if dev_t is not None:
+                new[:, :filled].copy_(dev_t[:, :filled])
+                new_host[:, :filled].copy_(host[:, :filled])
+            dev_t, host = new, new_host
+        if filled < need:
+            h = host.numpy()
+            h[0, filled:need] = self.lr_hist[filled:need]
+            h[1, filled:need] = self.wd_hist[filled:need]
+            for k in range(2):  # each row's new range is contiguous (a strided copy would stage pageably)
+                dev_t[k, filled:need].copy_(host[k, filled:need], non_blocking=True)
+        self._dev_hist[device] = (dev_t, host, need)
+        return dev_t[0], dev_t[1]
 
     # -- row updates -----------------------------------------------------------------------------
     def update(self, weight: Tensor, states: List[Tensor], slots: Tensor, grads: Tensor, ids: Tensor, *,
@@ -100,20 +106,23 @@ class RowOptimizer:
         if ids.numel() == 0:
             return
         lr_h, wd_h = self.history(weight.device)
-        ops.row_update(weight, states, slots, grads, self.last_step.index_select(0, ids),
+        ids_np = ids.to(torch.long).numpy()
+        last = self.last_step.numpy()
+        ops.row_update(weight, states, slots, grads, torch.from_numpy(last[ids_np]),
                        step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=self.lr_hist[self.step],
                        weight_decay=self.wd_hist[self.step], beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                        optimizer=self.kind, lazy=self.lazy, grad_scale=grad_scale, shadow=shadow)
-        self.last_step.index_fill_(0, ids, self.step)
+        last[ids_np] = self.step
 
     def lagging(self, ids: Tensor) -> Tensor:
         """Mask of ``ids`` (CPU) whose rows miss replayed steps (always empty in ``lazy`` mode)."""
         if self.lazy or self.step == 0:
             return torch.zeros(ids.numel(), dtype=torch.bool)
-        lag = self.last_step.index_select(0, ids) < self.step
+        ids_np = ids.to(torch.long).numpy()
+        lag = self.last_step.numpy()[ids_np] < self.step
         if self.frozen_row is not None:
-            lag &= ids != self.frozen_row
-        return lag
+            lag &= ids_np != self.frozen_row
+        return torch.from_numpy(lag)
 
     def catch_up(self, weight: Tensor, states: List[Tensor], slots: Tensor, ids: Tensor,
                  lag: Optional[Tensor] = None) -> Tensor:
@@ -121,15 +130,17 @@ class RowOptimizer:
         (``lag``: :meth:`lagging` of ``ids`` when the caller has it)."""
         from ds_maximus.ops import sharded_embedding as ops
         lag = self.lagging(ids) if lag is None else lag
-        if bool(lag.any()):
-            pos = torch.nonzero(lag).squeeze(1)
-            ids_l = ids.index_select(0, pos)
+        lag_np = lag.numpy()
+        if lag_np.any():
+            pos = np.flatnonzero(lag_np)
+            ids_l = ids.to(torch.long).numpy()[pos]
+            last = self.last_step.numpy()
             lr_h, wd_h = self.history(weight.device)
-            ops.row_update(weight, states, slots.index_select(0, pos), None,
-                           self.last_step.index_select(0, ids_l),
+            ops.row_update(weight, states, torch.from_numpy(slots.to(torch.long).numpy()[pos]), None,
+                           torch.from_numpy(last[ids_l]),
                            step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=0.0, weight_decay=0.0,
                            beta1=self.beta1, beta2=self.beta2, eps=self.eps, optimizer=self.kind, lazy=False)
-            self.last_step.index_fill_(0, ids_l, self.step)
+            last[ids_l] = self.step
         return lag
 
     # -- state --------------------------------------------------------------------------------------
