@@ -13,6 +13,7 @@ class ShardedEmbeddingBuilder(MaximusOpBuilder):
     def sources(self):
         return [self.csrc("sharded_embedding", "cpu", "sharded_embedding_cpu.cpp"),
                 self.csrc("sharded_embedding", "cpu", "slot_map.cpp"),
+                self.csrc("sharded_embedding", "cpu", "batch_plan.cpp"),
                 self.csrc("sharded_embedding", "bindings.cpp")]
 
 
@@ -22,6 +23,7 @@ class ShardedEmbeddingCUDABuilder(MaximusCUDAOpBuilder):
     def sources(self):
         return [self.csrc("sharded_embedding", "cpu", "sharded_embedding_cpu.cpp"),
                 self.csrc("sharded_embedding", "cpu", "slot_map.cpp"),
+                self.csrc("sharded_embedding", "cpu", "batch_plan.cpp"),
                 self.csrc("sharded_embedding", "cuda", "sharded_embedding_cuda.cu"),
                 self.csrc("sharded_embedding", "bindings.cpp")]
 

@@ -26,6 +26,11 @@ void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at
 std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> slot_assign_cpu(
     const at::Tensor& ids, at::Tensor& id_to_slot, at::Tensor& slot_to_id, at::Tensor& last_use,
     at::Tensor& slot_freq, at::Tensor& id_freq, const at::Tensor& pin_count, double clock, bool lfu);
+// BatchPlanner.plan of ds_maximus/embedding/function.py: writes the U sorted unique ids of ``ids`` to uniq_out and
+// [inverse (N) | stable order (N) | offsets (U + 1)] to idx_out; returns U. ``mask`` (bool, vocabulary-sized) must
+// be all false and is left so; ``rank`` (int64, vocabulary-sized) is scratch.
+int64_t batch_plan_cpu(const at::Tensor& ids, at::Tensor& mask, at::Tensor& rank, at::Tensor& uniq_out,
+                       at::Tensor& idx_out);
 #ifdef MAXIMUS_WITH_CUDA
 void gather_cuda(const at::Tensor& table, const at::Tensor& slots, const at::Tensor& inverse, at::Tensor& out);
 void segment_reduce_cuda(const at::Tensor& grad, const at::Tensor& order, const at::Tensor& offsets,

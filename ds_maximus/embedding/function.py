@@ -37,13 +37,30 @@ class BatchPlan(NamedTuple):
     offsets: Tensor
 
 
-class BatchPlanner:
-    """Plans batches of token ids on the host, in numpy, with vocabulary-sized buffers kept between calls.
+class HostPlan(NamedTuple):
+    """A :class:`BatchPlan` on the host: ``uniq`` and one int64 buffer ``[inverse | order | offsets]``
+    (pinned when it is bound for a GPU), so that :meth:`to` is one copy."""
 
-    A batch of 16K ids over a 262K vocabulary takes ~0.4 ms on one core of a 2-core machine: a mask gives
-    the unique ids (no sort), a rank table the inverse, and a radix argsort of the (16-bit) inverse the
-    stable order. On a GPU the same plan took a 20-kernel sort and ~0.8 ms, up to 3.4 ms while the
-    cache's copies held the PCIe link (``benchmarks/profile_sharded_embedding.py``).
+    uniq: Tensor
+    buf: Tensor
+
+    def to(self, device=None) -> BatchPlan:
+        n = (self.buf.numel() - self.uniq.numel() - 1) // 2
+        buf = self.buf
+        if device is not None:
+            from ds_maximus.ops import to_device
+            buf = to_device(buf, device)
+        return BatchPlan(self.uniq, buf[:n], buf[n:2 * n], buf[2 * n:])
+
+
+class BatchPlanner:
+    """Plans batches of token ids on the host, with vocabulary-sized buffers kept between calls.
+
+    One call of the ``batch_plan`` op (C++: a vocabulary mask gives the unique ids without a sort, a rank
+    table the inverse, a counting sort the stable order), or the same in numpy where the op is not built
+    (the reference; ~0.5 ms for 16K ids over a 262K vocabulary on one core). On a GPU the lookup used to
+    sort there: ~20 kernels and 0.8 ms, up to 3.4 ms while the cache's copies held the PCIe link
+    (``benchmarks/profile_sharded_embedding.py``).
 
     >>> import numpy as np
     >>> p = BatchPlanner(10).plan(np.array([7, 2, 7, 5]))
@@ -51,48 +68,58 @@ class BatchPlanner:
     ([2, 5, 7], [2, 0, 2, 1], [1, 3, 0, 2], [0, 1, 2, 4])
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, use_op: bool = True):
         self.vocab_size = int(vocab_size)
-        self._mask: Optional[np.ndarray] = None  # all False between calls
-        self._rank: Optional[np.ndarray] = None
+        self.use_op = use_op  # False: the numpy reference (tests compare the two)
+        self._mask: Optional[Tensor] = None  # bool, all False between calls
+        self._rank: Optional[Tensor] = None
+
+    def _buffers(self):
+        if self._mask is None:  # fresh ones would cost page faults (~0.25 ms at 262K) on every call
+            self._mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            self._rank = torch.zeros(self.vocab_size, dtype=torch.long)
+        return self._mask, self._rank
 
     def _check(self, a: np.ndarray) -> None:
         if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
             check_range(torch.tensor([int(a.min()), int(a.max())]), self.vocab_size)
 
-    def unique(self, a: np.ndarray) -> np.ndarray:
-        """Sorted unique ids of int64 ``a`` (raises ``IndexError`` naming an id outside the vocabulary)."""
-        self._check(a)
-        if a.size * 64 < self.vocab_size:  # a mask costs ~V/64 sort elements' time
-            return np.unique(a)
-        if self._mask is None:  # a fresh one costs page faults (~0.25 ms at 262K) on every call
-            self._mask = np.zeros(self.vocab_size, dtype=bool)
-        self._mask[a] = True
-        uniq = np.flatnonzero(self._mask)
-        self._mask[uniq] = False
-        return uniq.astype(np.int64, copy=False)
+    def plan(self, a: np.ndarray, device=None) -> BatchPlan:
+        """The plan of int64 ``a`` with its index tensors on ``device`` (one host-to-device copy)."""
+        cuda = device is not None and torch.device(device).type == "cuda"
+        return self.plan_host(a, pin=cuda).to(device)
 
-    def plan(self, a: np.ndarray, device=None, uniq: Optional[np.ndarray] = None) -> BatchPlan:
-        """The plan of int64 ``a`` with its index tensors on ``device`` (one host-to-device copy);
-        ``uniq``: :meth:`unique` of ``a`` when the caller has it."""
-        uniq = self.unique(a) if uniq is None else uniq
-        n, u = a.size, uniq.size
-        if self._rank is None:
-            self._rank = np.zeros(self.vocab_size, dtype=np.int64)
-        self._rank[uniq] = np.arange(u)
-        buf = torch.empty(2 * n + u + 1, dtype=torch.long,
-                          pin_memory=device is not None and torch.device(device).type == "cuda")
+    def plan_host(self, a: np.ndarray, pin: bool = False) -> HostPlan:
+        """The plan of int64 ``a`` on the host (raises ``IndexError`` naming an id outside the vocabulary)."""
+        self._check(a)
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        n = a.size
+        mask, rank = self._buffers()
+        from ds_maximus.ops.sharded_embedding import host_op
+        op = host_op() if self.use_op else None
+        if op is not None and hasattr(op, "batch_plan"):
+            uniq = torch.empty(n, dtype=torch.long)
+            buf = torch.empty(3 * n + 1, dtype=torch.long, pin_memory=pin)
+            u = op.batch_plan(torch.from_numpy(a), mask, rank, uniq, buf)
+            return HostPlan(uniq[:u], buf[:2 * n + u + 1])
+        m, r = mask.numpy(), rank.numpy()
+        if n * 64 < self.vocab_size:  # a mask scan costs ~V/64 sort elements' time
+            uniq = np.unique(a)
+        else:
+            m[a] = True
+            uniq = np.flatnonzero(m)
+            m[uniq] = False
+        u = uniq.size
+        r[uniq] = np.arange(u)
+        buf = torch.empty(2 * n + u + 1, dtype=torch.long, pin_memory=pin)
         b = buf.numpy()
         inverse, order, offsets = b[:n], b[n:2 * n], b[2 * n:]
-        np.take(self._rank, a, out=inverse)
+        np.take(r, a, out=inverse)
         # stable: token order within an id; a radix sort when the inverse fits 16 bits
         order[:] = np.argsort(inverse.astype(np.uint16) if u <= 1 << 16 else inverse, kind="stable")
         offsets[0] = 0
         np.cumsum(np.bincount(inverse, minlength=u), out=offsets[1:])
-        if device is not None:
-            from ds_maximus.ops import to_device
-            buf = to_device(buf, device)
-        return BatchPlan(torch.from_numpy(uniq), buf[:n], buf[n:2 * n], buf[2 * n:])
+        return HostPlan(torch.from_numpy(uniq.astype(np.int64, copy=False)), buf)
 
 
 def ids_on_host(flat: Tensor) -> np.ndarray:

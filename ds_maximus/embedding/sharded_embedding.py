@@ -194,16 +194,16 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         """
         from ds_maximus.errors import CapacityError
         flat = ids_on_host(ids.detach().reshape(-1))
-        uniq = self._planner.unique(flat)  # raises IndexError naming a bad id
+        host = self._planner.plan_host(flat, pin=self.compute_device.type == "cuda")  # IndexError on a bad id
         while len(self._prefetched) >= 2:
             self.cache.unpin(self._prefetched.popleft().slots)
         try:  # counted here: a lookup of exactly these ids adopts them without a second count
-            slots = self.cache.acquire(torch.from_numpy(uniq), pin=True, wait=False, count=True)
+            slots = self.cache.acquire(host.uniq, pin=True, wait=False, count=True)
         except CapacityError:
             logger.debug("prefetch of %d rows skipped: the cache cannot hold them beside the rows in use",
-                         uniq.size)
+                         host.uniq.numel())
             return
-        plan = self._planner.plan(flat, self.compute_device, uniq)  # after the fills are queued
+        plan = host.to(self.compute_device)  # uploaded after the fills are queued
         self._prefetched.append(_Prefetched(plan.uniq, slots, flat.copy(), plan))
 
     def _prefetched_plan(self, flat: np.ndarray) -> Optional[BatchPlan]:
@@ -301,28 +301,11 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
                 self._tier_update(ids[~res], rows[~res_d])
         self.grad.clear()
         self._unpin_step()
-        self._catch_up_prefetched()
         self.stats_tracker.end_step(self.cache, touched)
         step = self.optimizer.step
         if step % self.log_interval_steps == 0:
             logger.info(format_line(f"ShardedEmbedding({self.num_embeddings}x{self.embedding_dim})", step,
                                     self.stats()))
-
-    def _catch_up_prefetched(self) -> None:
-        """Exact mode: bring the prefetched rows (the next batch's) to this step now.
-
-        Queued on the compute stream right after the update, while the host goes on to the next batch, so
-        the next lookup finds its rows current: after that lookup's host sync the GPU would otherwise idle
-        while the host plans the replay, then run it (0.8 ms a step at V=262144, d=4096; rows that come from
-        the tier lag by hundreds of steps) before the gather can start.
-        """
-        if self.optimizer.lazy or not self._prefetched:
-            return
-        for p in self._prefetched:
-            lag = self.optimizer.lagging(p.ids)
-            if lag.numpy().any():
-                self.cache.wait_fills(p.slots)  # the compute stream waits on the GPU for their fills
-                self._replay(p.ids, p.slots, lag)
 
     def _tier_update(self, ids: Tensor, rows: Tensor) -> None:
         """Step rows that are not in the cache (another rank's rows in data-parallel training, after the

@@ -31,7 +31,8 @@ class SparseRowGrad:
         ids = ids.to("cpu", torch.long)
         rows = rows.float()
         if self.ids is None:
-            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            a = ids.numpy()  # numpy: the torch comparison and reduction cost ~40 us a step on the host
+            if a.size > 1 and not (a[1:] > a[:-1]).all():
                 order = torch.argsort(ids)
                 ids, rows = ids.index_select(0, order), rows.index_select(0, order.to(rows.device))
             self.ids, self.rows = ids, rows

@@ -21,11 +21,14 @@ def test_plan_equals_torch_unique_and_stable_sort(vocab, n, hot):
     flat = torch.randint(0, vocab, (n,), generator=g)
     if hot:
         flat[: n // 2] = 3
-    planner = BatchPlanner(vocab)
-    for _ in range(2):  # the kept buffers are clean again after a call
-        plan = planner.plan(flat.numpy(), "cpu")
-        for got, want in zip(plan, _want(flat)):
-            assert got.dtype == torch.long and torch.equal(got, want)
+    from ds_maximus.ops.sharded_embedding import host_op
+    assert hasattr(host_op(), "batch_plan"), "the op was not built: both sides would be the reference"
+    for use_op in (True, False):  # the batch_plan op, and the numpy reference
+        planner = BatchPlanner(vocab, use_op=use_op)
+        for _ in range(2):  # the kept buffers are clean again after a call
+            plan = planner.plan(flat.numpy(), "cpu")
+            for got, want in zip(plan, _want(flat)):
+                assert got.dtype == torch.long and torch.equal(got, want)
     if vocab == 200_000:
         assert plan.uniq.numel() > 1 << 16  # the 64-bit stable sort, not the 16-bit radix one
 
@@ -34,7 +37,10 @@ def test_plan_equals_torch_unique_and_stable_sort(vocab, n, hot):
 def test_plan_names_an_id_outside_the_vocabulary(bad):
     flat = np.arange(600, dtype=np.int64) % 300
     flat[17] = bad
-    with pytest.raises(IndexError, match=f"{bad}.*300|300.*{bad}"):
-        BatchPlanner(300).plan(flat)
-    with pytest.raises(IndexError, match=str(bad)):
-        BatchPlanner(300).unique(flat)
+    for use_op in (True, False):
+        planner = BatchPlanner(300, use_op=use_op)
+        with pytest.raises(IndexError, match=f"{bad}.*300|300.*{bad}"):
+            planner.plan(flat)
+        flat[17] = 5  # nothing was left behind: the next plan is right
+        assert torch.equal(planner.plan(flat).uniq, torch.arange(300))
+        flat[17] = bad
