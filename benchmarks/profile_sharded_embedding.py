@@ -154,6 +154,28 @@ def phase_table(emb, batches, dev_batches, grad, steps: int) -> str:
             + ", ".join(f"{n} {v / steps:.2f}" for n, v in tot.items()))
 
 
+def copy_grid_table(emb, batches, dev_batches, grad, steps: int) -> str:
+    """ms per step, timed as the benchmark times it (events on the compute stream, a sync after each step),
+    for several grids of the cache's copy kernels (``PartitionCache.copy_blocks``; 0 = the op's default)."""
+    out = []
+    for i, blocks in enumerate((8, 16, 0)):  # each on batches of its own (a batch seen before would hit)
+        emb.cache.copy_blocks = blocks
+        times = []
+        for k in range(2 * steps * i, 2 * steps * (i + 1)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            emb.prefetch(batches[k + 1])
+            emb(dev_batches[k]).backward(grad)
+            emb.sparse_step(lr=1e-3)
+            end.record()
+            end.synchronize()
+            if k >= 2 * steps * i + steps:
+                times.append(start.elapsed_time(end))
+        out.append(f"{blocks or 'default'}: {sorted(times)[len(times) // 2]:.2f}")
+    emb.cache.copy_blocks = 0
+    return f"copy kernel blocks -> ms per step (median of {steps}, sync after each): " + ", ".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--vocab", type=int, default=262144)
@@ -194,6 +216,8 @@ def main(argv=None):
         step()
     torch.cuda.synchronize()
     out.append(phase_table(emb, batches[3 * a.steps:], dev_batches[3 * a.steps:], grad, a.steps))
+    extra = zipf_batches(V, a.batch * a.seq, 6 * a.steps + 1, a.zipf, seed=7)
+    out.append(copy_grid_table(emb, extra, [b.view(a.batch, a.seq).cuda() for b in extra], grad, a.steps))
     t0 = time.perf_counter()
     for _ in range(a.steps):
         step()

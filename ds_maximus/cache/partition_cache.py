@@ -86,6 +86,11 @@ class PartitionCache:
         self._dirty, self._seq, self._pending_np = self.dirty.numpy(), self._slot_seq.numpy(), self._pending_mask.numpy()
         self._uva = self._uva_op()
         self._uva_in_flight = False
+        # blocks of each copy kernel (0: the op's default, a quarter of the SMs); fewer leave the link and
+        # the SMs freer for the compute stream (benchmarks/profile_sharded_embedding.py measures both)
+        self.copy_blocks = 0
+        self._iota = torch.arange(self.num_slots, device=self.device) if self._uva is not None else None
+        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 0
 
     def _uva_op(self):
         """The CUDA op when fills/write-backs can be single kernels reading/writing the pinned tier directly."""
@@ -237,8 +242,11 @@ class PartitionCache:
             self.stream.wait_stream(cur)
             with torch.cuda.stream(self.stream):
                 dslots, dids = to_device_pair(slots, ids, self.device)
-                src = {k: v.index_select(0, dslots) for k, v in self.storage.items()}
-                src_idx = torch.arange(ids.numel(), device=self.device)
+                src_idx = self._iota[:ids.numel()]
+                src = {}
+                for k, v in self.storage.items():  # the op's kernel: a third of index_select's host time
+                    src[k] = torch.empty((ids.numel(), *v.shape[1:]), dtype=v.dtype, device=self.device)
+                    self._uva.copy_rows(v, dslots, src[k], src_idx, self._sms)  # device to device: every SM
                 staged = torch.cuda.Event()
                 staged.record(self.stream)
             self.wb_stream.wait_event(staged)
@@ -249,11 +257,10 @@ class PartitionCache:
                 src_idx, dids = to_device_pair(slots, ids, self.device)
         with torch.cuda.stream(self.wb_stream):
             for k, v in src.items():
-                self._uva.copy_rows(v, src_idx, self.tier.tensors[k], dids)
+                self._uva.copy_rows(v, src_idx, self.tier.tensors[k], dids, self.copy_blocks)
                 if stage:
                     v.record_stream(self.wb_stream)
             if stage:  # made on the fill stream, read on this one
-                src_idx.record_stream(self.wb_stream)
                 dids.record_stream(self.wb_stream)
             ev = torch.cuda.Event()
             ev.record(self.wb_stream)
@@ -308,7 +315,7 @@ class PartitionCache:
             with torch.cuda.stream(self.stream):
                 dslots, dids = to_device_pair(slots, ids, self.device)
                 for k, v in self.storage.items():
-                    self._uva.copy_rows(self.tier.tensors[k], dids, v, dslots)
+                    self._uva.copy_rows(self.tier.tensors[k], dids, v, dslots, self.copy_blocks)
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.stream)
             self._register_fill(ev, slots)
