@@ -156,9 +156,10 @@ def phase_table(emb, batches, dev_batches, grad, steps: int) -> str:
 
 def copy_grid_table(emb, batches, dev_batches, grad, steps: int) -> str:
     """ms per step, timed as the benchmark times it (events on the compute stream, a sync after each step),
-    for several grids of the cache's copy kernels (``PartitionCache.copy_blocks``; 0 = the op's default)."""
+    for several grids of the cache's copy kernels (``PartitionCache.copy_blocks``)."""
     out = []
-    for i, blocks in enumerate((8, 16, 0)):  # each on batches of its own (a batch seen before would hit)
+    default = emb.cache.copy_blocks
+    for i, blocks in enumerate((8, 16, 33)):  # each on batches of its own (a batch seen before would hit)
         emb.cache.copy_blocks = blocks
         times = []
         for k in range(2 * steps * i, 2 * steps * (i + 1)):
@@ -171,8 +172,8 @@ def copy_grid_table(emb, batches, dev_batches, grad, steps: int) -> str:
             end.synchronize()
             if k >= 2 * steps * i + steps:
                 times.append(start.elapsed_time(end))
-        out.append(f"{blocks or 'default'}: {sorted(times)[len(times) // 2]:.2f}")
-    emb.cache.copy_blocks = 0
+        out.append(f"{blocks}: {sorted(times)[len(times) // 2]:.2f}")
+    emb.cache.copy_blocks = default
     return f"copy kernel blocks -> ms per step (median of {steps}, sync after each): " + ", ".join(out)
 
 

@@ -86,9 +86,11 @@ class PartitionCache:
         self._dirty, self._seq, self._pending_np = self.dirty.numpy(), self._slot_seq.numpy(), self._pending_mask.numpy()
         self._uva = self._uva_op()
         self._uva_in_flight = False
-        # blocks of each copy kernel (0: the op's default, a quarter of the SMs); fewer leave the link and
-        # the SMs freer for the compute stream (benchmarks/profile_sharded_embedding.py measures both)
-        self.copy_blocks = 0
+        # blocks of each fill/write-back kernel (0: the op's default, a quarter of the SMs). Eight already
+        # carry the link (50 GB/s on an H200) and leave it and the SMs freer for the compute stream: a step
+        # of benchmarks/bench_sharded_embedding.py took 3.96 ms with 8, 4.17 with 16 and 4.68 with 33
+        # (benchmarks/profile_sharded_embedding.py, its copy grid table)
+        self.copy_blocks = 8
         self._iota = torch.arange(self.num_slots, device=self.device) if self._uva is not None else None
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 0
 
