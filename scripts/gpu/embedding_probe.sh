@@ -8,8 +8,10 @@ python -u -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_o
   > "$OUT/op_build.log" 2>&1
 echo "build rc=$?"; tail -2 "$OUT/op_build.log"
 if [ "${PROBE_TESTS:-1}" = 1 ]; then  # PROBE_TESTS=0: the benchmark and profile only
-  timeout 200 python -m pytest -q -m gpu tests/embedding/test_sharded_embedding_gpu.py tests/ops/test_sharded_embedding.py \
-    tests/cache > "$OUT/emb_gpu_tests.log" 2>&1
+  # the op, cache and module tests: on this machine the module tests' device is the GPU
+  timeout 200 python -m pytest -q tests/embedding/test_sharded_embedding_gpu.py tests/ops/test_sharded_embedding.py \
+    tests/cache tests/embedding/test_sharded_embedding_module.py tests/embedding/test_batch_plan.py \
+    > "$OUT/emb_gpu_tests.log" 2>&1
   echo "emb gpu tests rc=$?"; tail -3 "$OUT/emb_gpu_tests.log"
 fi
 timeout 110 python -u -m benchmarks.bench_sharded_embedding --no-deepspeed --repeat 20 --budget-s 100 --out "$OUT/sharded_embedding.md" \
@@ -17,7 +19,7 @@ timeout 110 python -u -m benchmarks.bench_sharded_embedding --no-deepspeed --rep
 echo "emb bench rc=$?"; tail -9 "$OUT/sharded_embedding_bench.log"
 timeout 90 python -u -m benchmarks.profile_sharded_embedding --out "$OUT/emb_profile.txt" --trace "$OUT/emb_trace.json" \
   > "$OUT/emb_profile.log" 2>&1
-echo "profile rc=$?"; sed -n 8,9p "$OUT/emb_profile.txt"
+echo "profile rc=$?"; grep -E "host phases|copy kernel blocks|^step:" "$OUT/emb_profile.txt"
 python -m benchmarks.trace_timeline "$OUT/emb_trace.json" --bucket-ms 1 > "$OUT/emb_timeline.txt" 2>&1
 head -30 "$OUT/emb_timeline.txt"
 gzip -f "$OUT/emb_trace.json"
