@@ -81,6 +81,7 @@ class PartitionCache:
         self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
         self._stall_events: List[Tuple[object, object]] = []
+        self.last_misses: Tuple[Tensor, Tensor] = (torch.zeros(0, dtype=torch.long),) * 2  # of the last acquire
         # numpy views of the host bookkeeping: a numpy op on a few thousand entries costs ~1-7 us, the
         # torch op ~5-25 us (its reductions start a thread pool), and a step makes dozens
         self._dirty, self._seq, self._pending_np = self.dirty.numpy(), self._slot_seq.numpy(), self._pending_mask.numpy()
@@ -114,6 +115,7 @@ class PartitionCache:
         ids = ids.to("cpu", torch.long)
         t0 = time.perf_counter()
         a = self.map.assign(ids, count=count)
+        self.last_misses = (a.miss_ids, a.miss_slots)
         if a.evicted_ids.numel():
             self.traffic.rows_evicted += int(a.evicted_ids.numel())
             self._write_back(a.evicted_ids, a.evicted_slots)
@@ -151,6 +153,18 @@ class PartitionCache:
         self._waited_seq = seq
         while self._fill_events and next(iter(self._fill_events)) <= seq:
             self._fill_events.popitem(last=False)
+
+    def after_fills(self, slots: Tensor, work) -> None:
+        """Run ``work()`` on the fill stream, after the fills queued so far, and make the compute stream's
+        :meth:`wait_fills` of ``slots`` wait for it too (on a CPU cache: just run it)."""
+        if not self.cuda:
+            work()
+            return
+        with torch.cuda.stream(self.stream):
+            work()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream)
+        self._register_fill(ev, slots)
 
     def _register_fill(self, ev, slots: Tensor) -> None:
         self._fill_seq += 1
