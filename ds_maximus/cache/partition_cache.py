@@ -160,6 +160,7 @@ class PartitionCache:
         if not self.cuda:
             work()
             return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # what work reads (lr history) first
         with torch.cuda.stream(self.stream):
             work()
             ev = torch.cuda.Event(enable_timing=True)
