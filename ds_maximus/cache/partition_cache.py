@@ -30,14 +30,13 @@ import dataclasses
 import time
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ds_maximus.cache.policy import CacheCounters, SlotMap
 from ds_maximus.cache.tier import Tier
 from ds_maximus.config import CachePolicy
-from ds_maximus.ops import to_device, to_device_pair
+from ds_maximus.ops import index_array, to_device, to_device_pair
 
 
 @dataclasses.dataclass
@@ -82,8 +81,7 @@ class PartitionCache:
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
         self._stall_events: List[Tuple[object, object]] = []
         self.last_misses: Tuple[Tensor, Tensor] = (torch.zeros(0, dtype=torch.long),) * 2  # of the last acquire
-        # numpy views of the host bookkeeping: a numpy op on a few thousand entries costs ~1-7 us, the
-        # torch op ~5-25 us (its reductions start a thread pool), and a step makes dozens
+        # numpy views of the host bookkeeping (see ds_maximus.ops.index_array): a step makes dozens of updates
         self._dirty, self._seq, self._pending_np = self.dirty.numpy(), self._slot_seq.numpy(), self._pending_mask.numpy()
         self._uva = self._uva_op()
         self._uva_in_flight = False
@@ -141,7 +139,7 @@ class PartitionCache:
         if slots is None:
             seq = self._fill_seq
         else:
-            seq = int(self._seq[_np(slots)].max()) if slots.numel() else 0
+            seq = int(self._seq[index_array(slots)].max()) if slots.numel() else 0
         if seq <= self._waited_seq:
             return
         ev = self._fill_events[seq]
@@ -170,13 +168,13 @@ class PartitionCache:
     def _register_fill(self, ev, slots: Tensor) -> None:
         self._fill_seq += 1
         self._fill_events[self._fill_seq] = ev
-        self._seq[_np(slots)] = self._fill_seq
+        self._seq[index_array(slots)] = self._fill_seq
 
     def unpin(self, slots: Tensor) -> None:
         self.map.unpin(slots.to("cpu", torch.long))
 
     def mark_dirty(self, slots: Tensor) -> None:
-        self._dirty[_np(slots)] = True
+        self._dirty[index_array(slots)] = True
 
     def slots_of(self, ids: Tensor) -> Tensor:
         """Slots of ``ids`` (-1 where not resident), without touching the policy."""
@@ -223,10 +221,10 @@ class PartitionCache:
         ``stage`` (UVA path): copy them on the GPU first so the slots can be refilled at once; a
         flush, which refills nothing, writes straight from the slots.
         """
-        s = _np(slots)
+        s = index_array(slots)
         dirty = self._dirty[s]
         self._dirty[s] = False
-        ids, slots = torch.from_numpy(_np(ids)[dirty]), torch.from_numpy(s[dirty])
+        ids, slots = torch.from_numpy(index_array(ids)[dirty]), torch.from_numpy(s[dirty])
         n = int(ids.numel())
         if not n:
             return
@@ -250,7 +248,7 @@ class PartitionCache:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self._pending.append((ids, staging, ev))
-        self._pending_np[_np(ids)] = True
+        self._pending_np[index_array(ids)] = True
 
     def _uva_write_back(self, ids: Tensor, slots: Tensor, stage: bool) -> None:
         cur = torch.cuda.current_stream(self.device)
@@ -283,7 +281,7 @@ class PartitionCache:
             ev.record(self.wb_stream)
         self._wb_event = ev
         self._uva_pending.append((ids, ev))
-        self._pending_np[_np(ids)] = True
+        self._pending_np[index_array(ids)] = True
 
     def _finish_write_backs(self, block: bool) -> None:
         """Retire write-backs whose copies have landed (``block``: wait for all, fills included)."""
@@ -295,7 +293,7 @@ class PartitionCache:
                         t0 = time.perf_counter()
                         ev.synchronize()  # GPU-written rows of the tier are now visible to the host
                         self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
-                    self._pending_np[_np(ids)] = False
+                    self._pending_np[index_array(ids)] = False
                 else:
                     keep.extend(self._uva_pending[i:])  # one stream: they land in order
                     break
@@ -313,7 +311,7 @@ class PartitionCache:
                     ev.synchronize()
                     self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
                 self.tier.write(ids, staging)
-                self._pending_np[_np(ids)] = False
+                self._pending_np[index_array(ids)] = False
             else:
                 keep.extend(self._pending[i:])  # finish in order
                 break
@@ -325,7 +323,7 @@ class PartitionCache:
         self.traffic.bytes_h2d += n * self.entry_bytes
         if self._uva is not None:
             self._finish_write_backs(block=False)
-            back = bool(self._pending_np[_np(ids)].any())
+            back = bool(self._pending_np[index_array(ids)].any())
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier readers of these slots
             if back:
                 self.stream.wait_event(self._wb_event)  # an id coming back before its write-back landed
@@ -338,7 +336,7 @@ class PartitionCache:
             self._register_fill(ev, slots)
             self._uva_in_flight = True
             return
-        if self._pending and bool(self._pending_np[_np(ids)].any()):
+        if self._pending and bool(self._pending_np[index_array(ids)].any()):
             self._finish_write_backs(block=True)  # an id coming back before its write-back landed
         staging = self._staging(n)
         self.tier.read(ids, staging)
@@ -356,8 +354,3 @@ class PartitionCache:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.stream)
         self._register_fill(ev, slots)
-
-
-def _np(t: Tensor) -> np.ndarray:
-    """A CPU index tensor as an int64 numpy array (shares memory when it is one already)."""
-    return t.to("cpu", torch.long).numpy()

@@ -12,6 +12,7 @@ import torch
 
 from ds_maximus.config import CachePolicy
 from ds_maximus.errors import CapacityError
+from ds_maximus.ops import index_array
 
 
 @dataclasses.dataclass
@@ -85,7 +86,7 @@ class SlotMap:
     def slots_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``ids`` (-1 where not resident)."""
         if self.device.type == "cpu":  # numpy: a third of the torch op's time, called several times a step
-            return torch.from_numpy(self.id_to_slot.numpy()[ids.to("cpu", torch.long).reshape(-1).numpy()])
+            return torch.from_numpy(self.id_to_slot.numpy()[index_array(ids)])
         return self.id_to_slot.index_select(0, ids.to(self.device, torch.long).reshape(-1))
 
     def resident_ids(self) -> torch.Tensor:
@@ -99,7 +100,7 @@ class SlotMap:
     def unpin(self, slots: torch.Tensor) -> None:
         self.pin_count.index_add_(0, slots, -torch.ones_like(slots, dtype=torch.int32))
         if self.device.type == "cpu":  # the touched slots only, in numpy (a torch min over all is ~25 us)
-            ok = not slots.numel() or int(self.pin_count.numpy()[slots.to(torch.long).numpy()].min()) >= 0
+            ok = not slots.numel() or int(self.pin_count.numpy()[index_array(slots)].min()) >= 0
         else:
             ok = int(self.pin_count.min()) >= 0
         assert ok, "unpin without pin"

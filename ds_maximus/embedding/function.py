@@ -129,7 +129,8 @@ def ids_on_host(flat: Tensor) -> np.ndarray:
         host.copy_(flat.to(torch.long), non_blocking=True)
         torch.cuda.current_stream(flat.device).synchronize()  # the one host sync of the lookup
         return host.numpy()
-    return flat.to(torch.long).numpy()
+    from ds_maximus.ops import index_array
+    return index_array(flat)
 
 
 def lookup(module, input: Tensor, pin: bool):

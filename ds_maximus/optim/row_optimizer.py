@@ -25,6 +25,7 @@ from torch import Tensor
 from ds_maximus.config import EmbeddingOptimizerConfig, OptimizerType, SparseMode
 from ds_maximus.optim.sparse_adamw import ADAGRAD, ADAMW
 from ds_maximus.errors import ConfigError
+from ds_maximus.ops import index_array
 
 
 class RowOptimizer:
@@ -106,7 +107,7 @@ class RowOptimizer:
         if ids.numel() == 0:
             return
         lr_h, wd_h = self.history(weight.device)
-        ids_np = ids.to(torch.long).numpy()
+        ids_np = index_array(ids)
         last = self.last_step.numpy()
         ops.row_update(weight, states, slots, grads, torch.from_numpy(last[ids_np]),
                        step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=self.lr_hist[self.step],
@@ -118,7 +119,7 @@ class RowOptimizer:
         """Mask of ``ids`` (CPU) whose rows miss replayed steps (always empty in ``lazy`` mode)."""
         if self.lazy or self.step == 0:
             return torch.zeros(ids.numel(), dtype=torch.bool)
-        ids_np = ids.to(torch.long).numpy()
+        ids_np = index_array(ids)
         lag = self.last_step.numpy()[ids_np] < self.step
         if self.frozen_row is not None:
             lag &= ids_np != self.frozen_row
@@ -133,10 +134,10 @@ class RowOptimizer:
         lag_np = lag.numpy()
         if lag_np.any():
             pos = np.flatnonzero(lag_np)
-            ids_l = ids.to(torch.long).numpy()[pos]
+            ids_l = index_array(ids)[pos]
             last = self.last_step.numpy()
             lr_h, wd_h = self.history(weight.device)
-            ops.row_update(weight, states, torch.from_numpy(slots.to(torch.long).numpy()[pos]), None,
+            ops.row_update(weight, states, torch.from_numpy(index_array(slots)[pos]), None,
                            torch.from_numpy(last[ids_l]),
                            step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=0.0, weight_decay=0.0,
                            beta1=self.beta1, beta2=self.beta2, eps=self.eps, optimizer=self.kind, lazy=False)
