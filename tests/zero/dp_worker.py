@@ -46,3 +46,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # an exit with a live gloo group can abort in teardown (rc -6)
+        torch.distributed.destroy_process_group()
