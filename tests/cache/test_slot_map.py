@@ -104,6 +104,47 @@ def test_slot_assign_op_equals_the_reference(policy):
     assert ops.counters.evictions > 100 and refused > 0
 
 
+
+def _same(ops, ref, a, b, where):
+    for f in ("slots", "miss_ids", "miss_slots", "evicted_ids", "evicted_slots"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), (where, f)
+    for name in ("id_to_slot", "slot_to_id", "last_use", "id_freq", "slot_freq"):
+        assert torch.equal(getattr(ops, name), getattr(ref, name)), (where, name)
+
+
+@pytest.mark.parametrize("policy", list(CachePolicy))
+def test_slot_assign_op_equals_the_reference_at_cache_scale(policy):
+    """At thousands of slots the op bounds its victim search by a sample of the slots' scores; its choices
+    still equal the reference's, pins and a steady stream of misses included."""
+    g = torch.Generator().manual_seed(5)
+    ops, ref = _pair(8192, 60000, policy)
+    p = torch.arange(1, 60001, dtype=torch.float).pow(-1.1)
+    pinned = None
+    for step in range(40):
+        ids = torch.unique(torch.multinomial(p, 3000, replacement=True, generator=g))
+        a, b = ops.assign(ids), ref.assign(ids)
+        _same(ops, ref, a, b, step)
+        if pinned is not None:
+            ops.unpin(pinned)
+            ref.unpin(pinned)
+        pinned = a.slots  # the last batch stays pinned (in use) through the next assign
+        ops.pin(pinned)
+        ref.pin(pinned)
+    assert 0 < ops.counters.misses - 8192 and ops.counters.evictions > 1000
+
+
+def test_slot_assign_op_when_the_sample_misjudges():
+    """The sampled slots are exactly the least recently used ones: the sample's bound admits too few victims,
+    and the op searches every slot instead, choosing as the reference does."""
+    ops, ref = _pair(8192, 20000, CachePolicy.LRU)
+    for m in (ops, ref):
+        for lo in range(0, 8192, 2048):  # slot i holds id i
+            m.assign(torch.arange(lo, lo + 2048))
+        m.assign(torch.tensor([i for i in range(8192) if i % 8 != 4]))  # all but the sampled slots: newer
+    a, b = ops.assign(torch.arange(10000, 11500)), ref.assign(torch.arange(10000, 11500))
+    _same(ops, ref, a, b, "misjudged")
+    assert set(range(4, 8192, 8)) <= set(a.evicted_slots.tolist())  # the 1024 oldest went first
+
 def test_a_used_map_deep_copies_and_the_copy_is_independent():
     """Models holding a cache are deep-copied (EMA copies, trainers); the map keeps no op object."""
     import copy
