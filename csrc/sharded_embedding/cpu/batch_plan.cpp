@@ -56,8 +56,9 @@ int64_t batch_plan_cpu(const at::Tensor& ids, at::Tensor& mask, at::Tensor& rank
         ++off[inv[n] + 1];
     }
     for (int64_t u = 0; u < U; ++u) off[u + 1] += off[u];
-    thread_local std::vector<int64_t> next;
-    next.assign(off, off + U);
+    thread_local std::vector<int64_t> next_tls;  // bound once: a thread_local use is a __tls_get_addr call
+    next_tls.assign(off, off + U);
+    int64_t* const next = next_tls.data();
     for (int64_t n = 0; n < N; ++n) order[next[inv[n]]++] = n;
     return U;
 }

@@ -40,18 +40,25 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> 
     const auto opts = ids.options();
     at::Tensor slots = at::empty({U}, opts);
     int64_t* sl = slots.data_ptr<int64_t>();
-    // kept between calls (one per thread): a fresh 26K-slot candidate list is a page-faulting allocation
-    thread_local std::vector<int64_t> miss_pos;
-    thread_local std::vector<uint8_t> hit;
-    thread_local std::vector<std::pair<double, int64_t>> cand;
+    // kept between calls (one per thread): a fresh 26K-slot candidate list is a page-faulting allocation.
+    // Bound to locals once: each use of a thread_local in a shared library is a __tls_get_addr call, and in
+    // the loops below those calls (and the spills around them) were a third of this function's time.
+    thread_local std::vector<int64_t> miss_pos_tls;
+    thread_local std::vector<uint8_t> hit_tls;
+    thread_local std::vector<std::pair<double, int64_t>> cand_tls;
+    thread_local std::vector<double> smp_tls;
+    std::vector<int64_t>& miss_pos = miss_pos_tls;
+    std::vector<std::pair<double, int64_t>>& cand = cand_tls;
     miss_pos.clear();
-    hit.assign(S, 0);
+    hit_tls.assign(S, 0);
+    uint8_t* const hit = hit_tls.data();
     for (int64_t u = 0; u < U; ++u) {
-        sl[u] = i2s[id[u]];
-        if (sl[u] < 0)
+        const int64_t slot = i2s[id[u]];
+        sl[u] = slot;
+        if (slot < 0)
             miss_pos.push_back(u);
         else
-            hit[sl[u]] = 1;
+            hit[slot] = 1;
     }
     const int64_t M = (int64_t)miss_pos.size();
     at::Tensor victims = at::empty({M}, opts), ev_ids, ev_slots;
@@ -62,11 +69,14 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> 
         // A score bound from a strided sample of the slots: its q-th lowest score, q sized so that (with room
         // to spare) at least M eligible slots score no higher. The pass then keeps only those slots, not all
         // ~S (at 26K slots that list and its selection were most of this call). Too few kept: no bound.
-        auto score = [&](int64_t s) { return s2i[s] < 0 ? -1.0 : (lfu ? sf[s] * 1e9 + lu[s] : lu[s]); };
-        double bound = std::numeric_limits<double>::infinity();
+        auto score = [s2i, sf, lu, lfu](int64_t s) {
+            return s2i[s] < 0 ? -1.0 : (lfu ? sf[s] * 1e9 + lu[s] : lu[s]);
+        };
+        constexpr double kNone = std::numeric_limits<double>::infinity();
+        double bound = kNone;
         constexpr int64_t kSample = 1024;
         if (M * 4 < S && S >= 4 * kSample) {
-            thread_local std::vector<double> smp;
+            std::vector<double>& smp = smp_tls;
             smp.clear();
             for (int64_t k = 0, step = S / kSample; k < kSample; ++k) {
                 const int64_t s = k * step + step / 2;
@@ -78,15 +88,15 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> 
                 bound = smp[q];
             }
         }
-        for (int pass = 0; pass < 2; ++pass) {
+        for (;;) {
             cand.clear();
             for (int64_t s = 0; s < S; ++s) {
-                if (hit[s] || pin[s] > 0) continue;
+                if (hit[s] | (pin[s] > 0)) continue;
                 const double sc = score(s);
                 if (sc <= bound) cand.emplace_back(sc, s);
             }
-            if ((int64_t)cand.size() >= M || bound == std::numeric_limits<double>::infinity()) break;
-            bound = std::numeric_limits<double>::infinity();  // the sample misjudged: every eligible slot
+            if ((int64_t)cand.size() >= M || bound == kNone) break;
+            bound = kNone;  // the sample misjudged: every eligible slot
         }
         if ((int64_t)cand.size() < M)
             return {2, slots, at::empty({0}, opts), victims, at::empty({0}, opts), at::empty({0}, opts)};
