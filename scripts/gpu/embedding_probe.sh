@@ -14,6 +14,8 @@ if [ "${PROBE_TESTS:-1}" = 1 ]; then  # PROBE_TESTS=0: the benchmark and profile
     > "$OUT/emb_gpu_tests.log" 2>&1
   echo "emb gpu tests rc=$?"; tail -3 "$OUT/emb_gpu_tests.log"
 fi
+timeout 60 python -u -m benchmarks.bench_host_plan --repeat 200 > "$OUT/host_plan.log" 2>&1  # the H200 host's figures
+echo "host plan rc=$?"; grep -E "^\| (batch_plan|slot_assign|BatchPlanner|SlotMap)" "$OUT/host_plan.log"
 timeout 110 python -u -m benchmarks.bench_sharded_embedding --no-deepspeed --repeat 20 --budget-s 100 --out "$OUT/sharded_embedding.md" \
   > "$OUT/sharded_embedding_bench.log" 2>&1
 echo "emb bench rc=$?"; tail -9 "$OUT/sharded_embedding_bench.log"
