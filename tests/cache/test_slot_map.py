@@ -104,7 +104,6 @@ def test_slot_assign_op_equals_the_reference(policy):
     assert ops.counters.evictions > 100 and refused > 0
 
 
-
 def _same(ops, ref, a, b, where):
     for f in ("slots", "miss_ids", "miss_slots", "evicted_ids", "evicted_slots"):
         assert torch.equal(getattr(a, f), getattr(b, f)), (where, f)
@@ -130,7 +129,7 @@ def test_slot_assign_op_equals_the_reference_at_cache_scale(policy):
         pinned = a.slots  # the last batch stays pinned (in use) through the next assign
         ops.pin(pinned)
         ref.pin(pinned)
-    assert 0 < ops.counters.misses - 8192 and ops.counters.evictions > 1000
+    assert ops.counters.misses > 8192 and ops.counters.evictions > 1000
 
 
 def test_slot_assign_op_when_the_sample_misjudges():
@@ -144,6 +143,7 @@ def test_slot_assign_op_when_the_sample_misjudges():
     a, b = ops.assign(torch.arange(10000, 11500)), ref.assign(torch.arange(10000, 11500))
     _same(ops, ref, a, b, "misjudged")
     assert set(range(4, 8192, 8)) <= set(a.evicted_slots.tolist())  # the 1024 oldest went first
+
 
 def test_a_used_map_deep_copies_and_the_copy_is_independent():
     """Models holding a cache are deep-copied (EMA copies, trainers); the map keeps no op object."""
