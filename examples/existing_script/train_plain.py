@@ -27,3 +27,4 @@ for step in range(args.steps):
     engine.step()
     if engine.global_rank == 0:
         print(f"step {step} loss {loss.item():.4f}", flush=True)
+torch.distributed.destroy_process_group()  # before exit: a live gloo group can abort the teardown (rc -6)
