@@ -6,7 +6,7 @@ machine both run on the host while the GPU waits for the step's launches, so the
 This measures both at ``bench_sharded_embedding``'s sizes (V=262144, a 10% cache, 8 x 2048 Zipf(1.1) tokens)
 after a warm-up that fills the cache, C++ op against the numpy / torch reference it is tested against:
 
-    python -m benchmarks.bench_host_plan                  # about 30 s on 2 cores
+    python -m benchmarks.bench_host_plan                  # ~10 s on 2 cores once the op is built
     python -m benchmarks.bench_host_plan --policy lru --repeat 200
 """
 from __future__ import annotations
