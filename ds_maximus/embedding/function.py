@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ds_maximus.ops import index_array, to_device
+
 
 def check_range(uniq_sorted_cpu: Tensor, vocab_size: int) -> None:
     """Raise ``IndexError`` naming the first bad id and the vocabulary size."""
@@ -46,10 +48,7 @@ class HostPlan(NamedTuple):
 
     def to(self, device=None) -> BatchPlan:
         n = (self.buf.numel() - self.uniq.numel() - 1) // 2
-        buf = self.buf
-        if device is not None:
-            from ds_maximus.ops import to_device
-            buf = to_device(buf, device)
+        buf = self.buf if device is None else to_device(self.buf, device)
         return BatchPlan(self.uniq, buf[:n], buf[n:2 * n], buf[2 * n:])
 
 
@@ -91,7 +90,6 @@ class BatchPlanner:
 
     def plan_host(self, a: np.ndarray, pin: bool = False) -> HostPlan:
         """The plan of int64 ``a`` on the host (raises ``IndexError`` naming an id outside the vocabulary)."""
-        self._check(a)
         a = np.ascontiguousarray(a, dtype=np.int64)
         n = a.size
         mask, rank = self._buffers()
@@ -100,8 +98,13 @@ class BatchPlanner:
         if op is not None and hasattr(op, "batch_plan"):
             uniq = torch.empty(n, dtype=torch.long)
             buf = torch.empty(3 * n + 1, dtype=torch.long, pin_memory=pin)
-            u = op.batch_plan(torch.from_numpy(a), mask, rank, uniq, buf)
+            try:  # the op checks the range before it writes anything
+                u = op.batch_plan(torch.from_numpy(a), mask, rank, uniq, buf)
+            except RuntimeError:
+                self._check(a)  # the IndexError naming the id
+                raise
             return HostPlan(uniq[:u], buf[:2 * n + u + 1])
+        self._check(a)
         m, r = mask.numpy(), rank.numpy()
         if n * 64 < self.vocab_size:  # a mask scan costs ~V/64 sort elements' time
             uniq = np.unique(a)
@@ -129,7 +132,6 @@ def ids_on_host(flat: Tensor) -> np.ndarray:
         host.copy_(flat.to(torch.long), non_blocking=True)
         torch.cuda.current_stream(flat.device).synchronize()  # the one host sync of the lookup
         return host.numpy()
-    from ds_maximus.ops import index_array
     return index_array(flat)
 
 
@@ -140,7 +142,7 @@ def lookup(module, input: Tensor, pin: bool):
     (made and uploaded by ``prefetch``); otherwise the host plans them now. The range is checked on the host,
     so no kernel ever sees a bad id, and the cache decides residency there.
     """
-    from ds_maximus.ops import sharded_embedding as ops, to_device
+    from ds_maximus.ops import sharded_embedding as ops
     dev = module.compute_device
     host = ids_on_host(input.reshape(-1))
     plan = module._prefetched_plan(host)
