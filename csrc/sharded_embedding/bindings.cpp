@@ -78,7 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "ids"_a, "id_to_slot"_a, "slot_to_id"_a, "last_use"_a, "slot_freq"_a, "id_freq"_a, "pin_count"_a,
           "clock"_a, "lfu"_a, nogil());
     m.def("batch_plan", &maximus::batch_plan_cpu,
-          "sorted unique ids of a CPU batch into uniq_out, [inverse | stable order | offsets] into idx_out; returns U",
+          "sorted unique ids of a CPU batch into uniq_out, [inverse | stable order | offsets] into idx_out; returns U "
+          "(-1 - n when id n is outside the vocabulary, nothing written)",
           "ids"_a, "mask"_a, "rank"_a, "uniq_out"_a, "idx_out"_a, nogil());
     m.def("row_update", &maximus::row_update, "fused exact-replay + AdamW/SparseAdam/Adagrad step on rows", "weight"_a,
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,

@@ -98,11 +98,9 @@ class BatchPlanner:
         if op is not None and hasattr(op, "batch_plan"):
             uniq = torch.empty(n, dtype=torch.long)
             buf = torch.empty(3 * n + 1, dtype=torch.long, pin_memory=pin)
-            try:  # the op checks the range before it writes anything
-                u = op.batch_plan(torch.from_numpy(a), mask, rank, uniq, buf)
-            except RuntimeError:
+            u = op.batch_plan(torch.from_numpy(a), mask, rank, uniq, buf)
+            if u < 0:  # the op checks the range before it writes anything
                 self._check(a)  # the IndexError naming the id
-                raise
             return HostPlan(uniq[:u], buf[:2 * n + u + 1])
         self._check(a)
         m, r = mask.numpy(), rank.numpy()

@@ -24,7 +24,10 @@ int64_t batch_plan_cpu(const at::Tensor& ids, at::Tensor& mask, at::Tensor& rank
     TORCH_CHECK(uniq_out.numel() >= N && idx_out.numel() >= 3 * N + 1,
                 "batch_plan: uniq_out needs N entries and idx_out 3N + 1");
     const int64_t* id = ids.data_ptr<int64_t>();
-    for (int64_t n = 0; n < N; ++n) TORCH_CHECK(id[n] >= 0 && id[n] < V, "batch_plan: id ", id[n], " out of range");
+    // an id outside the vocabulary: -1 - its position, nothing written (the caller raises the IndexError; no
+    // exception is thrown here, where the GIL is released)
+    for (int64_t n = 0; n < N; ++n)
+        if (id[n] < 0 || id[n] >= V) return -1 - n;
     uint8_t* mk = reinterpret_cast<uint8_t*>(mask.data_ptr<bool>());  // all 0 between calls
     int64_t* rk = rank.data_ptr<int64_t>();
     int64_t* uq = uniq_out.data_ptr<int64_t>();

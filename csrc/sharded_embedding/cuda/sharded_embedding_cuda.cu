@@ -48,7 +48,9 @@ template <typename T>
 __global__ void segment_reduce_kernel(const T* __restrict__ grad, const int64_t* __restrict__ order,
                                       const int64_t* __restrict__ offsets, float* __restrict__ out, int64_t U,
                                       int64_t d) {
-    constexpr int kUnroll = 8;
+    // 32 loads in flight a thread: a Zipf batch's most frequent id has ~2,000 of 16K tokens, and its one
+    // block per column tile is bound by memory latency (8 in flight: 0.37 ms of a step on an H200)
+    constexpr int kUnroll = 32;
     const int64_t j = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= d) return;
     for (int64_t u = blockIdx.x; u < U; u += gridDim.x) {
@@ -61,6 +63,13 @@ __global__ void segment_reduce_kernel(const T* __restrict__ grad, const int64_t*
             for (int k = 0; k < kUnroll; ++k) g[k] = static_cast<float>(grad[order[i + k] * d + j]);
 #pragma unroll
             for (int k = 0; k < kUnroll; ++k) acc += g[k];
+        }
+        for (; i + 4 <= hi; i += 4) {
+            float g[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) g[k] = static_cast<float>(grad[order[i + k] * d + j]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc += g[k];
         }
         for (; i < hi; ++i) acc += static_cast<float>(grad[order[i] * d + j]);
         out[u * d + j] = acc;
