@@ -25,3 +25,5 @@ echo "profile rc=$?"; grep -E "host phases|copy kernel blocks|^step:" "$OUT/emb_
 python -m benchmarks.trace_timeline "$OUT/emb_trace.json" --bucket-ms 1 > "$OUT/emb_timeline.txt" 2>&1
 head -30 "$OUT/emb_timeline.txt"
 gzip -f "$OUT/emb_trace.json"
+# one archive: the device tool brings back at most a few files from $OUT
+(cd "$OUT" && tar czf ../probe_outputs.tgz . && rm -rf ./* && mv ../probe_outputs.tgz .)

@@ -1,0 +1,77 @@
+"""The CPU AdamW op on one Mixtral expert (176M fp32 elements) by OpenMP thread count, alone and beside a
+thread that keeps the PCIe link busy both ways (pinned copies and a CUDA sync, as the GPU side of the MoE
+``split`` step does): how much the CPU side of that step loses to the copies' host-memory traffic and to a
+core taken by the driving thread.
+
+    python -m benchmarks.profile_host_memory                      # on the GPU machine
+    python -m benchmarks.profile_host_memory --elems 32M --threads 2,1 # anywhere (no GPU: alone only)
+
+Prints one line per (beside copies, threads): median ms per expert of 3 calls run in a worker thread (as
+``ds_maximus.moe.training.step._cpu_side`` runs them), and G elements/s.
+"""
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from benchmarks.bench_cpu_optimizer import _elems
+
+
+def _busy_link(stop: threading.Event, mib: int = 1024) -> None:
+    n = mib << 18  # fp32 elements
+    h_in, h_out = torch.empty(n, pin_memory=True), torch.empty(n, pin_memory=True)
+    d_in, d_out = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    while not stop.is_set():
+        with torch.cuda.stream(s1):
+            d_in.copy_(h_in, non_blocking=True)
+        with torch.cuda.stream(s2):
+            h_out.copy_(d_out, non_blocking=True)
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--elems", default="176M", help="elements of the expert (K/M/G suffixes)")
+    ap.add_argument("--threads", default="16,15,14,12,8", help="OpenMP thread counts to time")
+    a = ap.parse_args(argv)
+    from ds_maximus.ops.sharded_embedding import row_update
+    d = 4096
+    rows = _elems(a.elems) // d
+    w, m, v, g = (torch.randn(rows, d) * 1e-2 for _ in range(4))
+    v.abs_()
+    shadow = torch.empty(rows, d, dtype=torch.bfloat16)
+    slots, last = torch.arange(rows), torch.full((rows,), 9, dtype=torch.long)
+    lr_hist, wd_hist = torch.full((12,), 1e-3, dtype=torch.float64), torch.zeros(12, dtype=torch.float64)
+
+    def once(n: int) -> float:
+        torch.set_num_threads(n)  # the worker's OpenMP team, as _cpu_side sets it
+        t0 = time.perf_counter()
+        row_update(w, [m, v], slots, g, last, step=10, lr_hist=lr_hist, wd_hist=wd_hist, lr=1e-3, weight_decay=0.0,
+                   beta1=0.9, beta2=0.999, eps=1e-8, grad_scale=0.5, shadow=shadow)
+        return time.perf_counter() - t0
+
+    n0 = torch.get_num_threads()
+    for beside in (False, True) if torch.cuda.is_available() else (False,):
+        for n in (int(x) for x in a.threads.split(",")):
+            stop = threading.Event()
+            th = threading.Thread(target=_busy_link, args=(stop,)) if beside else None
+            if th is not None:
+                th.start()
+            with ThreadPoolExecutor(1) as ex:
+                ex.submit(once, n).result()
+                t = sorted(ex.submit(once, n).result() for _ in range(3))[1]
+            stop.set()
+            if th is not None:
+                th.join()
+            print(f"beside copies={beside} threads={n}: {t * 1e3:.1f} ms/expert, {rows * d / t / 1e9:.2f} G elem/s",
+                  flush=True)
+    torch.set_num_threads(n0)
+
+
+if __name__ == "__main__":
+    main()
