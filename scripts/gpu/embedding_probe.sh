@@ -26,4 +26,4 @@ python -m benchmarks.trace_timeline "$OUT/emb_trace.json" --bucket-ms 1 > "$OUT/
 head -30 "$OUT/emb_timeline.txt"
 gzip -f "$OUT/emb_trace.json"
 # one archive: the device tool brings back at most a few files from $OUT
-(cd "$OUT" && tar czf ../probe_outputs.tgz . && rm -rf ./* && mv ../probe_outputs.tgz .)
+tar czf /tmp/probe_outputs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/probe_outputs.tgz "$OUT"/

@@ -41,6 +41,6 @@ grep "PHASE\|ExpertTrainer\|^\[" "$OUT/moe_training_fine.log" | tail -30
 cat "$OUT/moe_training_fine.md"
 echo "tests rc=$tests_rc mixtral rc=$m_rc fine rc=$f_rc"
 # one archive: the device tool brings back at most a few files from $OUT
-(cd "$OUT" && tar czf ../moe_outputs.tgz . && rm -rf ./* && mv ../moe_outputs.tgz .)
+tar czf /tmp/moe_outputs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/moe_outputs.tgz "$OUT"/
 [ "$tests_rc" = 0 ] && [ "$m_rc" = 0 ] && [ "$f_rc" = 0 ]
 # CPU smoke run of the same benchmark: python -m benchmarks.bench_moe_training --tiny [--fine-grained]
