@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     lr_hist, wd_hist = torch.full((12,), 1e-3, dtype=torch.float64), torch.zeros(12, dtype=torch.float64)
 
     def once(n: int) -> float:
-        torch.set_num_threads(n)  # the worker's OpenMP team, as _cpu_side sets it
+        torch.set_num_threads(n)  # this worker thread's OpenMP team
         t0 = time.perf_counter()
         row_update(w, [m, v], slots, g, last, step=10, lr_hist=lr_hist, wd_hist=wd_hist, lr=1e-3, weight_decay=0.0,
                    beta1=0.9, beta2=0.999, eps=1e-8, grad_scale=0.5, shadow=shadow)

@@ -249,20 +249,10 @@ def step_split(tr, uids: List[int], dev: torch.device) -> None:
 
 def _cpu_side(tr, items) -> float:
     """Worker thread: AdamW of each ``(uid, grad, clip factor, event)`` in place on the CPU tier, its shadow
-    written in the same pass (one pass over the expert's state: the factor and the bf16 cast had been two more).
-
-    The op's threads leave one core to the thread that drives the GPU side (its CUDA waits spin): with every
-    core, a descheduled OpenMP thread held each parallel loop (``benchmarks/profile_host_memory.py`` on the
-    H200 host: 89 ms an expert with 16 threads beside the copies, 78 with 15).
-    """
+    written in the same pass (one pass over the expert's state: the factor and the bf16 cast had been two more)."""
     t0 = time.perf_counter()
-    n = torch.get_num_threads()
-    torch.set_num_threads(max(1, n - 1))  # this thread's OpenMP team (and torch's count, restored below)
-    try:
-        for u, g, f, ev in items:
-            if ev is not None:
-                ev.synchronize()
-            _update_in_place(tr, u, g, grad_scale=f)
-    finally:
-        torch.set_num_threads(n)
+    for u, g, f, ev in items:
+        if ev is not None:
+            ev.synchronize()
+        _update_in_place(tr, u, g, grad_scale=f)
     return time.perf_counter() - t0
