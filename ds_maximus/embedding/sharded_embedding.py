@@ -179,7 +179,7 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
                 if not self._prefetched:
                     raise
                 while self._prefetched:  # prefetched rows are a hint: give their slots up and retry
-                    self._drop_prefetch()
+                    self.cache.unpin(self._prefetched.popleft().slots)
                 slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
         if pin:
             self._step_pins.append(slots)
@@ -196,7 +196,7 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         flat = ids_on_host(ids.detach().reshape(-1))
         host = self._planner.plan_host(flat, pin=self.compute_device.type == "cuda")  # IndexError on a bad id
         while len(self._prefetched) >= 2:
-            self._drop_prefetch()
+            self.cache.unpin(self._prefetched.popleft().slots)
         try:  # counted here: a lookup of exactly these ids adopts them without a second count
             slots = self.cache.acquire(host.uniq, pin=True, wait=False, count=True)
         except CapacityError:
@@ -207,17 +207,9 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         plan = host.to(self.compute_device)  # uploaded after the fills are queued
         self._prefetched.append(_Prefetched(plan.uniq, slots, flat.copy(), plan))
 
-    def _drop_prefetch(self) -> None:
-        """Give up the oldest prefetched set: the compute stream waits for its fills and replay first (work
-        after fills runs on its own stream, and only a slot the compute stream has waited for may be evicted)."""
-        p = self._prefetched.popleft()
-        self.cache.wait_fills(p.slots)
-        self.cache.unpin(p.slots)
-
     def _replay_fills(self) -> None:
-        """Exact mode on a GPU: replay the skipped steps of the rows the prefetch just brought in, right after
-        their fills on the cache's ``after_stream``, where the GPU runs it beside the current step's work and
-        the next fills (on the fill stream it held the link idle for 0.8 ms a step).
+        """Exact mode on a GPU: replay the skipped steps of the rows the prefetch just brought in, on the fill
+        stream right after their fills, where the GPU runs it beside the current step's work.
 
         Rows back from the tier lag by hundreds of steps (0.8 ms a step at V=262144, d=4096); in the lookup
         this sat between the host sync and the gather, and at the end of the optimizer step it made the
