@@ -2,6 +2,7 @@
 # ShardedEmbedding on the GPU machine, quick loop: build our CUDA op, its GPU tests, the benchmark without
 # the DeepSpeed peers (ours at steady state, dense, SparseAdam), and a profile with a per-stream timeline.
 # About 3 min on an H200 (70 s of it the cold op build). The full benchmark is scripts/gpu/sharded_embedding.sh.
+# Everything it writes comes back as $OUT/probe_outputs.tgz.
 set -x
 . "$(dirname "$0")/common.sh"
 python -u -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_op('cuda') is not None; print('op built')" \

@@ -10,7 +10,7 @@
 # Over the 600 s of one device call when the op build is cold: the fine-grained run is then cut short.
 # bf16; ours is capped at 2 x the experts' bf16 bytes (15.8 GiB); every peer is its own subprocess (OOM or
 # timeout is a row naming the phase it was in), its phases and output are in the .log.
-#   -> $OUT/moe_training_{mixtral,fine}.md (+ CSV, + logs).
+#   -> moe_training_{mixtral,fine}.md (+ CSV, + logs), all in $OUT/moe_outputs.tgz.
 set -x
 . "$(dirname "$0")/common.sh"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
