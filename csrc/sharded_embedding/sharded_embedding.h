@@ -54,9 +54,11 @@ inline void check_update_args(const at::Tensor& weight, const at::Tensor& s0, co
                 "row_update: AdamW needs a second state tensor matching weight");
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "row_update: slots must be int64");
     const int64_t R = slots.numel();
+    const bool grad_dtype_ok = grads.scalar_type() == at::kFloat ||
+                               (!weight.is_cuda() && grads.scalar_type() == at::kBFloat16);
     TORCH_CHECK(!a.has_grad || (grads.dim() == 2 && grads.size(0) == R && grads.size(1) == weight.size(1) &&
-                                grads.scalar_type() == at::kFloat && grads.is_contiguous()),
-                "row_update: grads must be contiguous fp32 [len(slots), dim]");
+                                grad_dtype_ok && grads.is_contiguous()),
+                "row_update: grads must be contiguous fp32 [len(slots), dim] (bf16 too on the CPU)");
     TORCH_CHECK(a.lazy || (last_step.numel() == R && last_step.scalar_type() == at::kLong),
                 "row_update: exact mode needs last_step (int64, one per row)");
     TORCH_CHECK(a.lazy || (lr_hist.scalar_type() == at::kDouble && wd_hist.scalar_type() == at::kDouble &&

@@ -104,14 +104,14 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
 
     CPU tensors may also take ``grad_scale`` (the gradient step uses ``grads * grad_scale``) and ``shadow``
     (a tensor shaped like ``weight`` in bf16/fp16/fp32 that receives the updated rows, cast), both in the
-    same pass over the rows.
+    same pass over the rows. ``grads`` is fp32 or bf16 (the CPU op reads bf16 as it is: bf16 to fp32 is exact).
     """
     fused = grad_scale != 1.0 or shadow is not None
     if fused and weight.is_cuda:
         raise ValueError("row_update: grad_scale and shadow are for CPU tensors (scale a GPU gradient first)")
     op = op_for(weight)
     if op is None or slots.numel() == 0:
-        ref.row_update_ref(weight, states, slots.to(weight.device), grads if grad_scale == 1.0 or grads is None
+        ref.row_update_ref(weight, states, slots.to(weight.device), grads if grads is None
                            else grads.float() * grad_scale, last_step, step=step, lr_hist=lr_hist,
                            wd_hist=wd_hist, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                            eps=eps, optimizer=optimizer, lazy=lazy)
@@ -123,7 +123,10 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
     s1 = states[1] if len(states) > 1 else empty_f
     from ds_maximus.ops import to_device_pair
     d_slots, d_last = to_device_pair(slots, last_step, dev)
-    args = (weight, states[0], s1, d_slots, grads.float().contiguous() if grads is not None else empty_f,
+    if grads is not None:  # the CPU op reads bf16 gradients as they are (half the bytes of an fp32 copy)
+        keep = grads.dtype == torch.bfloat16 and not weight.is_cuda
+        grads = (grads if keep else grads.float()).contiguous()
+    args = (weight, states[0], s1, d_slots, grads if grads is not None else empty_f,
             d_last if d_last is not None else empty_l,
             lr_hist if lr_hist is not None else empty_d, wd_hist if wd_hist is not None else empty_d,
             int(step), float(lr), float(weight_decay), float(beta1), float(beta2), float(eps),

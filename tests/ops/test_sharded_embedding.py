@@ -148,6 +148,29 @@ def test_row_update_scaled_with_shadow_equals_scaling_then_casting(shadow_dtype,
             assert bool((shadow[rest] == 7.0).all())
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_row_update_reads_bf16_gradients_as_their_fp32_values(lazy, scale):
+    """CPU: a bf16 gradient (an expert's single bf16 contribution) gives bit for bit what the same values in
+    fp32 give: the op widens each element exactly, with the gradient scale and the shadow in the same pass."""
+    g = torch.Generator().manual_seed(4)
+    step, dim = 5, 4099  # not a multiple of the vector width
+    lr_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 1e-2 + 1e-3]).double()
+    wd_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 0.2]).double()
+    slots, last = torch.tensor([3, 0, 17, 9]), torch.tensor([0, 4, 2, 3])
+    low = torch.randn(4, dim, generator=g).to(torch.bfloat16)
+    kw = dict(step=step, lr_hist=lr_hist, wd_hist=wd_hist, lr=float(lr_hist[step]), weight_decay=float(wd_hist[step]),
+              beta1=0.9, beta2=0.99, eps=1e-8, lazy=lazy, grad_scale=scale)
+    out = []
+    for grads in (low, low.float()):
+        t = _tables(ref.ADAMW, torch.Generator().manual_seed(5), dim=dim)
+        shadow = torch.zeros(24, dim, dtype=torch.bfloat16)
+        ops.row_update(t[0], t[1:3], slots, grads, last, shadow=shadow, **kw)
+        out.append((*t, shadow))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
 def test_row_update_shadow_rounds_like_torch():
     """The op's bf16 shadow cast (branch-free on the bits) equals ``tensor.to(torch.bfloat16)`` bit for bit on ties,
     infinities, subnormals, signed zeros and the largest finite values, and NaN stays NaN (torch's own vectorised

@@ -82,22 +82,33 @@ namespace {
 // Same element math, in the same order, as ``update_elem``.
 // ``gs`` scales the gradient: ``grad.mul_(gs)`` before the call, up to the compiler fusing the product into the
 // next operation (an FMA: a few ulp).
-template <int OPT, bool LAZY, bool HAS_G>
-void update_span(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ g,
-                 int64_t d, const StepCoeffs c, const float gs) {
+// A gradient element as fp32: fp32 itself, or bf16 given as its bits (exact: bf16 is fp32's upper half).
+inline float grad_at(const float* __restrict__ g, int64_t j) { return g[j]; }
+inline float grad_at(const uint16_t* __restrict__ g, int64_t j) {
+    const uint32_t bits = static_cast<uint32_t>(g[j]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+// ``GT``: the gradient's element type (float, or uint16_t for bf16: a bf16 expert gradient reads half the bytes).
+template <int OPT, bool LAZY, bool HAS_G, typename GT>
+void update_span(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const void* gv, int64_t d,
+                 const StepCoeffs c, const float gs) {
+    const GT* __restrict__ g = static_cast<const GT*>(gv);
     if constexpr (OPT == kAdagrad) {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) adagrad_elem(p[j], m[j], HAS_G ? g[j] * gs : 0.f, c);
+        for (int64_t j = 0; j < d; ++j) adagrad_elem(p[j], m[j], HAS_G ? grad_at(g, j) * gs : 0.f, c);
     } else if constexpr (LAZY) {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) sparse_adam_elem(p[j], m[j], v[j], HAS_G ? g[j] * gs : 0.f, c);
+        for (int64_t j = 0; j < d; ++j) sparse_adam_elem(p[j], m[j], v[j], HAS_G ? grad_at(g, j) * gs : 0.f, c);
     } else {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) adamw_elem(p[j], m[j], v[j], HAS_G ? g[j] * gs : 0.f, c);
+        for (int64_t j = 0; j < d; ++j) adamw_elem(p[j], m[j], v[j], HAS_G ? grad_at(g, j) * gs : 0.f, c);
     }
 }
 
-using SpanFn = void (*)(float*, float*, float*, const float*, int64_t, const StepCoeffs, const float);
+using SpanFn = void (*)(float*, float*, float*, const void*, int64_t, const StepCoeffs, const float);
 
 template <typename T>
 void cast_span(T* __restrict__ dst, const float* __restrict__ src, int64_t d) {
@@ -119,10 +130,16 @@ void cast_span<c10::BFloat16>(c10::BFloat16* __restrict__ dst, const float* __re
     }
 }
 
-SpanFn span_fn(int opt, bool lazy, bool has_g) {
-    if (opt == kAdagrad) return has_g ? update_span<kAdagrad, false, true> : update_span<kAdagrad, false, false>;
-    if (lazy) return has_g ? update_span<kAdamW, true, true> : update_span<kAdamW, true, false>;
-    return has_g ? update_span<kAdamW, false, true> : update_span<kAdamW, false, false>;
+template <typename GT>
+SpanFn span_fn_for(int opt, bool lazy, bool has_g) {
+    if (opt == kAdagrad)
+        return has_g ? update_span<kAdagrad, false, true, GT> : update_span<kAdagrad, false, false, GT>;
+    if (lazy) return has_g ? update_span<kAdamW, true, true, GT> : update_span<kAdamW, true, false, GT>;
+    return has_g ? update_span<kAdamW, false, true, GT> : update_span<kAdamW, false, false, GT>;
+}
+
+SpanFn span_fn(int opt, bool lazy, bool has_g, bool bf16_grad = false) {
+    return bf16_grad ? span_fn_for<uint16_t>(opt, lazy, has_g) : span_fn_for<float>(opt, lazy, has_g);
 }
 }  // namespace
 
@@ -142,14 +159,16 @@ void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at
     float* S0 = s0.data_ptr<float>();
     float* S1 = a.optimizer == kAdagrad ? nullptr : s1.data_ptr<float>();
     const int64_t* sl = slots.data_ptr<int64_t>();
-    const float* G = a.has_grad ? grads.data_ptr<float>() : nullptr;
+    const char* G = a.has_grad ? static_cast<const char*>(grads.data_ptr()) : nullptr;
+    const bool bf16_grad = a.has_grad && grads.scalar_type() == at::kBFloat16;
+    const int64_t grad_row_bytes = a.has_grad ? d * grads.element_size() : 0;
     const int64_t* last = a.lazy ? nullptr : last_step.data_ptr<int64_t>();
     const double* lrh = a.lazy ? nullptr : lr_hist.data_ptr<double>();
     const double* wdh = a.lazy ? nullptr : wd_hist.data_ptr<double>();
     for (int64_t r = 0; r < R; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < rows, "row_update: slot out of range");
     const StepCoeffs gc = step_coeffs(a.optimizer, a.lazy, a.lr, a.weight_decay, a.beta1, a.beta2, a.eps, a.step);
     const SpanFn replay = span_fn(a.optimizer, false, false);
-    const SpanFn update = span_fn(a.optimizer, a.lazy, true);
+    const SpanFn update = span_fn(a.optimizer, a.lazy, true, bf16_grad);
     // exact mode: the coefficients of every step some row replays, computed once per call (three double
     // pows each) instead of once per row and skipped step; the same values, so the same results
     const int64_t end = a.has_grad ? a.step - 1 : a.step;
@@ -172,7 +191,7 @@ void row_update_cpu(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at
                     replay(p, m, v, nullptr, d, coeffs[k - k_lo], 1.f);
                 }
             }
-            if (G) update(p, m, v, G + r * d, d, gc, a.grad_scale);
+            if (G) update(p, m, v, G + r * grad_row_bytes, d, gc, a.grad_scale);
             if (SH != nullptr) {  // the row is still in cache
                 const int64_t off = sl[r] * d;
                 switch (sh_type) {

@@ -19,7 +19,7 @@ On a CUDA step device the pieces are pipelined over three streams: piece ``i + 1
 while piece ``i`` is updated and piece ``i - 1`` goes back (D2H: fp32 master and moments, and the compute
 copy cast on the device, so the shadow costs 2 bytes a parameter and no CPU time); two buffer sets
 alternate, and the host waits once, at the end of the step. The link is the limit: a Mixtral expert's
-step moves 16 bytes per parameter in and 14 out. The row op parallelises over rows, so an expert's flat
+step moves 16 bytes per parameter in (14 when its gradient is a single bf16 one, see ``grads``) and 14 out. The row op parallelises over rows, so an expert's flat
 buffer is viewed as ``numel / sub`` sub-rows that share the expert's step bookkeeping.
 """
 from __future__ import annotations
@@ -128,6 +128,14 @@ class _Pipeline:
         self.low = [torch.empty(elems, dtype=low_dtype, device=dev) if low_dtype is not None else None
                     for _ in range(2)]
         self.freed = [None, None]  # per set: event after its D2H copies (the next load into it waits)
+        self.grad_low = [None, None]  # per set: bf16 staging of host gradients kept in bf16 (made when needed)
+
+    def grad_stage(self, k: int, n: int) -> torch.Tensor:
+        """Set ``k``'s bf16 buffer of ``n`` elements: a host bf16 gradient lands here and widens on the device
+        (a host-to-device ``copy_`` that changes dtype would convert on the host, in pageable memory)."""
+        if self.grad_low[k] is None:
+            self.grad_low[k] = torch.empty(self.elems, dtype=torch.bfloat16, device=self.dev)
+        return self.grad_low[k][:n]
 
 
 def _pipeline(tr, dev: torch.device, names, piece: int) -> _Pipeline:
@@ -165,7 +173,10 @@ def _step_staged_cuda(tr, uids: List[int], dev: torch.device) -> None:
                     buf[name][j].copy_(host[name][j][lo:hi], non_blocking=True)
             for j, u in enumerate(part):
                 if grads.on_host(u):
-                    buf["grad"][j].copy_(grads.raw(u)[lo:hi], non_blocking=True)
+                    src = grads.raw(u)[lo:hi]
+                    if src.dtype != torch.float32:
+                        src = pl.grad_stage(k, n * width)[j * width:(j + 1) * width].copy_(src, non_blocking=True)
+                    buf["grad"][j].copy_(src, non_blocking=True)
         compute.wait_stream(pl.load)
         for j, u in enumerate(part):  # device-resident gradients are copied here, on the compute stream
             if not grads.on_host(u):
@@ -190,8 +201,9 @@ def _step_staged_cuda(tr, uids: List[int], dev: torch.device) -> None:
                 for j, u in enumerate(part):
                     store.shadow[u][lo:hi].copy_(low[j], non_blocking=True)
             pl.freed[k] = pl.store.record_event()
-        moved = (2 * len(names) + 1) * STATE_BYTES + (low.element_size() if store.shadow is not None else 0)
-        tr.counters.add_step_traffic(n if last else 0, moved * width * n)
+        moved = 2 * len(names) * STATE_BYTES + (low.element_size() if store.shadow is not None else 0)
+        grad_bytes = sum(grads.raw(u).element_size() for u in part)  # fp32, or a single bf16 gradient
+        tr.counters.add_step_traffic(n if last else 0, (moved * n + grad_bytes) * width)
         if last:
             for u in part:
                 grads.drop(u)
@@ -235,7 +247,7 @@ def step_split(tr, uids: List[int], dev: torch.device) -> None:
     t_cpu = fut.result() if fut is not None else 0.0
     for u in cpu_uids:  # resident slots of the experts stepped on the CPU: refreshed from their new copy
         tr.refresh_slot(u, tr.store.host_view(u))
-    tr.counters.add_step_traffic(len(cpu_uids), STATE_BYTES * tr.numel * len(cpu_uids))
+    tr.counters.add_step_traffic(len(cpu_uids), sum(g.element_size() for _, g, _, _ in items) * tr.numel)
     if tr.cfg.moe.cpu_step_share is None and cpu_uids and dev_uids:
         per_cpu, per_dev = t_cpu / len(cpu_uids), t_dev / len(dev_uids)
         balanced = per_dev / (per_cpu + per_dev)  # n_cpu * per_cpu == n_dev * per_dev
