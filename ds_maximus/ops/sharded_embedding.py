@@ -111,8 +111,9 @@ def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optio
         raise ValueError("row_update: grad_scale and shadow are for CPU tensors (scale a GPU gradient first)")
     op = op_for(weight)
     if op is None or slots.numel() == 0:
-        ref.row_update_ref(weight, states, slots.to(weight.device), grads if grads is None
-                           else grads.float() * grad_scale, last_step, step=step, lr_hist=lr_hist,
+        g = None if grads is None else grads.float()  # itself when fp32: scaled into a copy only when asked
+        ref.row_update_ref(weight, states, slots.to(weight.device), g if grad_scale == 1.0 or g is None
+                           else g * grad_scale, last_step, step=step, lr_hist=lr_hist,
                            wd_hist=wd_hist, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                            eps=eps, optimizer=optimizer, lazy=lazy)
         if shadow is not None and slots.numel():
