@@ -19,7 +19,8 @@ Peers, same model, same batches:
     conservative one: the peer had more memory than ours);
   * ours (``ds_maximus.initialize`` with ``"moe": {"train": true}``), ZeRO-2 for the dense part, capped
     the same: the optimizer step on the GPU (``optimizer_device: compute``), on the CPU (``cpu``), and on
-    both at once (``split``: the share of each follows their measured speeds).
+    both at once (``split``: the share of each follows their measured speeds; the step runs on into the
+    next forward, layer by layer, ``ours_split_sync`` is the same with ``overlap_step: false``).
 The cap (``torch.cuda.set_per_process_memory_fraction``, default 2 x the experts' bf16 bytes: 15.8 GiB
 for 3 Mixtral-shaped layers) holds the experts' bf16 weights but not with their fp32 masters, gradients
 and AdamW moments (16 B per parameter: 63 GiB; all on GPU peaks at 90 GiB). H200 runs at 0.9 x (7.1 GiB)
@@ -51,6 +52,7 @@ PEERS = {  # in run order: the baseline and ours first, so a short budget still 
     "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu": "zero3_offload",
     "ours (experts in CPU tier, AdamW on GPU)": "ours_compute",
     "ours (experts in CPU tier, AdamW split GPU/CPU)": "ours_split",
+    "ours (split, the step not overlapped with the next forward)": "ours_split_sync",
     "all on GPU (DeepSpeed ZeRO-2, no cap)": "gpu",
     "ours (experts in CPU tier, AdamW on CPU)": "ours_cpu",
     "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu, no cap": "zero3_offload_nocap",
@@ -137,7 +139,9 @@ def ds_config(a, kind, bf16):
                           "moe": {"enabled": True, "train": True, "gpu_experts_per_layer": a.slots,
                                   "gpu_grad_experts": a.grad_experts or _grad_experts(a),
                                   "step_chunk_bytes": 256 << 20,
-                                  "optimizer_device": {"ours_cpu": "cpu", "ours_split": "split"}.get(kind, "compute"),
+                                  "optimizer_device": {"ours_cpu": "cpu", "ours_split": "split",
+                                                       "ours_split_sync": "split"}.get(kind, "compute"),
+                                  "overlap_step": kind != "ours_split_sync",
                                   "speculative_prefetch": True}}
     return cfg
 
@@ -228,6 +232,10 @@ def run_peer(a, kind) -> dict:
     for i in range(a.steps):
         phase(f"timed step {i + 1}/{a.steps}")
         loss = step(i)
+    moe = engine.maximus.modules["moe"] if kind.startswith("ours") else None
+    if moe is not None:  # a split step runs on into the next forward: the last one's tail is timed too
+        last = dict(moe.stats()["last_step"])
+        moe.finish_step()
     if cuda:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / a.steps
@@ -243,13 +251,13 @@ def run_peer(a, kind) -> dict:
     phase("done")
     out = {"ms": dt * 1e3, "tokens/s": a.micro_batch * a.seq * a.gas / dt, "loss": round(loss, 4),
            "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
-    if kind.startswith("ours"):
-        s = engine.maximus.modules["moe"].stats()["last_step"]
+    if moe is not None:
+        s = last
         if "cpu_step_share" in s:
             out["CPU share"] = round(s["cpu_step_share"], 2)
         out.update({"experts moved/step": s["experts_loaded"], "MB moved/step": round(s["bytes_moved"] / 1e6, 1),
                     "hit rate": round(s["hit_rate"], 3), "stall ms": round(s["stall_ms"], 1),
-                    "step ms": round(s["step_ms"], 1)})
+                    "step ms": round(s["step_ms"], 1), "wait ms": round(s["step_wait_ms"], 1)})
     return out
 
 
@@ -311,7 +319,7 @@ def prebuild_ops(keys) -> None:
     if any(k.startswith("ours") for k in keys):
         from ds_maximus.ops.sharded_embedding import load_op
         load_op("cuda" if cuda else "cpu")
-        if cuda and ("ours_cpu" in keys or "ours_split" in keys):
+        if cuda and any(k in keys for k in ("ours_cpu", "ours_split", "ours_split_sync")):
             load_op("cpu")
     from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
     if any(k.startswith("zero3_offload") for k in keys):
@@ -385,7 +393,9 @@ def main(argv=None):
                   sizes={"layers": a.layers, "H": a.hidden, "F": a.ffn, "E": a.experts, "top_k": a.top_k,
                          "tokens/step": a.micro_batch * a.seq * a.gas, "expert GiB (bf16)": round(expert_gib, 2),
                          "cap GiB": a.cap_gib, "slots/layer": a.slots},
-                  notes="ms = one optimizer step; offloading peers capped with set_per_process_memory_fraction")
+                  notes="ms = one optimizer step (the tail of a split step that overlaps the next forward is timed too; "
+                        "step ms: host time in the expert step, wait ms: the forward's waits for the last step's "
+                        "updates); offloading peers capped with set_per_process_memory_fraction")
     slots = _slots(a.slot_s, keys)
     names = {v: k for k, v in PEERS.items()}
     for i, key in enumerate(keys):

@@ -193,6 +193,10 @@ class MoEConfig(_Section):
     cpu_step_share: Optional[float] = Field(None, ge=0.0, le=1.0)
     """With ``optimizer_device: split``: the share of the experts stepped on the CPU. ``None``: measured
     (from 0.5, it follows the two sides' time per expert so that they finish together)."""
+    overlap_step: bool = True
+    """With ``optimizer_device: split``: the step returns once it is queued and runs on into the next forward,
+    which waits for each layer's experts only when it reaches that layer (same results; ``false``: the step
+    waits for every expert before it returns)."""
     step_chunk_bytes: int = Field(512 << 20, ge=1 << 16)
     """With ``train`` and ``optimizer_device: compute``: fp32 masters, moments and gradients staged on the
     device at once (a large expert is stepped in pieces)."""

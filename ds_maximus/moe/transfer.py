@@ -171,6 +171,9 @@ class CpuTransfer:
     def record_use(self):
         return None
 
+    def wait_event(self, ev) -> None:
+        """Loads queued from now on start after ``ev`` (on the CPU nothing is queued ahead: a no-op)."""
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -216,6 +219,11 @@ class CudaTransfer:
         if staged is not None:
             self._staging_ev[staged] = ev
         return ev
+
+    def wait_event(self, ev) -> None:
+        """Loads queued from now on start after ``ev`` (e.g. an optimizer step's write-back of the copies
+        they read)."""
+        self.stream.wait_event(ev)
 
     def _copies(self, after, *pairs) -> torch.cuda.Event:
         """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on the copy stream after event ``after``;

@@ -3,7 +3,7 @@
 #   0-170 s   our ops are JIT-built (never under `timeout`: a killed build leaves its lock), then the GPU
 #             tests of tests/moe_training, while DeepSpeed's fused Adam and CPU Adam build in the background;
 #   -420 s    bench_moe_training on the Mixtral-shaped stack (3 layers, H=4096, F=14336, 8 experts, top-2):
-#             ours with the step split GPU/CPU, ours with AdamW on GPU (host-profiled), ZeRO-3 offload
+#             ours with the step split GPU/CPU (overlapping the next forward, then not), ZeRO-3 offload
 #             without a cap (under the cap it ran out of memory in every earlier run), all on GPU; 245 s;
 #   -630 s    the fine-grained stack (64 experts, top-4, F=1792: the same expert bytes): ours split, ZeRO-3
 #             offload without a cap, all on GPU, ours on GPU with what is left; budget 170 s.
@@ -27,8 +27,8 @@ tests_rc=$?
 tail -5 "$OUT/moe_training_gpu_tests.log"
 wait $build_pid || tail -5 "$OUT/moe_training_adam_build.log"
 timeout 250 python -u -m benchmarks.bench_moe_training --layers 3 --warmup 1 --steps 2 --budget-s 245 \
-  --peers ours_split,ours_compute,zero3_offload_nocap,gpu --profile \
-  --slot-s ours_split=70,ours_compute=65,zero3_offload_nocap=100,gpu=40 \
+  --peers ours_split,ours_split_sync,zero3_offload_nocap,gpu --profile \
+  --slot-s ours_split=70,ours_split_sync=65,zero3_offload_nocap=100,gpu=40 \
   --out "$OUT/moe_training_mixtral.md" > "$OUT/moe_training_mixtral.log" 2>&1
 m_rc=$?
 grep "PHASE\|ExpertTrainer\|GPU cap\|^\[" "$OUT/moe_training_mixtral.log" | tail -40

@@ -92,3 +92,31 @@ def test_bf16_pipelined_step_refreshes_every_copy():
         for e, s in enumerate(slots):
             if s >= 0:
                 assert torch.equal(got.cache.slot_buffer(g)[s].cpu(), got.store.shadow[g * got.num_experts + e])
+
+
+def test_overlapped_split_step_on_cuda_equals_the_synchronous_one(monkeypatch):
+    """bf16, clipped, gradients spilled: the split step's device side queued on its own stream and its CPU
+    side (slowed down) running on into the next forward give the synchronous step's losses and state, bit
+    for bit (the forward waits for each layer's events and CPU experts)."""
+    from tests.moe_training.test_overlap import _slow_cpu_side
+    _slow_cpu_side(monkeypatch)
+    data = batches(6, batch=2, seqlen=8)
+    engines, losses = {}, {}
+    for overlap in (False, True):
+        engines[overlap] = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", clip=0.05,
+                                 maximus=moe_section(slots=2, gpu_grad_experts=1, optimizer_device="split",
+                                                     cpu_step_share=0.5, step_chunk_bytes=1 << 16,
+                                                     overlap_step=overlap))
+        losses[overlap] = train(engines[overlap], data)
+    t, ts = (engines[o].maximus.modules["moe"] for o in (True, False))
+    assert t._pending is not None and t.cache.device.type == "cuda"
+    assert losses[True] == losses[False]
+    t.finish_step()
+    assert t.counters.overlapped_layers == (len(data) - 1) * t.num_layers
+    for n, v in ts.store._tier.tensors.items():
+        assert torch.equal(t.store._tier.tensors[n], v), n
+    assert torch.equal(t.store.shadow, ts.store.shadow)
+    for g in range(t.num_layers):
+        for e, s in enumerate(t.cache.groups[g].map.id_to_slot.tolist()):
+            if s >= 0:
+                assert torch.equal(t.cache.slot_buffer(g)[s].cpu(), t.store.shadow[g * t.num_experts + e])

@@ -27,6 +27,7 @@ class _Step:
     caught_up: int = 0
     stall_ms: float = 0.0
     step_ms: float = 0.0
+    step_wait_ms: float = 0.0  # the forward's (and this step's) host wait for the last step's updates
     hits: int = 0
     lookups: int = 0
 
@@ -41,9 +42,11 @@ class ExpertTrainStats:
         self.bytes_refresh = 0
         self.caught_up = 0
         self.cpu_step_share: Optional[float] = None  # optimizer_device split: the share stepped on the CPU
+        self.step_wait_ms = 0.0      # split: host time waiting for a step's updates (cumulative)
+        self.overlapped_layers = 0   # split: layers whose forward began while the last step still ran
         self.last = _Step()
         self._mark = {"loads": 0, "bytes": 0, "stall": 0.0, "hits": 0, "lookups": 0, "stepped": 0,
-                      "bytes_step": 0, "refresh": 0, "caught": 0}
+                      "bytes_step": 0, "refresh": 0, "caught": 0, "wait": 0.0}
 
     def route(self, group: int, counts: List[int]) -> None:
         c = torch.tensor(counts, dtype=torch.long)
@@ -64,10 +67,11 @@ class ExpertTrainStats:
                           bytes_step=self.bytes_step - m["bytes_step"],
                           bytes_refresh=self.bytes_refresh - m["refresh"], caught_up=self.caught_up - m["caught"],
                           stall_ms=s["stall_ms"] - m["stall"], step_ms=step_ms,
+                          step_wait_ms=self.step_wait_ms - m["wait"],
                           hits=s["demand_hits"] - m["hits"], lookups=s["demand_lookups"] - m["lookups"])
         self._mark = {"loads": loads, "bytes": s["bytes_moved"], "stall": s["stall_ms"], "hits": s["demand_hits"],
                       "lookups": s["demand_lookups"], "stepped": self.experts_stepped, "bytes_step": self.bytes_step,
-                      "refresh": self.bytes_refresh, "caught": self.caught_up}
+                      "refresh": self.bytes_refresh, "caught": self.caught_up, "wait": self.step_wait_ms}
         self.last_routing = self.step_routing.clone()
         self.step_routing.zero_()
         self.steps += 1
@@ -82,6 +86,7 @@ class ExpertTrainStats:
             last["cpu_step_share"] = self.cpu_step_share
         out.update({"steps": self.steps, "experts_stepped": self.experts_stepped, "bytes_step": self.bytes_step,
                     "bytes_refresh": self.bytes_refresh, "caught_up": self.caught_up,
+                    "step_wait_ms": self.step_wait_ms, "overlapped_layers": self.overlapped_layers,
                     "routing": self.routing.tolist(), "last_step": last})
         return out
 
@@ -90,4 +95,5 @@ class ExpertTrainStats:
         return (f"moved {s.experts_loaded} experts ({s.bytes_loaded / 2**20:.1f} MiB) + step {s.experts_stepped} "
                 f"experts ({(s.bytes_step + s.bytes_refresh) / 2**20:.1f} MiB), hit rate "
                 f"{s.hits / s.lookups if s.lookups else 0.0:.2f}, stall {s.stall_ms:.1f} ms, step {s.step_ms:.1f} ms"
+                + (f", {s.step_wait_ms:.1f} ms waiting for the last step" if s.step_wait_ms else "")
                 + (f" (CPU share {self.cpu_step_share:.2f})" if self.cpu_step_share is not None else ""))

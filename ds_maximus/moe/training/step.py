@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List
+from typing import List, Optional
 
 import torch
+
+from ds_maximus.moe.training.pending import PendingStep
 
 STATE_BYTES = 4  # fp32 masters, moments and gradients
 
@@ -124,6 +126,7 @@ class _Pipeline:
         self.dev, self.elems = dev, elems
         self.load = torch.cuda.Stream(dev)
         self.store = torch.cuda.Stream(dev)
+        self.update = torch.cuda.Stream(dev)  # the updates of a step that overlaps the next forward
         self.bufs = [{n: torch.empty(elems, device=dev) for n in (*names, "grad")} for _ in range(2)]
         self.low = [torch.empty(elems, dtype=low_dtype, device=dev) if low_dtype is not None else None
                     for _ in range(2)]
@@ -149,13 +152,35 @@ def _pipeline(tr, dev: torch.device, names, piece: int) -> _Pipeline:
     return p
 
 
-def _step_staged_cuda(tr, uids: List[int], dev: torch.device) -> None:
+def _step_staged_cuda(tr, uids: List[int], dev: torch.device, pending: Optional[PendingStep] = None) -> None:
+    """The pipelined step (module docstring). With ``pending`` (the split step), the updates run on the
+    pipeline's own stream and nothing waits here: ``pending`` gets an event per layer and the timing events."""
     store, grads, names = tr.store, tr.grads, tr.store.names
     pieces = list(_pieces(tr, uids))
     elems = max(len(part) * (hi - lo) for part, lo, hi in pieces)
     pl = _pipeline(tr, dev, names, elems)
-    compute = torch.cuda.current_stream(dev)
-    pl.load.wait_stream(compute)  # the backward's gradients, and those still landing on the host
+    main = torch.cuda.current_stream(dev)
+    compute = main if pending is None else pl.update
+    if pending is not None:
+        compute.wait_stream(main)  # the backward's gradients and their clip scaling
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        last_piece = {u // tr.num_experts: i for i, (part, _, _) in enumerate(pieces) for u in part}
+    pl.load.wait_stream(main)  # the backward's gradients, and those still landing on the host
+    with torch.cuda.stream(compute):
+        host, host_uids = _pipelined_pieces(tr, pl, pieces, compute, pending, last_piece if pending else None)
+    if pending is not None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(pl.store)
+        pending.dev_events = (start, end)
+        return
+    pl.store.synchronize()  # host rows and shadows are read by the CPU (catch-up, checkpoints) and loads
+    compute.wait_stream(pl.store)
+    _write_back(tr, host_uids, host)
+
+
+def _pipelined_pieces(tr, pl, pieces, compute, pending, last_piece):
+    store, grads, names = tr.store, tr.grads, tr.store.names
     host, host_uids = None, []
     for i, (part, lo, hi) in enumerate(pieces):
         if part != host_uids:
@@ -204,12 +229,16 @@ def _step_staged_cuda(tr, uids: List[int], dev: torch.device) -> None:
         moved = 2 * len(names) * STATE_BYTES + (low.element_size() if store.shadow is not None else 0)
         grad_bytes = sum(grads.raw(u).element_size() for u in part)  # fp32, or a single bf16 gradient
         tr.counters.add_step_traffic(n if last else 0, (moved * n + grad_bytes) * width)
+        if pending is not None:
+            for layer in sorted({u // tr.num_experts for u in part}):
+                if last_piece[layer] == i:
+                    pending.layer_queued(layer, pl.freed[k])
         if last:
             for u in part:
+                if pending is not None:
+                    pending.keep.append(grads.raw(u))  # read by queued copies: not freed before they ran
                 grads.drop(u)
-    pl.store.synchronize()  # host rows and shadows are read by the CPU (catch-up, checkpoints) and loads
-    compute.wait_stream(pl.store)
-    _write_back(tr, host_uids, host)
+    return host, host_uids
 
 
 def _host_rows(tr, part: List[int]):
@@ -227,44 +256,79 @@ def _write_back(tr, part: List[int], host) -> None:
     tr.store.write_rows(torch.tensor(part), {n: torch.stack(v) for n, v in host.items()})
 
 
-def step_split(tr, uids: List[int], dev: torch.device) -> None:
-    """Update ``uids``: a share on the CPU tier in a worker thread, the rest staged through ``dev``."""
+def _cpu_share(tr, uids: List[int], share: float) -> List[int]:
+    """The experts the CPU side steps: ``share`` of them, in every layer alike (so that each layer is done
+    early on both sides, for the next forward), those whose gradient already waits on the host first."""
+    n_cpu = int(round(len(uids) * share))
+    by_layer: dict = {}
+    for u in uids:
+        by_layer.setdefault(u // tr.num_experts, []).append(u)
+    cpu: List[int] = []
+    seen = 0
+    for layer in sorted(by_layer):
+        us = sorted(by_layer[layer], key=lambda u: (not tr.grads.on_host(u), u))
+        seen += len(us)
+        cpu += us[:min(len(us), max(0, round(n_cpu * seen / len(uids)) - len(cpu)))]
+    return sorted(cpu)
+
+
+def step_split(tr, uids: List[int], dev: torch.device) -> PendingStep:
+    """Start updating ``uids``: a share on the CPU tier in a worker thread, the rest staged through ``dev``.
+    Returns the step still running (see :mod:`~ds_maximus.moe.training.pending`); ``tr`` finishes it."""
     share = tr.cfg.moe.cpu_step_share
     if share is None:
         share = 0.5 if tr.cpu_step_share is None else tr.cpu_step_share
-    n_cpu = int(round(len(uids) * share))
-    host_first = sorted(uids, key=lambda u: (not tr.grads.on_host(u), u))
-    cpu_uids = sorted(host_first[:n_cpu])
+    cpu_uids = _cpu_share(tr, uids, share)
     dev_uids = sorted(set(uids) - set(cpu_uids))
+    pending = PendingStep(tr.num_layers, tr.num_experts)
+    pending.share, pending.n_cpu, pending.n_dev = share, len(cpu_uids), len(dev_uids)
+    for u in cpu_uids:
+        pending.cpu_uids.setdefault(u // tr.num_experts, []).append(u)
     items = [(u, *tr.grads.take_to_host(u)) for u in cpu_uids]
     if tr._step_pool is None:
         tr._step_pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-expert-step")
-    fut = tr._step_pool.submit(_cpu_side, tr, items) if items else None
-    t0 = time.perf_counter()
-    if dev_uids:
+    if items:
+        pending.future = tr._step_pool.submit(_cpu_side, tr, items, pending)
+    else:
+        pending.cpu_finished()
+    if dev_uids and dev.type == "cuda":
+        _step_staged_cuda(tr, dev_uids, dev, pending)
+    elif dev_uids:
+        t0 = time.perf_counter()
         step_staged(tr, dev_uids, dev)
-    t_dev = time.perf_counter() - t0
-    t_cpu = fut.result() if fut is not None else 0.0
-    for u in cpu_uids:  # resident slots of the experts stepped on the CPU: refreshed from their new copy
-        tr.refresh_slot(u, tr.store.host_view(u))
+        pending.dev_s = time.perf_counter() - t0
     tr.counters.add_step_traffic(len(cpu_uids), sum(g.element_size() for _, g, _, _ in items) * tr.numel)
-    if tr.cfg.moe.cpu_step_share is None and cpu_uids and dev_uids:
-        per_cpu, per_dev = t_cpu / len(cpu_uids), t_dev / len(dev_uids)
-        balanced = per_dev / (per_cpu + per_dev)  # n_cpu * per_cpu == n_dev * per_dev
-        # the first measurement is taken whole, later ones are averaged in against noise (averaged from 0.5,
-        # the share was still 0.3 after the H200 run's 3 steps, and the GPU side waited on the CPU side)
-        if tr.cpu_step_share is not None:
-            balanced = 0.5 * share + 0.5 * balanced
-        tr.cpu_step_share = min(0.95, max(0.05, balanced))
     tr.counters.cpu_step_share = share
+    return pending
 
 
-def _cpu_side(tr, items) -> float:
+def rebalance(tr, pending: PendingStep, t_cpu: float, t_dev: float) -> None:
+    """A finished split step measured both sides: the share that makes them finish together next time."""
+    if tr.cfg.moe.cpu_step_share is not None or not pending.n_cpu or not pending.n_dev:
+        return
+    per_cpu, per_dev = t_cpu / pending.n_cpu, t_dev / pending.n_dev
+    balanced = per_dev / (per_cpu + per_dev)  # n_cpu * per_cpu == n_dev * per_dev
+    # the first measurement is taken whole, later ones are averaged in against noise (averaged from 0.5,
+    # the share was still 0.3 after the H200 run's 3 steps, and the GPU side waited on the CPU side)
+    if tr.cpu_step_share is not None:
+        balanced = 0.5 * pending.share + 0.5 * balanced
+    tr.cpu_step_share = min(0.95, max(0.05, balanced))
+
+
+def _cpu_side(tr, items, pending: PendingStep) -> float:
     """Worker thread: AdamW of each ``(uid, grad, clip factor, event)`` in place on the CPU tier, its shadow
-    written in the same pass (one pass over the expert's state: the factor and the bf16 cast had been two more)."""
+    written in the same pass (one pass over the expert's state: the factor and the bf16 cast had been two more).
+    Layers are signalled done to ``pending`` as the experts go by (in uid order, i.e. layer order)."""
     t0 = time.perf_counter()
-    for u, g, f, ev in items:
-        if ev is not None:
-            ev.synchronize()
-        _update_in_place(tr, u, g, grad_scale=f)
+    try:
+        for u, g, f, ev in items:
+            pending.cpu_reached(u)
+            if ev is not None:
+                ev.synchronize()
+            _update_in_place(tr, u, g, grad_scale=f)
+    except BaseException as e:  # raised to the thread that waits for a layer, before it reads any expert
+        pending.error = e
+        raise
+    finally:
+        pending.cpu_finished()
     return time.perf_counter() - t0

@@ -109,6 +109,7 @@ class ExpertTrainer(nn.Module):
         self.store.set_compute_dtype(dtype)
         self._dtype = dtype
         self.cache: Optional[ExpertCache] = None
+        self._pending = None  # split: the step still running into the next forward (pending.py)
         self._build_cache()
         # the fused row-update op is JIT-built once per machine (~70 s cold for CUDA): load it here, where
         # set-up time is expected and logged, not inside the first training step
@@ -133,6 +134,7 @@ class ExpertTrainer(nn.Module):
 
     # -- placement ----------------------------------------------------------------------------------
     def _build_cache(self) -> None:
+        self.finish_step()
         if self.cache is not None:
             self.cache.close()
         self.cache = ExpertCache(self.store, self.num_layers, self.num_experts, self.slots, self.compute_device,
@@ -145,7 +147,7 @@ class ExpertTrainer(nn.Module):
     @out_dtype.setter
     def out_dtype(self, dtype: torch.dtype) -> None:
         if dtype != self._dtype:
-            self.cache.synchronize()
+            self.flush()
             self.store.set_compute_dtype(dtype)
             self._dtype = dtype
             self._build_cache()
@@ -173,6 +175,9 @@ class ExpertTrainer(nn.Module):
         """Routing of layer ``group`` is known (``counts`` tokens per expert): record it, bring routed experts
         that skipped steps up to date, plan the next layer's prefetch. Returns the routed experts."""
         used = [e for e in range(self.num_experts) if counts[e] > 0]
+        if self._pending is not None and group not in self._pending.awaited:
+            self._pending.await_layer(self, group)  # the last step's updates of this layer, just in time
+            self.counters.overlapped_layers += 1
         self.counters.route(group, counts)
         self._used[group] = used
         if group == 0:
@@ -211,6 +216,8 @@ class ExpertTrainer(nn.Module):
 
     def backward_round(self, group: int, experts: List[int], counts: List[int], x: Tensor,
                        grad_out: Tensor) -> Optional[Tensor]:
+        if self._pending is not None:  # a backward without its forward's begin_layer (never in a model)
+            self._pending.await_layer(self, group)
         slots = self.cache.acquire(group, experts)   # a reload if it was evicted since forward
         self._prefetch_backward(group)
         try:
@@ -252,6 +259,10 @@ class ExpertTrainer(nn.Module):
         """Load ``experts`` of ``group`` early, except those that skipped steps (their copy is not current)."""
         if not experts:
             return
+        if self._pending is not None:  # the layer's updates may still run: guess only once they are done
+            if not self._pending.ready(group):
+                return
+            self._pending.await_layer(self, group)
         uids = torch.tensor([group * self.num_experts + e for e in experts])
         lag = self.row_optimizer.lagging(uids)
         self.cache.prefetch(group, [e for e, stale in zip(experts, lag.tolist()) if not stale])
@@ -322,6 +333,7 @@ class ExpertTrainer(nn.Module):
         """Step every expert with gradient (AdamW on the compute device by default), refresh its copies."""
         from ds_maximus.moe.training.step import step_in_place, step_split, step_staged
         t0 = time.perf_counter()
+        self.finish_step()
         opt = self.row_optimizer
         opt.begin_step(lr, weight_decay)
         self.cache.synchronize()
@@ -329,7 +341,9 @@ class ExpertTrainer(nn.Module):
         dev = self._step_device()
         split = self.cfg.moe.optimizer_device == ExpertOptimizerDevice.SPLIT and self.store.in_memory
         if uids and split:
-            step_split(self, uids, dev)
+            self._pending = step_split(self, uids, dev)
+            if not self.cfg.moe.overlap_step:
+                self.finish_step()
         elif uids and dev.type == "cpu" and self.store.in_memory:
             step_in_place(self, uids)
         elif uids:
@@ -338,6 +352,19 @@ class ExpertTrainer(nn.Module):
         self.counters.end_step(self.cache, (time.perf_counter() - t0) * 1e3)
         if opt.step % self.log_interval_steps == 0:
             logger.info("ExpertTrainer step %d: %s", opt.step, self.counters.line())
+
+    def finish_step(self) -> None:
+        """Wait until the last optimizer step has updated every expert and each copy of it (a split step runs
+        on into the next forward unless ``moe.overlap_step`` is false); a no-op when none is running."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        try:
+            t_cpu, t_dev = p.finish(self)
+        finally:
+            self.counters.step_wait_ms += p.wait_s * 1e3
+        from ds_maximus.moe.training.step import rebalance
+        rebalance(self, p, t_cpu, t_dev)
 
     def configure_from_engine(self, engine) -> None:
         """Betas/eps follow the DeepSpeed optimizer's unless ``moe.optimizer`` sets them (exact equals dense)."""
@@ -383,6 +410,7 @@ class ExpertTrainer(nn.Module):
         self.grads.clear()
 
     def flush(self) -> None:
+        self.finish_step()
         self.cache.synchronize()
         self.store.flush()
 
@@ -392,6 +420,7 @@ class ExpertTrainer(nn.Module):
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _catch_up_all(self) -> None:
+        self.finish_step()
         if self.row_optimizer.lazy or self.row_optimizer.step == 0:
             return
         self.cache.synchronize()
@@ -418,7 +447,7 @@ class ExpertTrainer(nn.Module):
         if missing:
             raise ConfigError(f"checkpoint lacks expert optimizer tensors {missing}; was it saved with another "
                               "moe.optimizer.type?")
-        self.cache.synchronize()
+        self.flush()
         self.grads.clear()
         self.store.load_state(d["tensors"])
         self.row_optimizer.load_state_dict(d["optimizer"])
@@ -438,7 +467,7 @@ class ExpertTrainer(nn.Module):
 
     def load_expert_tensors(self, group: int, tensors: Dict[str, Tensor]) -> None:
         """Overwrite layer ``group``'s masters from stacked tensors (optimizer state kept)."""
-        self.cache.synchronize()
+        self.flush()
         self.store.write_layer(group * self.num_experts, tensors)
         self.row_optimizer.last_step[group * self.num_experts:(group + 1) * self.num_experts] = \
             self.row_optimizer.step
