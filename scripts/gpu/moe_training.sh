@@ -6,7 +6,7 @@
 #             ours with the step split GPU/CPU (overlapping the next forward, then not), ZeRO-3 offload
 #             without a cap (under the cap it ran out of memory in every earlier run), all on GPU; 245 s;
 #   -630 s    the fine-grained stack (64 experts, top-4, F=1792: the same expert bytes): ours split, ZeRO-3
-#             offload without a cap, all on GPU, ours on GPU with what is left; budget 170 s.
+#             offload without a cap, all on GPU with what is left; budget 170 s.
 # Over the 600 s of one device call when the op build is cold: the fine-grained run is then cut short.
 # bf16; ours is capped at 2 x the experts' bf16 bytes (15.8 GiB); every peer is its own subprocess (OOM or
 # timeout is a row naming the phase it was in), its phases and output are in the .log.
@@ -34,7 +34,7 @@ m_rc=$?
 grep "PHASE\|ExpertTrainer\|GPU cap\|^\[" "$OUT/moe_training_mixtral.log" | tail -40
 cat "$OUT/moe_training_mixtral.md"
 timeout 175 python -u -m benchmarks.bench_moe_training --layers 3 --fine-grained --slots 8 --warmup 1 --steps 2 \
-  --peers ours_split,zero3_offload_nocap,gpu,ours_compute --budget-s 170 --slot-s ours_split=65,zero3_offload_nocap=90 \
+  --peers ours_split,zero3_offload_nocap,gpu --budget-s 170 --slot-s ours_split=65,zero3_offload_nocap=90 \
   --out "$OUT/moe_training_fine.md" > "$OUT/moe_training_fine.log" 2>&1
 f_rc=$?
 grep "PHASE\|ExpertTrainer\|^\[" "$OUT/moe_training_fine.log" | tail -30
