@@ -247,6 +247,7 @@ def run_peer(a, kind) -> dict:
         st = pstats.Stats(prof, stream=buf)
         st.sort_stats("cumulative").print_stats(30)
         st.sort_stats("tottime").print_stats(20)
+        st.print_callers(r"built-in method torch.empty|_cuda_synchronize|method 'cpu'|Event.synchronize")
         print("\n".join("PROFILE " + ln for ln in buf.getvalue().splitlines() if ln.strip()), flush=True)
     phase("done")
     out = {"ms": dt * 1e3, "tokens/s": a.micro_batch * a.seq * a.gas / dt, "loss": round(loss, 4),

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import deepspeed
 import torch
 
-from ds_maximus.config import MaximusConfig, SECTION
+from ds_maximus.config import ExpertOptimizerDevice, MaximusConfig, SECTION
 from ds_maximus.zero.swap import remove_params_from_optimizer, swap_embeddings
 
 logger = logging.getLogger("ds_maximus")
@@ -85,7 +85,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         if isinstance(optimizer, torch.optim.Optimizer):
             optimizer.add_param_group({**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
                                        "params": [carrier]})
-    ds_config = {k: v for k, v in ds_config.items() if k != SECTION}
+    ds_config = _unsynchronized_throughput_timer({k: v for k, v in ds_config.items() if k != SECTION}, cfg)
     engine, opt, loader, sched = _DEEPSPEED_INITIALIZE(args=_strip_args(args), model=model, optimizer=optimizer,
                                                        model_parameters=model_parameters, config=ds_config, **kwargs)
     if runtime is not None:
@@ -98,6 +98,23 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
             modules["moe"].configure_from_engine(engine)
         runtime.install()
     return engine, opt, loader, sched
+
+
+def _unsynchronized_throughput_timer(ds_config: dict, cfg: MaximusConfig) -> dict:
+    """DeepSpeed's throughput timer synchronizes the device at every forward's start (``timers.throughput.
+    synchronized``, default true, when ``initialize`` gets no training data). That would wait for an expert
+    step meant to overlap the forward (``moe.overlap_step``), so it is turned off then, unless set."""
+    m = cfg.moe
+    if not (m.enabled and m.train and m.overlap_step and m.optimizer_device == ExpertOptimizerDevice.SPLIT):
+        return ds_config
+    timers = dict(ds_config.get("timers") or {})
+    tp = dict(timers.get("throughput") or {})
+    if "synchronized" in tp:
+        return ds_config
+    tp["synchronized"] = False
+    logger.info("ds_maximus: timers.throughput.synchronized set false (a device sync at every forward would wait "
+                "for the expert step that moe.overlap_step runs on into it)")
+    return {**ds_config, "timers": {**timers, "throughput": tp}}
 
 
 def _init_distributed(cfg: MaximusConfig, kwargs: dict) -> None:

@@ -84,3 +84,18 @@ def test_a_failed_cpu_side_stops_the_next_forward(monkeypatch):
     data = batches(3, batch=2, seqlen=8)
     with pytest.raises(RuntimeError, match="expert optimizer step failed on the CPU side.*simulated failure"):
         _run(True, data)
+
+
+@pytest.mark.parametrize("overlap,user,want", [(True, None, False), (False, None, True), (True, True, True)])
+def test_deepspeed_throughput_timer_does_not_wait_for_the_step(overlap, user, want):
+    """DeepSpeed's throughput timer syncs the device at every forward unless told not to: with an overlapped
+    split step it is told not to, unless the config sets it."""
+    from tests.moe_training.moe_utils import ds_config
+    import ds_maximus
+    sec = moe_section(slots=2, optimizer_device="split", overlap_step=overlap)
+    cfg = ds_config(2, maximus=sec)
+    if user is not None:
+        cfg["timers"] = {"throughput": {"synchronized": user}}
+    model = tiny_mixtral(num_experts=4)
+    e, *_ = ds_maximus.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    assert e.tput_timer.config.synchronized is want

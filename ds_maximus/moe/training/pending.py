@@ -33,7 +33,6 @@ class PendingStep:
         self.cpu_uids: Dict[int, List[int]] = {}  # layer -> experts stepped by the CPU side
         self.awaited: set = set()
         self.future = None           # the CPU side's worker (returns its seconds)
-        self.keep: List[torch.Tensor] = []  # tensors the queued device work reads: alive until finish
         self.dev_events = None       # (start, end) CUDA timing events of the device side
         self.dev_s: Optional[float] = None  # the device side's seconds when it ran synchronously
         self.n_cpu = self.n_dev = 0
@@ -90,5 +89,4 @@ class PendingStep:
             end.synchronize()
             t_dev = start.elapsed_time(end) / 1e3
         self.wait_s += time.perf_counter() - t0
-        self.keep.clear()
         return t_cpu, t_dev

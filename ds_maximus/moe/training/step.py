@@ -235,8 +235,9 @@ def _pipelined_pieces(tr, pl, pieces, compute, pending, last_piece):
                     pending.layer_queued(layer, pl.freed[k])
         if last:
             for u in part:
-                if pending is not None:
-                    pending.keep.append(grads.raw(u))  # read by queued copies: not freed before they ran
+                g = grads.raw(u)
+                if pending is not None and g.is_cuda:  # read by the queued update: its memory waits for it
+                    g.record_stream(compute)  # (a pinned host one is tracked by the host allocator itself)
                 grads.drop(u)
     return host, host_uids
 
