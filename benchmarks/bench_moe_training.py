@@ -152,7 +152,8 @@ GRAD_SHARE_OF_CAP = 0.25
 def _grad_experts(a) -> int:
     """Ours' default ``gpu_grad_experts``: the fp32 expert gradients that fit in a quarter of the cap (a
     gradient kept on the GPU crosses PCIe neither to the host nor back for the step; at 1 per layer-pair,
-    session 4's Mixtral-shaped run peaked at 10.2 of 15.8 GiB)."""
+    session 4's Mixtral-shaped run peaked at 10.2 of 15.8 GiB). Counted in fp32 although one micro-batch's
+    gradient stays bf16 (ExpertGrads): the clip scaling widens those kept on the GPU."""
     grad_bytes = 3 * a.hidden * a.ffn * 4
     return max(1, int(GRAD_SHARE_OF_CAP * a.cap_gib * 2**30 // grad_bytes))
 
@@ -220,6 +221,9 @@ def run_peer(a, kind) -> dict:
     for i in range(a.warmup):
         phase(f"warm-up step {i + 1}/{a.warmup}")
         step(i)
+    moe = engine.maximus.modules["moe"] if kind.startswith("ours") else None
+    if moe is not None:  # the window starts as a synchronous step's would: no warm-up step still running
+        moe.finish_step()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -232,7 +236,6 @@ def run_peer(a, kind) -> dict:
     for i in range(a.steps):
         phase(f"timed step {i + 1}/{a.steps}")
         loss = step(i)
-    moe = engine.maximus.modules["moe"] if kind.startswith("ours") else None
     if moe is not None:  # a split step runs on into the next forward: the last one's tail is timed too
         last = dict(moe.stats()["last_step"])
         moe.finish_step()
@@ -394,7 +397,8 @@ def main(argv=None):
                   sizes={"layers": a.layers, "H": a.hidden, "F": a.ffn, "E": a.experts, "top_k": a.top_k,
                          "tokens/step": a.micro_batch * a.seq * a.gas, "expert GiB (bf16)": round(expert_gib, 2),
                          "cap GiB": a.cap_gib, "slots/layer": a.slots},
-                  notes="ms = one optimizer step (the tail of a split step that overlaps the next forward is timed too; "
+                  notes="ms = one optimizer step (a split step that overlaps the next forward: none runs when the clock "
+                        "starts, the last one's tail is timed; "
                         "step ms: host time in the expert step, wait ms: the forward's waits for the last step's "
                         "updates); offloading peers capped with set_per_process_memory_fraction")
     slots = _slots(a.slot_s, keys)

@@ -258,9 +258,12 @@ def _write_back(tr, part: List[int], host) -> None:
 
 
 def _cpu_share(tr, uids: List[int], share: float) -> List[int]:
-    """The experts the CPU side steps: ``share`` of them, in every layer alike (so that each layer is done
-    early on both sides, for the next forward), those whose gradient already waits on the host first."""
+    """The experts the CPU side steps: ``share`` of them, those whose gradient already waits on the host first
+    (a device one would cross the link out, a host one stepped on the device back in). When the step overlaps
+    the next forward, the share is taken in every layer alike, so that each layer is done early on both sides."""
     n_cpu = int(round(len(uids) * share))
+    if not tr.cfg.moe.overlap_step:
+        return sorted(sorted(uids, key=lambda u: (not tr.grads.on_host(u), u))[:n_cpu])
     by_layer: dict = {}
     for u in uids:
         by_layer.setdefault(u // tr.num_experts, []).append(u)
