@@ -3,10 +3,11 @@
 #   0-170 s   our ops are JIT-built (never under `timeout`: a killed build leaves its lock), then the GPU
 #             tests of tests/moe_training, while DeepSpeed's fused Adam and CPU Adam build in the background;
 #   -420 s    bench_moe_training on the Mixtral-shaped stack (3 layers, H=4096, F=14336, 8 experts, top-2):
-#             ours with the step split GPU/CPU (overlapping the next forward, then not), ZeRO-3 offload
-#             without a cap (under the cap it ran out of memory in every earlier run), all on GPU; 245 s;
-#   -630 s    the fine-grained stack (64 experts, top-4, F=1792: the same expert bytes): ours split, ZeRO-3
-#             offload without a cap, all on GPU with what is left; budget 170 s.
+#             ours with the step split GPU/CPU (overlapping the next forward, then not) and 4 expert slots
+#             per layer (14.5 GiB peak), ZeRO-3 offload without a cap (under the cap it ran out of memory in
+#             every earlier run), all on GPU; 245 s;
+#   -630 s    the fine-grained stack (64 experts, top-4, F=1792: the same expert bytes): ours split (not
+#             overlapped, then overlapped), ZeRO-3 offload without a cap; budget 170 s.
 # Over the 600 s of one device call when the op build is cold: the fine-grained run is then cut short.
 # bf16; ours is capped at 2 x the experts' bf16 bytes (15.8 GiB); every peer is its own subprocess (OOM or
 # timeout is a row naming the phase it was in), its phases and output are in the .log.
@@ -26,15 +27,16 @@ timeout 80 python -m pytest -q -x tests/moe_training/test_gpu.py tests/moe_train
 tests_rc=$?
 tail -5 "$OUT/moe_training_gpu_tests.log"
 wait $build_pid || tail -5 "$OUT/moe_training_adam_build.log"
-timeout 250 python -u -m benchmarks.bench_moe_training --layers 3 --warmup 1 --steps 2 --budget-s 245 \
+timeout 250 python -u -m benchmarks.bench_moe_training --layers 3 --slots 4 --warmup 1 --steps 3 --budget-s 245 \
   --peers ours_split,ours_split_sync,zero3_offload_nocap,gpu --profile \
   --slot-s ours_split=70,ours_split_sync=65,zero3_offload_nocap=100,gpu=40 \
   --out "$OUT/moe_training_mixtral.md" > "$OUT/moe_training_mixtral.log" 2>&1
 m_rc=$?
 grep "PHASE\|ExpertTrainer\|GPU cap\|^\[" "$OUT/moe_training_mixtral.log" | tail -40
 cat "$OUT/moe_training_mixtral.md"
-timeout 175 python -u -m benchmarks.bench_moe_training --layers 3 --fine-grained --slots 8 --warmup 1 --steps 2 \
-  --peers ours_split,zero3_offload_nocap,gpu --budget-s 170 --slot-s ours_split=65,zero3_offload_nocap=90 \
+timeout 175 python -u -m benchmarks.bench_moe_training --layers 3 --fine-grained --slots 8 --warmup 1 --steps 3 \
+  --peers ours_split_sync,zero3_offload_nocap,ours_split --budget-s 170 \
+  --slot-s ours_split_sync=60,zero3_offload_nocap=90,ours_split=60 \
   --out "$OUT/moe_training_fine.md" > "$OUT/moe_training_fine.log" 2>&1
 f_rc=$?
 grep "PHASE\|ExpertTrainer\|^\[" "$OUT/moe_training_fine.log" | tail -30

@@ -10,7 +10,9 @@ Three ways, by ``moe.optimizer_device`` and the tier:
 * split (``split``, tier in memory): both at once: a worker thread steps a share of the experts in place
   on the CPU tier (the op runs without the GIL) while this thread streams the rest through the device.
   Gradients already waiting on the host go to the CPU side first. The share follows the two sides'
-  measured time per expert so that they finish together (or is fixed by ``moe.cpu_step_share``).
+  measured time per expert so that they finish together (or is fixed by ``moe.cpu_step_share``). With
+  ``moe.overlap_step`` the step returns once queued and the next forward waits for each layer's experts
+  when it reaches them (:mod:`~ds_maximus.moe.training.pending`).
 
 After an expert is updated, its compute copies (the shadow in the CPU tier and a resident cache slot)
 are refreshed, so no stale copy is ever used.
