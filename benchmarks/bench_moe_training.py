@@ -153,8 +153,9 @@ GRAD_SHARE_OF_CAP = 0.25
 def _grad_experts(a) -> int:
     """Ours' default ``gpu_grad_experts``: the fp32 expert gradients that fit in a quarter of the cap (a
     gradient kept on the GPU crosses PCIe neither to the host nor back for the step; at 1 per layer-pair,
-    session 4's Mixtral-shaped run peaked at 10.2 of 15.8 GiB). Counted in fp32 although one micro-batch's
-    gradient stays bf16 (ExpertGrads): the clip scaling widens those kept on the GPU."""
+    session 4's Mixtral-shaped run peaked at 10.2 of 15.8 GiB). Counted at the fp32 size, as measured in
+    sessions 4-13; one micro-batch's gradient now stays bf16 through the clip scaling (ExpertGrads), so they
+    take half that: more of them under the cap is not measured yet."""
     grad_bytes = 3 * a.hidden * a.ffn * 4
     return max(1, int(GRAD_SHARE_OF_CAP * a.cap_gib * 2**30 // grad_bytes))
 

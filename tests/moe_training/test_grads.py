@@ -25,8 +25,17 @@ def test_single_bf16_gradient_stays_bf16_and_reads_as_fp32():
     g.add(0, b)  # a second contribution: accumulated in fp32
     assert g.raw(0).dtype == torch.float32 and torch.equal(g.raw(0), a.float() + b.float())
     g.add(2, b)
-    g.scale_(0.5)  # scaled: widened first, never rounded to bf16
-    assert g.raw(2).dtype == torch.float32 and torch.equal(g.raw(2), b.float() * 0.5)
+    g.scale_(0.5)  # scaled: the factor is recorded and applied in fp32 where it is read, never rounded to bf16
+    assert g.raw(2).dtype == torch.bfloat16 and g.factor(2) == 0.5 and g.factor(0) == 1.0
+    assert torch.equal(g.get(2), b.float() * 0.5) and torch.equal(g.raw(0), (a.float() + b.float()) * 0.5)
+    assert float(g.norm_sq()) == pytest.approx(sum(float(torch.dot(g.get(u), g.get(u))) for u in g.uids()), rel=1e-6)
+    t, f, _ = g.take_to_host(2)
+    assert t.dtype == torch.bfloat16 and f == 0.5  # the CPU step applies it in its pass
+    g.add(3, b)
+    g.scale_(0.25)
+    g.add(3, a)  # a contribution after scaling: the scale is applied first, then fp32 accumulates
+    assert g.raw(3).dtype == torch.float32 and g.factor(3) == 1.0
+    assert torch.equal(g.raw(3), b.float() * 0.25 + a.float())
 
 
 class _Fp32Grads(ExpertGrads):

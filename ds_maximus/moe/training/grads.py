@@ -1,8 +1,9 @@
 """``ExpertGrads``: per-expert gradients, accumulated in fp32 across micro-batches and rounds.
 
-An expert's first bf16 gradient is kept in bf16 until a second one is added to it or it is scaled: bf16 to
-fp32 is exact, so the values are the same, and the copy to the host and the CPU optimizer step read half
-the bytes (a Mixtral expert's gradient is 352 MB instead of 704). Every other gradient is fp32.
+An expert's first bf16 gradient is kept in bf16 until a second one is added to it: bf16 to fp32 is exact, so
+the values are the same, and the copy to the host and the CPU optimizer step read half the bytes (a Mixtral
+expert's gradient is 352 MB instead of 704). Scaling it (the clip factor) is recorded, not applied, like a
+host gradient's (below): it is applied in fp32 where the gradient is next read. Every other gradient is fp32.
 
 At most ``max_on_device`` gradients stay on the compute device (the most recently added: the experts
 just computed, still in the expert cache); older ones move to pinned CPU memory and come back to the
@@ -38,7 +39,7 @@ class ExpertGrads:
         self.g: Dict[int, Tensor] = {}
         self._recent: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # uids on the device
         self._left: Dict[int, Tuple[object, Tensor, Tensor]] = {}  # host uid -> (copy event, |g|^2, finite)
-        self._factor: Dict[int, float] = {}  # host uid -> pending scale
+        self._factor: Dict[int, float] = {}  # uid -> pending scale (host gradients, and bf16 ones)
         self.moved_to_host = 0
 
     def __bool__(self) -> bool:
@@ -61,8 +62,9 @@ class ExpertGrads:
         elif cur.device != grad.device:
             self.g[uid] = self._take(uid, grad.device).add_(grad)  # in use again: back on the device
         else:
-            if cur.dtype != torch.float32:
-                cur = self.g[uid] = cur.float()
+            if cur.dtype != torch.float32:  # widened, its pending scale applied: fp32 from here on
+                cur = self.g[uid] = self.get(uid)
+                self._factor.pop(uid, None)
             cur.add_(grad)
         if grad.device.type != "cpu":
             self._recent[uid] = None
@@ -71,7 +73,7 @@ class ExpertGrads:
                 self._to_host(self._recent.popitem(last=False)[0])
 
     def factor(self, uid: int) -> float:
-        """The scale still to apply to ``uid``'s stored gradient (1.0 unless it waits on the host)."""
+        """The scale still to apply to ``uid``'s stored gradient (1.0 unless it waits on the host or is bf16)."""
         return self._factor.get(uid, 1.0)
 
     def raw(self, uid: int) -> Tensor:
@@ -84,7 +86,9 @@ class ExpertGrads:
         or was bf16)."""
         t = self.g[uid]
         if uid not in self._left:
-            return (t if device is None else t.to(device, non_blocking=True)).float()
+            out = (t if device is None else t.to(device, non_blocking=True)).float()
+            f = self._factor.get(uid, 1.0)
+            return out if f == 1.0 else (out.mul_(f) if out is not t else out * f)
         dev = torch.device(device) if device is not None else t.device
         if dev.type == "cpu":
             self._landed(uid)
@@ -143,20 +147,18 @@ class ExpertGrads:
         """Sum of squares of every gradient (one device sync for all of them)."""
         parts = []
         for u, t in self.g.items():
-            if u in self._left:
-                parts.append(self._left[u][1].double() * self._factor.get(u, 1.0) ** 2)
-            else:
-                parts.append(_dot(t).double())
+            f2 = self._factor.get(u, 1.0) ** 2
+            parts.append((self._left[u][1] if u in self._left else _dot(t)).double() * f2)
         if not parts:
             return torch.zeros((), dtype=torch.float32)
         return torch.stack([p.to(parts[0].device) for p in parts]).sum().float().cpu()
 
     def scale_(self, factor: float) -> None:
+        """Scale every gradient: fp32 ones on the device in place; host and bf16 ones only record the factor
+        (applied in fp32 where they are read: the step, :meth:`get`), so a bf16 one stays 2 bytes a parameter."""
         for u, t in self.g.items():
-            if u in self._left:
+            if u in self._left or t.dtype != torch.float32:
                 self._factor[u] = self._factor.get(u, 1.0) * factor
-            elif t.dtype != torch.float32:
-                self.g[u] = t.float().mul_(factor)
             else:
                 t.mul_(factor)
 
