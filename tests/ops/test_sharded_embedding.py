@@ -110,6 +110,37 @@ def test_row_update_matches_reference(device, opt, lazy, has_grad, dim):
     assert torch.equal(got[0].cpu()[untouched], fresh[0][untouched])
 
 
+@pytest.mark.parametrize("dim", [5, 37, 4099])
+def test_bf16_shadow_rounds_every_bit_pattern_like_torch(dim):
+    """The op's bf16 copy (streaming stores where the CPU has AVX2: an unaligned head, 16-element blocks, a
+    tail) equals ``tensor.to(bfloat16)`` bit for bit for every kind of value (ties, infinities, subnormals;
+    a NaN is a NaN). With
+    lr and weight decay 0 the update leaves the rows as they are, so the copy is the cast of the input."""
+    if ops.op_for(torch.zeros(1)) is None:
+        pytest.skip("the CPU op is not built")
+    g = torch.Generator().manual_seed(11)
+    bits = torch.randint(-2**31, 2**31 - 1, (24, dim), generator=g, dtype=torch.int64).to(torch.int32)
+    bits.view(-1)[:8] = torch.tensor([0x3F808000, 0x3F818000, 0x7F800000, -0x800000, 0x7FC00001, -0x400000,
+                                0x00008000, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32)  # ties, +-inf, NaNs...: rows 0-1
+    w = bits.view(torch.float32).clone()
+    s0, s1 = torch.zeros(24, dim), torch.zeros(24, dim)
+    slots = torch.tensor([0, 3, 17, 9, 1])
+    shadow = torch.full((24, dim), 7.0, dtype=torch.bfloat16)
+    lr_hist, wd_hist = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    before = w.clone()
+    ops.row_update(w, [s0, s1], slots, torch.zeros(5, dim), torch.full((5,), 1), step=2, lr_hist=lr_hist,
+                   wd_hist=wd_hist, lr=0.0, weight_decay=0.0, beta1=0.9, beta2=0.99, eps=1e-8, shadow=shadow)
+    keep = ~before.isnan()  # lr 0: the rows as they were (a signalling NaN comes out quiet)
+    assert torch.equal(w.view(torch.int32)[keep], before.view(torch.int32)[keep])
+    want, got = w[slots].to(torch.bfloat16), shadow[slots]
+    nan = want.isnan()  # a NaN's payload is not kept (c10's scalar cast gives 0x7FC0, its vector cast 0xFFFF)
+    assert bool(nan.any()) and torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    rest = torch.ones(24, dtype=torch.bool)
+    rest[slots] = False
+    assert bool((shadow[rest] == 7.0).all())
+
+
 @pytest.mark.parametrize("shadow_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("lazy", [False, True])
 def test_row_update_scaled_with_shadow_equals_scaling_then_casting(shadow_dtype, lazy):

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "sharded_embedding/cpu/bf16_copy.h"
 #include "sharded_embedding/row_math.h"
 #include "sharded_embedding/sharded_embedding.h"
 
@@ -116,18 +117,10 @@ void cast_span(T* __restrict__ dst, const float* __restrict__ src, int64_t d) {
     for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(src[j]);
 }
 
-// fp32 -> bf16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's rounding, written branch-free on the bits
-// so that the loop vectorises (through the c10 constructor the fused pass ran slower than a separate copy_).
+// fp32 -> bf16: bf16_copy.h (streaming stores where the CPU has AVX2).
 template <>
 void cast_span<c10::BFloat16>(c10::BFloat16* __restrict__ dst, const float* __restrict__ src, int64_t d) {
-    uint16_t* out = reinterpret_cast<uint16_t*>(dst);
-#pragma omp simd
-    for (int64_t j = 0; j < d; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, &src[j], sizeof(bits));
-        const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-        out[j] = src[j] != src[j] ? uint16_t(0x7FC0) : uint16_t(rounded);
-    }
+    bf16_copy(reinterpret_cast<uint16_t*>(dst), src, d);
 }
 
 template <typename GT>
