@@ -85,14 +85,13 @@ class ExpertGrads:
         """``uid``'s gradient in fp32, scaled (a copy when it was waiting on the host with a pending factor,
         or was bf16)."""
         t = self.g[uid]
-        if uid not in self._left:
+        if uid in self._left:
+            dev = torch.device(device) if device is not None else t.device
+            if dev.type == "cpu":
+                self._landed(uid)
+            out = t.to(dev, non_blocking=True).float()  # a bf16 one moves as bf16 and widens where it lands
+        else:
             out = (t if device is None else t.to(device, non_blocking=True)).float()
-            f = self._factor.get(uid, 1.0)
-            return out if f == 1.0 else (out.mul_(f) if out is not t else out * f)
-        dev = torch.device(device) if device is not None else t.device
-        if dev.type == "cpu":
-            self._landed(uid)
-        out = t.to(dev, non_blocking=True).float()  # a bf16 one moves as bf16 and widens where it lands
         f = self._factor.get(uid, 1.0)
         return out if f == 1.0 else (out.mul_(f) if out is not t else out * f)
 

@@ -60,10 +60,11 @@ class PendingStep:
         """Whether waiting for ``layer`` would not block the host."""
         return layer in self.awaited or self.cpu_done[layer].is_set()
 
-    def await_layer(self, tr, layer: int) -> None:
-        """Make layer ``layer``'s updated experts usable by what is queued next (see module docstring)."""
+    def await_layer(self, tr, layer: int) -> bool:
+        """Make layer ``layer``'s updated experts usable by what is queued next (see module docstring); False
+        when that was done already."""
         if layer in self.awaited:
-            return
+            return False
         t0 = time.perf_counter()
         self.cpu_done[layer].wait()
         if self.error is not None:  # the tier may hold half-updated experts: no forward goes on with them
@@ -76,6 +77,7 @@ class PendingStep:
             torch.cuda.current_stream(tr.compute_device).wait_event(ev)
             tr.cache.transfer.wait_event(ev)
         self.wait_s += time.perf_counter() - t0
+        return True
 
     def finish(self, tr) -> tuple:
         """Wait for every layer and the worker; returns ``(cpu seconds, device seconds)`` of the two sides."""

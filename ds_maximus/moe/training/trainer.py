@@ -32,6 +32,7 @@ from ds_maximus.moe.compute import rounds
 from ds_maximus.moe.expert_cache import ExpertCache
 from ds_maximus.moe.training.function import ExpertKind, ExpertRound
 from ds_maximus.moe.training.grads import ExpertGrads
+from ds_maximus.moe.training.state import ExpertStateMixin
 from ds_maximus.moe.training.stats import ExpertTrainStats
 from ds_maximus.moe.training.store import ExpertTrainStore
 from ds_maximus.optim import RowOptimizer
@@ -61,7 +62,7 @@ def _subrow(numel: int) -> int:
     return 256 * max(k for k in range(1, cap + 1) if units % k == 0)
 
 
-class ExpertTrainer(nn.Module):
+class ExpertTrainer(ExpertStateMixin, nn.Module):
     """The experts of every MoE layer of a model, trained through an expert cache (see module docstring)."""
 
     def __init__(self, layers: Sequence[LayerSpec], cfg: MaximusConfig, device, dtype=torch.float32):
@@ -175,9 +176,8 @@ class ExpertTrainer(nn.Module):
         """Routing of layer ``group`` is known (``counts`` tokens per expert): record it, bring routed experts
         that skipped steps up to date, plan the next layer's prefetch. Returns the routed experts."""
         used = [e for e in range(self.num_experts) if counts[e] > 0]
-        if self._pending is not None and group not in self._pending.awaited:
-            self._pending.await_layer(self, group)  # the last step's updates of this layer, just in time
-            self.counters.overlapped_layers += 1
+        if self._pending is not None and self._pending.await_layer(self, group):  # the last step's updates
+            self.counters.overlapped_layers += 1                                   # of this layer, just in time
         self.counters.route(group, counts)
         self._used[group] = used
         if group == 0:
@@ -417,59 +417,3 @@ class ExpertTrainer(nn.Module):
     def stats(self) -> dict:
         """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing)."""
         return self.counters.as_dict(self.cache)
-
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def _catch_up_all(self) -> None:
-        self.finish_step()
-        if self.row_optimizer.lazy or self.row_optimizer.step == 0:
-            return
-        self.cache.synchronize()
-        uids = torch.arange(self.num_uids)
-        lag = self.row_optimizer.lagging(uids)
-        if bool(lag.any()):
-            self._catch_up_uids(uids[lag])
-
-    def maximus_state_dict(self) -> dict:
-        """fp32 masters + optimizer state of every expert (brought to the current step) + step counters."""
-        self._catch_up_all()
-        self.flush()
-        return {"format_version": 1, "layers": self.num_layers, "num_experts": self.num_experts,
-                "numel": self.numel, "names": list(self.store.master_layout.names),
-                "tensors": self.store.state(), "optimizer": self.row_optimizer.state_dict()}
-
-    def load_maximus_state_dict(self, d: dict) -> None:
-        got = (d["layers"], d["num_experts"], d["numel"])
-        if got != (self.num_layers, self.num_experts, self.numel):
-            raise ConfigError(f"checkpoint experts are {got[0]} layers x {got[1]} experts x {got[2]} elements, this "
-                              f"model has {self.num_layers} x {self.num_experts} x {self.numel}; load a checkpoint "
-                              "of the same MoE architecture")
-        missing = [n for n in self.store.names if n not in d["tensors"]]
-        if missing:
-            raise ConfigError(f"checkpoint lacks expert optimizer tensors {missing}; was it saved with another "
-                              "moe.optimizer.type?")
-        self.flush()
-        self.grads.clear()
-        self.store.load_state(d["tensors"])
-        self.row_optimizer.load_state_dict(d["optimizer"])
-        self._build_cache()
-
-    # -- whole experts (export) -----------------------------------------------------------------------
-    def expert_tensors(self, group: int) -> Dict[str, Tensor]:
-        """Layer ``group``'s experts as stacked tensors ``{name: [E, ...]}`` (fp32, current step)."""
-        self._catch_up_all()
-        lay = self.store.master_layout
-        out = {n: torch.empty(self.num_experts, *lay.shapes[n]) for n in lay.names}
-        for e in range(self.num_experts):
-            flat = self.store.master_row(group * self.num_experts + e)
-            for n in lay.names:
-                out[n][e].copy_(lay.view(flat, n))
-        return out
-
-    def load_expert_tensors(self, group: int, tensors: Dict[str, Tensor]) -> None:
-        """Overwrite layer ``group``'s masters from stacked tensors (optimizer state kept)."""
-        self.flush()
-        self.store.write_layer(group * self.num_experts, tensors)
-        self.row_optimizer.last_step[group * self.num_experts:(group + 1) * self.num_experts] = \
-            self.row_optimizer.step
-        self._build_cache()
-
