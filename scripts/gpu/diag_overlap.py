@@ -1,0 +1,47 @@
+"""Why the overlapped split step's final state differs from the synchronous one on CUDA (diagnostic, session 14)."""
+import torch
+import ds_maximus.moe.training.step as step_mod
+from tests.moe_training.moe_utils import batches, build, moe_section, tiny_mixtral, train
+
+real_share = step_mod._cpu_share
+real_inplace = step_mod._update_in_place
+
+
+def run(overlap, data):
+    sides, factors = [], []
+
+    def share(tr, uids, s):
+        cpu = real_share(tr, uids, s)
+        sides.append((sorted(uids), cpu, [u for u in uids if tr.grads.on_host(u)],
+                      {u: (str(tr.grads.raw(u).dtype)[6:], tr.grads.factor(u)) for u in uids}))
+        return cpu
+
+    def inplace(tr, uid, grad, grad_scale=1.0):
+        factors.append((uid, str(grad.dtype)[6:], grad_scale))
+        real_inplace(tr, uid, grad, grad_scale)
+    step_mod._cpu_share, step_mod._update_in_place = share, inplace
+    try:
+        e = build((tiny_mixtral(num_experts=8).cuda() if torch.cuda.is_available() else tiny_mixtral(num_experts=8)), 2, dtype="bf16", clip=0.05,
+                  maximus=moe_section(slots=2, gpu_grad_experts=1, optimizer_device="split", cpu_step_share=0.5,
+                                      step_chunk_bytes=1 << 16, overlap_step=overlap))
+        losses = train(e, data)
+        t = e.maximus.modules["moe"]
+        t.finish_step()
+    finally:
+        step_mod._cpu_share, step_mod._update_in_place = real_share, real_inplace
+    return t, losses, sides, factors
+
+
+data = batches(6, batch=2, seqlen=8)
+ts, ls, ss, fs = run(False, data)
+to, lo, so, fo = run(True, data)
+print("losses equal:", ls == lo)
+for k, (a, b) in enumerate(zip(ss, so)):
+    print(f"step {k + 1}: sync cpu={a[1]} overlap cpu={b[1]} | host grads sync={a[2]} overlap={b[2]}")
+    print(f"   grads sync={a[3]}\n   grads ovl ={b[3]}")
+w_s, w_o = ts.store._tier.tensors["weight"], to.store._tier.tensors["weight"]
+for n in ts.store._tier.tensors:
+    d = (ts.store._tier.tensors[n] != to.store._tier.tensors[n]).any(dim=1).nonzero().flatten().tolist()
+    print(n, "rows differing:", d)
+print("cpu side calls sync:", fs[-12:])
+print("cpu side calls ovl :", fo[-12:])
