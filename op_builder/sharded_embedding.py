@@ -31,4 +31,6 @@ class ShardedEmbeddingCUDABuilder(MaximusCUDAOpBuilder):
         return super().cxx_args() + ["-DMAXIMUS_WITH_CUDA"]
 
     def nvcc_args(self):
-        return super().nvcc_args() + ["-DMAXIMUS_WITH_CUDA"]
+        # no --use_fast_math (DeepSpeed's default): IEEE division and square root, no flushed subnormals, so
+        # the row update gives the CPU op's bits (row_math.h)
+        return [a for a in super().nvcc_args() if a != "--use_fast_math"] + ["-DMAXIMUS_WITH_CUDA"]

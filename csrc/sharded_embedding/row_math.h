@@ -1,6 +1,11 @@
 // Element-wise optimizer math shared by the CPU and CUDA kernels of maximus_sharded_embedding.
 // No torch headers. Scalars are formed in double and rounded to float, element math is float,
 // in the operation order of torch.optim (foreach=False), so results track torch within rounding.
+// Every multiply-add is an explicit fmaf and no other product meets an addition, so no compiler has a
+// contraction left to choose: with IEEE division and square root on both (the CUDA op is built without
+// --use_fast_math), the CPU and CUDA ops give the same bits, and an expert or row gets the same update
+// whichever side of a split step takes it (they differed in the last bits of v before, fused differently
+// by GCC and nvcc).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -54,10 +59,10 @@ MAXIMUS_HD StepCoeffs step_coeffs(int opt, bool lazy, double lr, double wd, doub
 // One AdamW step on one element; g is 0 for a replayed (untouched) step.
 MAXIMUS_HD void adamw_elem(float& p, float& m, float& v, float g, const StepCoeffs& c) {
     if (c.has_wd) p = p * c.decay;
-    m = m + c.w1 * (g - m);
-    v = v * c.b2 + (c.w2 * g) * g;
+    m = fmaf(c.w1, g - m, m);
+    v = fmaf(v, c.b2, (c.w2 * g) * g);
     const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
-    p = p + c.neg_step * (m / denom);
+    p = fmaf(c.neg_step, m / denom, p);
 }
 
 // One SparseAdam step (plus optional decoupled decay) on one touched element.
@@ -65,19 +70,19 @@ MAXIMUS_HD void sparse_adam_elem(float& p, float& m, float& v, float g, const St
     if (c.has_wd) p = p * c.decay;
     const float m0 = m, v0 = v;
     const float um = (g - m0) * c.w1;
-    const float uv = (g * g - v0) * c.w2;
+    const float uv = fmaf(g, g, -v0) * c.w2;
     m = m0 + um;
     v = v0 + uv;
     const float denom = sqrtf(uv + v0) + c.eps;
-    p = p + c.neg_step * ((um + m0) / denom);
+    p = fmaf(c.neg_step, (um + m0) / denom, p);
 }
 
 // One Adagrad step (L2 weight decay folded into the gradient).
 MAXIMUS_HD void adagrad_elem(float& p, float& s, float g, const StepCoeffs& c) {
-    if (c.has_wd) g = g + c.decay * p;
-    s = s + g * g;
+    if (c.has_wd) g = fmaf(c.decay, p, g);
+    s = fmaf(g, g, s);
     const float std_ = sqrtf(s) + c.eps;
-    p = p + c.neg_step * (g / std_);
+    p = fmaf(c.neg_step, g / std_, p);
 }
 
 MAXIMUS_HD void update_elem(int opt, bool lazy, float& p, float& s0, float* s1, float g, const StepCoeffs& c) {

@@ -207,25 +207,31 @@ def test_row_update_reads_bf16_gradients_as_their_fp32_values(lazy, scale):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
-def test_cpu_op_scaling_equals_cuda_op_on_torch_scaled_gradients(grad_dtype):
-    """The split expert step's two sides: the CPU op given a gradient and its clip factor, and the CUDA op given
-    the gradient scaled by torch on the device (the pipelined step's ``mul_``), give the same rows bit for bit."""
+@pytest.mark.parametrize("opt,lazy", [(ref.ADAMW, False), (ref.ADAMW, True), (ref.ADAGRAD, False)])
+@pytest.mark.parametrize("grad_dtype,scale", [(torch.float32, 1.0), (torch.bfloat16, 0.0371), (torch.float32, 0.37)])
+def test_cpu_op_equals_cuda_op_bit_for_bit(opt, lazy, grad_dtype, scale):
+    """The split expert step's two sides, and the embedding's CPU tier and GPU cache: the CPU op (given a gradient
+    and its clip factor) and the CUDA op (given the gradient scaled by torch on the device, as the pipelined step
+    does) give the same rows bit for bit, skipped steps replayed included, subnormal moments too."""
     g = torch.Generator().manual_seed(8)
-    step, dim = 4, 70000  # several of the op's scaling blocks, and a tail
+    step, dim = 6, 70001  # several of the CPU op's scaling blocks, and a tail
     lr_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 1e-2 + 1e-3]).double()
     wd_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 0.2]).double()
-    slots, last = torch.tensor([3, 0, 17, 9]), torch.tensor([3, 3, 2, 3])
-    grads = (torch.randn(4, dim, generator=g) * 1e-3).to(grad_dtype)
-    scale = 0.0371
-    kw = dict(step=step, lr_hist=lr_hist, wd_hist=wd_hist, lr=float(lr_hist[step]), weight_decay=float(wd_hist[step]),
-              beta1=0.9, beta2=0.999, eps=1e-8)
-    cpu = _tables(ref.ADAMW, torch.Generator().manual_seed(5), dim=dim)
-    ops.row_update(cpu[0], cpu[1:3], slots, grads, last, grad_scale=scale, **kw)
-    dev = _tables(ref.ADAMW, torch.Generator().manual_seed(5), dim=dim, device="cuda")
-    ops.row_update(dev[0], dev[1:3], slots.cuda(), grads.cuda().float().mul_(scale), last.cuda(), **kw)
-    for a, b in zip(cpu, dev):
-        assert torch.equal(a, b.cpu())
+    slots, last = torch.tensor([3, 0, 17, 9]), torch.tensor([5, 2, 0, 5])
+    grads = torch.randn(4, dim, generator=g) * torch.logspace(-30, 0, dim).float()  # tiny ones: subnormal g*g
+    grads = grads.to(grad_dtype)
+    kw = dict(step=step, lr=float(lr_hist[step]), weight_decay=float(wd_hist[step]), beta1=0.9, beta2=0.999,
+              eps=1e-8, optimizer=opt, lazy=lazy)
+    n_states = 2 if opt == ref.ADAMW else 1
+    cpu = _tables(opt, torch.Generator().manual_seed(5), dim=dim)
+    ops.row_update(cpu[0], cpu[1:1 + n_states], slots, grads, last, lr_hist=lr_hist, wd_hist=wd_hist,
+                   grad_scale=scale, **kw)
+    dev = _tables(opt, torch.Generator().manual_seed(5), dim=dim, device="cuda")
+    ops.row_update(dev[0], dev[1:1 + n_states], slots.cuda(), grads.cuda().float().mul_(scale), last.cuda(),
+                   lr_hist=lr_hist.cuda(), wd_hist=wd_hist.cuda(), **kw)
+    for a, b in zip(cpu[:1 + n_states], dev):
+        b = b.cpu()
+        assert torch.equal(a, b), f"{int((a != b).sum())} elements differ, max {float((a - b).abs().max()):.3g}"
 
 
 def test_row_update_shadow_rounds_like_torch():
