@@ -5,7 +5,11 @@
 // contraction left to choose: with IEEE division and square root on both (the CUDA op is built without
 // --use_fast_math), the CPU and CUDA ops give the same bits, and an expert or row gets the same update
 // whichever side of a split step takes it (they differed in the last bits of v before, fused differently
-// by GCC and nvcc).
+// by GCC and nvcc). One exception, for speed: the CUDA op replays skipped steps (exact mode) with the
+// GPU's approximate division and square root (``ApproxMath``), as the fast-math build did; a Zipf tail row
+// replays hundreds of steps per element (with IEEE ones the benchmark's exact-mode step took 6.25 ms
+// instead of 3.72). Replays stay within the tolerance tests give dense AdamW; the MoE trainer replays on
+// the CPU tier only (at routing), so its split step's two sides never replay.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -19,6 +23,32 @@
 namespace maximus {
 
 enum OptimizerCode : int { kAdamW = 0, kAdagrad = 1 };
+
+// Division and square root of the element math: IEEE (correctly rounded) everywhere by default.
+struct IeeeMath {
+    static MAXIMUS_HD float div(float a, float b) { return a / b; }
+    static MAXIMUS_HD float sqrt(float x) { return sqrtf(x); }
+};
+
+// The GPU's approximate instructions in device code (IEEE on the host): for replayed steps only.
+struct ApproxMath {
+    static MAXIMUS_HD float div(float a, float b) {
+#ifdef __CUDA_ARCH__
+        return __fdividef(a, b);
+#else
+        return a / b;
+#endif
+    }
+    static MAXIMUS_HD float sqrt(float x) {
+#ifdef __CUDA_ARCH__
+        float r;
+        asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+        return r;
+#else
+        return sqrtf(x);
+#endif
+    }
+};
 
 struct StepCoeffs {
     float decay;     // 1 - lr * wd (AdamW, SparseAdam: decoupled)  |  wd (Adagrad: L2)
@@ -57,15 +87,17 @@ MAXIMUS_HD StepCoeffs step_coeffs(int opt, bool lazy, double lr, double wd, doub
 }
 
 // One AdamW step on one element; g is 0 for a replayed (untouched) step.
+template <class M = IeeeMath>
 MAXIMUS_HD void adamw_elem(float& p, float& m, float& v, float g, const StepCoeffs& c) {
     if (c.has_wd) p = p * c.decay;
     m = fmaf(c.w1, g - m, m);
     v = fmaf(v, c.b2, (c.w2 * g) * g);
-    const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
-    p = fmaf(c.neg_step, m / denom, p);
+    const float denom = M::div(M::sqrt(v), c.bc2_sqrt) + c.eps;
+    p = fmaf(c.neg_step, M::div(m, denom), p);
 }
 
 // One SparseAdam step (plus optional decoupled decay) on one touched element.
+template <class M = IeeeMath>
 MAXIMUS_HD void sparse_adam_elem(float& p, float& m, float& v, float g, const StepCoeffs& c) {
     if (c.has_wd) p = p * c.decay;
     const float m0 = m, v0 = v;
@@ -73,25 +105,27 @@ MAXIMUS_HD void sparse_adam_elem(float& p, float& m, float& v, float g, const St
     const float uv = fmaf(g, g, -v0) * c.w2;
     m = m0 + um;
     v = v0 + uv;
-    const float denom = sqrtf(uv + v0) + c.eps;
-    p = fmaf(c.neg_step, (um + m0) / denom, p);
+    const float denom = M::sqrt(uv + v0) + c.eps;
+    p = fmaf(c.neg_step, M::div(um + m0, denom), p);
 }
 
 // One Adagrad step (L2 weight decay folded into the gradient).
+template <class M = IeeeMath>
 MAXIMUS_HD void adagrad_elem(float& p, float& s, float g, const StepCoeffs& c) {
     if (c.has_wd) g = fmaf(c.decay, p, g);
     s = fmaf(g, g, s);
-    const float std_ = sqrtf(s) + c.eps;
-    p = fmaf(c.neg_step, g / std_, p);
+    const float std_ = M::sqrt(s) + c.eps;
+    p = fmaf(c.neg_step, M::div(g, std_), p);
 }
 
+template <class M = IeeeMath>
 MAXIMUS_HD void update_elem(int opt, bool lazy, float& p, float& s0, float* s1, float g, const StepCoeffs& c) {
     if (opt == kAdagrad) {
-        adagrad_elem(p, s0, g, c);
+        adagrad_elem<M>(p, s0, g, c);
     } else if (lazy) {
-        sparse_adam_elem(p, s0, *s1, g, c);
+        sparse_adam_elem<M>(p, s0, *s1, g, c);
     } else {
-        adamw_elem(p, s0, *s1, g, c);
+        adamw_elem<M>(p, s0, *s1, g, c);
     }
 }
 

@@ -80,7 +80,8 @@ __global__ void segment_reduce_kernel(const T* __restrict__ grad, const int64_t*
 // The replay takes the skipped steps kThreads at a time: each thread computes one step's coefficients
 // into shared memory (double pow, in parallel), then each thread carries its elements through the whole
 // chunk in registers. Memory traffic is one read and write of the row per chunk, not per skipped step,
-// and the per-element arithmetic is the same sequence as one step at a time (identical results).
+// and the per-element arithmetic is the same sequence as one step at a time (identical results). Replays use
+// the approximate division and square root (row_math.h: ApproxMath); the gradient's step is IEEE, as on the CPU.
 __global__ void row_update_kernel(float* __restrict__ W, float* __restrict__ S0, float* __restrict__ S1,
                                   const int64_t* __restrict__ slots, const float* __restrict__ G,
                                   const int64_t* __restrict__ last, const double* __restrict__ lrh,
@@ -113,7 +114,8 @@ __global__ void row_update_kernel(float* __restrict__ W, float* __restrict__ S0,
                 const int nl = n_live;
                 for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
                     float pj = p[j], mj = m[j], vj = v ? v[j] : 0.f;
-                    for (int i = 0; i < nl; ++i) update_elem(a.optimizer, false, pj, mj, &vj, 0.f, sc[live[i]]);
+                    for (int i = 0; i < nl; ++i)
+                        update_elem<ApproxMath>(a.optimizer, false, pj, mj, &vj, 0.f, sc[live[i]]);
                     p[j] = pj;
                     m[j] = mj;
                     if (v) v[j] = vj;
