@@ -6,6 +6,10 @@
 """
 from .builder import MaximusCUDAOpBuilder, MaximusOpBuilder
 
+# The optimizer math fuses exactly where row_math.h says (explicit fmaf), as the CUDA op does: a gradient
+# scaled by the clip factor is then rounded before the update uses it, as torch's grad.mul_ is.
+NO_CONTRACTION = ["-ffp-contract=off"]
+
 
 class ShardedEmbeddingBuilder(MaximusOpBuilder):
     NAME = "sharded_embedding"
@@ -15,6 +19,9 @@ class ShardedEmbeddingBuilder(MaximusOpBuilder):
                 self.csrc("sharded_embedding", "cpu", "slot_map.cpp"),
                 self.csrc("sharded_embedding", "cpu", "batch_plan.cpp"),
                 self.csrc("sharded_embedding", "bindings.cpp")]
+
+    def cxx_args(self):
+        return super().cxx_args() + NO_CONTRACTION
 
 
 class ShardedEmbeddingCUDABuilder(MaximusCUDAOpBuilder):
@@ -28,7 +35,7 @@ class ShardedEmbeddingCUDABuilder(MaximusCUDAOpBuilder):
                 self.csrc("sharded_embedding", "bindings.cpp")]
 
     def cxx_args(self):
-        return super().cxx_args() + ["-DMAXIMUS_WITH_CUDA"]
+        return super().cxx_args() + NO_CONTRACTION + ["-DMAXIMUS_WITH_CUDA"]
 
     def nvcc_args(self):
         # no --use_fast_math (DeepSpeed's default): IEEE division and square root, no flushed subnormals, so

@@ -1,9 +1,10 @@
 // Element-wise optimizer math shared by the CPU and CUDA kernels of maximus_sharded_embedding.
 // No torch headers. Scalars are formed in double and rounded to float, element math is float,
 // in the operation order of torch.optim (foreach=False), so results track torch within rounding.
-// Every multiply-add is an explicit fmaf and no other product meets an addition, so no compiler has a
-// contraction left to choose: with IEEE division and square root on both (the CUDA op is built without
-// --use_fast_math), the CPU and CUDA ops give the same bits, and an expert or row gets the same update
+// Every multiply-add is an explicit fmaf and no other product meets an addition (the CPU op is built with
+// -ffp-contract=off, and mul_rn keeps nvcc from fusing the one double product that meets one), so no
+// compiler has a contraction left to choose: with IEEE division and square root on both (the CUDA op is
+// built without --use_fast_math), the CPU and CUDA ops give the same bits, and an expert or row gets the same update
 // whichever side of a split step takes it (they differed in the last bits of v before, fused differently
 // by GCC and nvcc). One exception, for speed: the CUDA op replays skipped steps (exact mode) with the
 // GPU's approximate division and square root (``ApproxMath``), as the fast-math build did; a Zipf tail row
@@ -61,6 +62,16 @@ struct StepCoeffs {
     int has_wd;
 };
 
+// a * b rounded, never fused into an addition by the compiler (nvcc contracts device code by default; the CPU
+// op is built with -ffp-contract=off): 1 - lr * wd as torch computes it, and the same on both sides.
+MAXIMUS_HD double mul_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+    return __dmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
 // torch.optim.AdamW at step k (lazy: torch.optim.SparseAdam, Adagrad: torch.optim.Adagrad, lr_decay 0).
 MAXIMUS_HD StepCoeffs step_coeffs(int opt, bool lazy, double lr, double wd, double beta1, double beta2,
                                   double eps, int64_t k) {
@@ -77,10 +88,10 @@ MAXIMUS_HD StepCoeffs step_coeffs(int opt, bool lazy, double lr, double wd, doub
         c.decay = (float)wd;
         c.neg_step = (float)(-lr);
     } else if (lazy) {
-        c.decay = (float)(1.0 - lr * wd);
+        c.decay = (float)(1.0 - mul_rn(lr, wd));
         c.neg_step = (float)(-(lr * sqrt(bc2) / bc1));
     } else {
-        c.decay = (float)(1.0 - lr * wd);
+        c.decay = (float)(1.0 - mul_rn(lr, wd));
         c.neg_step = (float)(-(lr / bc1));
     }
     return c;

@@ -81,10 +81,10 @@ namespace {
 // gradient is given (a replayed step has none), so that the loop has no branch and no aliasing: the compiler
 // vectorises it (the per-element dispatch through ``update_elem`` ran at ~1/7 of DeepSpeed's CPU Adam).
 // Same element math, in the same order, as ``update_elem``.
-// ``gs`` scales the gradient exactly as ``grad.mul_(gs)`` before the call would: the products are rounded to fp32
-// in a block on the stack first (a separate loop), so the compiler cannot fuse them into the update's next
-// operation (an FMA: a few ulp, and then the CPU side of a split step disagreed with the device side, which
-// scales in its own kernel; GCC did so on the H200 host, not on the 2-core VM).
+// ``gs`` scales the gradient exactly as ``grad.mul_(gs)`` before the call would: the op is built with
+// -ffp-contract=off (op_builder/sharded_embedding.py), so the product is rounded before the update uses it (the
+// update's own multiply-adds are explicit fmaf calls, row_math.h) and the CPU side of a split step equals the
+// device side, which scales in its own kernel.
 // A gradient element as fp32: fp32 itself, or bf16 given as its bits (exact: bf16 is fp32's upper half).
 inline float grad_at(const float* __restrict__ g, int64_t j) { return g[j]; }
 inline float grad_at(const uint16_t* __restrict__ g, int64_t j) {
@@ -97,30 +97,8 @@ inline float grad_at(const uint16_t* __restrict__ g, int64_t j) {
 // ``GT``: the gradient's element type (float, or uint16_t for bf16: a bf16 expert gradient reads half the bytes).
 template <int OPT, bool LAZY, bool HAS_G, typename GT>
 void update_span(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const void* gv, int64_t d,
-                 const StepCoeffs c, const float gs);
-
-constexpr int64_t kScaleBlock = 512;  // 2 KiB of scaled gradient on the stack (L1)
-
-// The gradient times ``gs``, rounded, a block at a time, then the unscaled update on the block.
-template <int OPT, bool LAZY, typename GT>
-void update_span_scaled(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const GT* __restrict__ g,
-                        int64_t d, const StepCoeffs c, const float gs) {
-    alignas(64) float blk[kScaleBlock];
-    for (int64_t j0 = 0; j0 < d; j0 += kScaleBlock) {
-        const int64_t n = std::min(kScaleBlock, d - j0);
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) blk[j] = grad_at(g + j0, j) * gs;
-        update_span<OPT, LAZY, true, float>(p + j0, m + j0, v ? v + j0 : nullptr, blk, n, c, 1.f);
-    }
-}
-
-template <int OPT, bool LAZY, bool HAS_G, typename GT>
-void update_span(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const void* gv, int64_t d,
                  const StepCoeffs c, const float gs) {
     const GT* __restrict__ g = static_cast<const GT*>(gv);
-    if constexpr (HAS_G) {
-        if (gs != 1.f) return update_span_scaled<OPT, LAZY, GT>(p, m, v, g, d, c, gs);
-    }
     if constexpr (OPT == kAdagrad) {
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) adagrad_elem(p[j], m[j], HAS_G ? grad_at(g, j) * gs : 0.f, c);
