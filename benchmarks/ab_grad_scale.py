@@ -34,7 +34,8 @@ def main(argv=None):
                           eps=1e-8, grad_scale=scale, shadow=shadow)
             if k > 1:  # the first call pages the tensors in
                 times.setdefault((str(dtype).replace("torch.", ""), scale), []).append((time.perf_counter() - t0) * 1e3)
-    print(f"| gradient | grad_scale | ms (median of 12), {n / 2**20:.0f}M elements, {torch.get_num_threads()} threads |")
+    threads = torch.get_num_threads()
+    print(f"| gradient | grad_scale | ms (median of 12), {n / 2**20:.0f}M elements, {threads} threads |")
     print("|---|---|---|")
     for (dtype, scale), t in times.items():
         print(f"| {dtype} | {scale} | {statistics.median(t):.2f} |")

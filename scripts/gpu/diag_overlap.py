@@ -1,4 +1,7 @@
-"""Why the overlapped split step's final state differs from the synchronous one on CUDA (diagnostic, session 14)."""
+"""Diagnostic (session 14): the overlapped and the synchronous split step on the same tiny Mixtral; prints which
+experts each side stepped in each run and which rows of the final masters and moments differ (none since
+``3400475``: the CPU and CUDA ops give the same bits). On the GPU machine, after ``. .device/env.sh``:
+``python scripts/gpu/diag_overlap.py`` (runs on the CPU too)."""
 import torch
 import ds_maximus.moe.training.step as step_mod
 from tests.moe_training.moe_utils import batches, build, moe_section, tiny_mixtral, train
@@ -21,7 +24,8 @@ def run(overlap, data):
         real_inplace(tr, uid, grad, grad_scale)
     step_mod._cpu_share, step_mod._update_in_place = share, inplace
     try:
-        e = build((tiny_mixtral(num_experts=8).cuda() if torch.cuda.is_available() else tiny_mixtral(num_experts=8)), 2, dtype="bf16", clip=0.05,
+        model = tiny_mixtral(num_experts=8)
+        e = build(model.cuda() if torch.cuda.is_available() else model, 2, dtype="bf16", clip=0.05,
                   maximus=moe_section(slots=2, gpu_grad_experts=1, optimizer_device="split", cpu_step_share=0.5,
                                       step_chunk_bytes=1 << 16, overlap_step=overlap))
         losses = train(e, data)
@@ -39,7 +43,6 @@ print("losses equal:", ls == lo)
 for k, (a, b) in enumerate(zip(ss, so)):
     print(f"step {k + 1}: sync cpu={a[1]} overlap cpu={b[1]} | host grads sync={a[2]} overlap={b[2]}")
     print(f"   grads sync={a[3]}\n   grads ovl ={b[3]}")
-w_s, w_o = ts.store._tier.tensors["weight"], to.store._tier.tensors["weight"]
 for n in ts.store._tier.tensors:
     d = (ts.store._tier.tensors[n] != to.store._tier.tensors[n]).any(dim=1).nonzero().flatten().tolist()
     print(n, "rows differing:", d)

@@ -145,10 +145,10 @@ def test_bf16_shadow_rounds_every_bit_pattern_like_torch(dim):
 @pytest.mark.parametrize("lazy", [False, True])
 def test_row_update_scaled_with_shadow_equals_scaling_then_casting(shadow_dtype, lazy):
     """CPU: ``grad_scale`` and ``shadow`` in the op's one pass give what ``grads * scale``, the plain update and
-    then a cast copy of the rows give (the CPU side of a split expert step), bit for bit: the op rounds the
-    products before the update (fused into it as an FMA they differed by a few ulp on the H200 host, and the
-    split step's two sides disagreed); the shadow is exactly the cast of the updated rows and its other rows
-    stay; the reference fallback (no op) agrees within 2e-6 relative."""
+    then a cast copy of the rows give (the CPU side of a split expert step), bit for bit: the op is built with
+    -ffp-contract=off, so each product is rounded before the update uses it, as torch's ``mul_`` rounds it; the
+    shadow is exactly the cast of the updated rows and its other rows stay; the reference fallback (no op)
+    agrees within 2e-6 relative."""
     g = torch.Generator().manual_seed(3)
     step, dim = 6, 37
     lr_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 1e-2 + 1e-3]).double()
@@ -215,7 +215,7 @@ def test_cpu_op_equals_cuda_op_bit_for_bit(opt, lazy, grad_dtype, scale):
     subnormal moments too. Rows that also replay skipped steps (exact mode) agree within 1e-5: the CUDA op
     replays with the GPU's approximate division and square root, for speed (row_math.h)."""
     g = torch.Generator().manual_seed(8)
-    step, dim = 6, 70001  # several of the CPU op's scaling blocks, and a tail
+    step, dim = 6, 70001  # not a multiple of any vector width
     lr_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 1e-2 + 1e-3]).double()
     wd_hist = torch.cat([torch.zeros(1), torch.rand(step, generator=g) * 0.2]).double()
     slots, last = torch.tensor([3, 0, 17, 9]), torch.tensor([5, 2, 0, 5])
