@@ -157,7 +157,7 @@ def _pipeline(tr, dev: torch.device, names, piece: int) -> _Pipeline:
 def _step_staged_cuda(tr, uids: List[int], dev: torch.device, pending: Optional[PendingStep] = None) -> None:
     """The pipelined step (module docstring). With ``pending`` (the split step), the updates run on the
     pipeline's own stream and nothing waits here: ``pending`` gets an event per layer and the timing events."""
-    store, grads, names = tr.store, tr.grads, tr.store.names
+    names = tr.store.names
     pieces = list(_pieces(tr, uids))
     elems = max(len(part) * (hi - lo) for part, lo, hi in pieces)
     pl = _pipeline(tr, dev, names, elems)
