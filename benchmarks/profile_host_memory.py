@@ -5,6 +5,12 @@ core taken by the driving thread.
 
     python -m benchmarks.profile_host_memory                      # on the GPU machine
     python -m benchmarks.profile_host_memory --elems 32M --threads 2,1 # anywhere (no GPU: alone only)
+    python -m benchmarks.profile_host_memory --stream                 # the host memory's own ceiling
+
+``--stream`` times plain copy and triad passes (``torch``'s vectorised OpenMP kernels, 1 GiB arrays) in the same
+way, alone and beside the copies: what host memory gives any op at that thread count, the figure the op's rate is
+held against. GB/s counts the bytes the pass reads and writes (copy 8, triad 12 a float; a store's
+read-for-ownership is not counted).
 
 Prints one line per (beside copies, threads): median ms per expert of 3 calls run in a worker thread (as
 ``ds_maximus.moe.training.step._cpu_side`` runs them), and G elements/s.
@@ -38,7 +44,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--elems", default="176M", help="elements of the expert (K/M/G suffixes)")
     ap.add_argument("--threads", default="16,15,14,12,8", help="OpenMP thread counts to time")
+    ap.add_argument("--stream", action="store_true", help="time plain copy/triad passes instead of the op")
     a = ap.parse_args(argv)
+    if a.stream:
+        return _stream(a)
     from ds_maximus.ops.sharded_embedding import row_update
     d = 4096
     rows = _elems(a.elems) // d
@@ -70,6 +79,37 @@ def main(argv=None) -> None:
                 th.join()
             print(f"beside copies={beside} threads={n}: {t * 1e3:.1f} ms/expert, {rows * d / t / 1e9:.2f} G elem/s",
                   flush=True)
+    torch.set_num_threads(n0)
+
+
+def _stream(a) -> None:
+    n = 1 << 28  # 1 GiB of fp32 per array
+    x, y, z = torch.rand(n), torch.rand(n), torch.empty(n)
+    passes = {"copy": (lambda: z.copy_(x), 8), "triad": (lambda: torch.add(x, y, alpha=0.5, out=z), 12)}
+
+    def once(n_threads: int, fn) -> float:
+        torch.set_num_threads(n_threads)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    n0 = torch.get_num_threads()
+    for beside in (False, True) if torch.cuda.is_available() else (False,):
+        for nt in (int(t) for t in a.threads.split(",")):
+            stop = threading.Event()
+            th = threading.Thread(target=_busy_link, args=(stop,)) if beside else None
+            if th is not None:
+                th.start()
+            row = []
+            with ThreadPoolExecutor(1) as ex:
+                for name, (fn, bpe) in passes.items():
+                    ex.submit(once, nt, fn).result()
+                    t = sorted(ex.submit(once, nt, fn).result() for _ in range(5))[2]
+                    row.append(f"{name} {n * bpe / t / 1e9:.1f} GB/s")
+            stop.set()
+            if th is not None:
+                th.join()
+            print(f"stream beside copies={beside} threads={nt}: " + ", ".join(row), flush=True)
     torch.set_num_threads(n0)
 
 
