@@ -2,7 +2,7 @@
 // No torch headers. Scalars are formed in double and rounded to float, element math is float,
 // in the operation order of torch.optim (foreach=False), so results track torch within rounding.
 // Every multiply-add is an explicit fmaf and no other product meets an addition (the CPU op is built with
-// -ffp-contract=off, and mul_rn keeps nvcc from fusing the one double product that meets one), so no
+// -ffp-contract=off, and mul_rn keeps nvcc from fusing the products that meet one), so no
 // compiler has a contraction left to choose: with IEEE division and square root on both (the CUDA op is
 // built without --use_fast_math), the CPU and CUDA ops give the same bits, and an expert or row gets the same update
 // whichever side of a split step takes it (they differed in the last bits of v before, fused differently
@@ -72,6 +72,15 @@ MAXIMUS_HD double mul_rn(double a, double b) {
 #endif
 }
 
+// The same for a float product that meets an addition (SparseAdam's m0 + (g - m0) * w1, as torch orders it).
+MAXIMUS_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
 // torch.optim.AdamW at step k (lazy: torch.optim.SparseAdam, Adagrad: torch.optim.Adagrad, lr_decay 0).
 MAXIMUS_HD StepCoeffs step_coeffs(int opt, bool lazy, double lr, double wd, double beta1, double beta2,
                                   double eps, int64_t k) {
@@ -112,8 +121,8 @@ template <class M = IeeeMath>
 MAXIMUS_HD void sparse_adam_elem(float& p, float& m, float& v, float g, const StepCoeffs& c) {
     if (c.has_wd) p = p * c.decay;
     const float m0 = m, v0 = v;
-    const float um = (g - m0) * c.w1;
-    const float uv = fmaf(g, g, -v0) * c.w2;
+    const float um = mul_rn(g - m0, c.w1);
+    const float uv = mul_rn(fmaf(g, g, -v0), c.w2);
     m = m0 + um;
     v = v0 + uv;
     const float denom = M::sqrt(uv + v0) + c.eps;

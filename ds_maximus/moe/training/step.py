@@ -26,6 +26,7 @@ buffer is viewed as ``numel / sub`` sub-rows that share the expert's step bookke
 """
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
@@ -264,7 +265,7 @@ def _cpu_share(tr, uids: List[int], share: float) -> List[int]:
     (a device one would cross the link out, a host one stepped on the device back in). When the step overlaps
     the next forward, the share is taken in every layer alike, so that each layer is done early on both sides."""
     n_cpu = int(round(len(uids) * share))
-    if not tr.cfg.moe.overlap_step:
+    if not tr.cfg.moe.overlap_step or os.environ.get("MAXIMUS_AB_SHARE") == "global":
         return sorted(sorted(uids, key=lambda u: (not tr.grads.on_host(u), u))[:n_cpu])
     by_layer: dict = {}
     for u in uids:
