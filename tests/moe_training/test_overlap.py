@@ -50,8 +50,9 @@ def test_overlapped_step_equals_the_synchronous_one(monkeypatch, dtype):
     for g in es:
         for n in es[g]:
             assert torch.equal(eo[g][n], es[g][n]), (g, n)
-    # each forward after the first began its layers while the last step was still running, and waited
-    assert t.counters.overlapped_layers == (len(data) - 1) * t.num_layers
+    # every forward after the first waited for the last step in a layer still being updated (a layer whose updates
+    # were all done by then is taken without counting, by the prefetch of the layer before)
+    assert t.counters.overlapped_layers >= len(data) - 1
     assert t.counters.step_wait_ms > 0 and sync.maximus.modules["moe"].counters.overlapped_layers == 0
     ts = sync.maximus.modules["moe"]
     for n, v in ts.store._tier.tensors.items():
