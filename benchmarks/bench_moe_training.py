@@ -262,6 +262,10 @@ def run_peer(a, kind) -> dict:
         s = last
         if "cpu_step_share" in s:
             out["CPU share"] = round(s["cpu_step_share"], 2)
+        if "split_sides" in s:  # the last finished step's two sides: where a split step's time goes
+            sd = s["split_sides"]
+            out["sides ms: CPU/device (experts)"] = (f"{sd['cpu_ms']:.0f}/{sd['device_ms']:.0f} "
+                                                      f"({sd['cpu_experts']}/{sd['device_experts']})")
         out.update({"experts moved/step": s["experts_loaded"], "MB moved/step": round(s["bytes_moved"] / 1e6, 1),
                     "hit rate": round(s["hit_rate"], 3), "stall ms": round(s["stall_ms"], 1),
                     "step ms": round(s["step_ms"], 1), "wait ms": round(s["step_wait_ms"], 1)})

@@ -2,8 +2,9 @@
 # Settings of ours on the MoE training benchmark's Mixtral shape, one device call (<= 600 s with a cold op build):
 #   TESTS  - pytest files run first on the GPU (default: the MoE GPU tests, the expert gradients', the ops');
 #   RUNS   - space-separated runs "slots:grad_experts:cap_gib:peers[:extra flags joined by +]", each one
-#            bench_moe_training invocation (3 layers, 1 warm-up + 3 timed steps); "-" keeps a default;
-#   PER_S  - most seconds a run may take (default 150; a ZeRO-3 offload peer takes ~100 s).
+#            bench_moe_training invocation (3 layers, 1 warm-up + $STEPS timed steps); "-" keeps a default;
+#   PER_S  - most seconds a run may take (default 150; a ZeRO-3 offload peer takes ~100 s);
+#   STEPS  - timed steps a run (default 3; each adds ~1.3 s to ours and ~2.5 s to ZeRO-3 offload).
 # Writes $OUT/sweep_tests.log, and per run $OUT/sweep_<i>.{md,log}, all in $OUT/sweep.tgz.
 set -x
 . "$(dirname "$0")/common.sh"
@@ -24,7 +25,7 @@ i=0
 for run in $RUNS; do
   i=$((i + 1))
   IFS=: read -r slots grads cap peers extra <<< "$run"
-  args="--layers 3 --warmup 1 --steps 3 --peers $peers --budget-s $(( ${PER_S:-150} - 5 )) --slot-s ${PER_S:-150}"
+  args="--layers 3 --warmup 1 --steps ${STEPS:-3} --peers $peers --budget-s $(( ${PER_S:-150} - 5 )) --slot-s ${PER_S:-150}"
   [ "$slots" != - ] && args="$args --slots $slots"
   [ "$grads" != - ] && args="$args --grad-experts $grads"
   [ "$cap" != - ] && args="$args --cap-gib $cap"

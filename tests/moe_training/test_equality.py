@@ -104,4 +104,7 @@ def test_split_step_equals_deepspeed(share):
     assert t.counters.cpu_step_share is not None and t.counters.caught_up > 0
     if share is None:
         assert 0.05 <= t.cpu_step_share <= 0.95
-    assert "CPU share" in t.counters.line()
+    assert "CPU share" in t.counters.line() and "last split step: CPU" in t.counters.line()
+    sides = t.stats()["last_step"]["split_sides"]  # the last finished step: every expert on one side or the other
+    assert sides["cpu_experts"] + sides["device_experts"] == t.counters.last.experts_stepped > 0
+    assert sides["cpu_ms"] >= 0 and sides["device_ms"] >= 0

@@ -44,6 +44,7 @@ class ExpertTrainStats:
         self.cpu_step_share: Optional[float] = None  # optimizer_device split: the share stepped on the CPU
         self.step_wait_ms = 0.0      # split: host time waiting for a step's updates (cumulative)
         self.overlapped_layers = 0   # split: layers whose forward began while the last step still ran
+        self.split_sides: Optional[tuple] = None  # split: the last finished step's (CPU ms, device ms, experts each)
         self.last = _Step()
         self._mark = {"loads": 0, "bytes": 0, "stall": 0.0, "hits": 0, "lookups": 0, "stepped": 0,
                       "bytes_step": 0, "refresh": 0, "caught": 0, "wait": 0.0}
@@ -84,6 +85,8 @@ class ExpertTrainStats:
         last["routing"] = getattr(self, "last_routing", self.step_routing).tolist()
         if self.cpu_step_share is not None:
             last["cpu_step_share"] = self.cpu_step_share
+        if self.split_sides is not None:
+            last["split_sides"] = dict(zip(("cpu_ms", "device_ms", "cpu_experts", "device_experts"), self.split_sides))
         out.update({"steps": self.steps, "experts_stepped": self.experts_stepped, "bytes_step": self.bytes_step,
                     "bytes_refresh": self.bytes_refresh, "caught_up": self.caught_up,
                     "step_wait_ms": self.step_wait_ms, "overlapped_layers": self.overlapped_layers,
@@ -96,4 +99,7 @@ class ExpertTrainStats:
                 f"experts ({(s.bytes_step + s.bytes_refresh) / 2**20:.1f} MiB), hit rate "
                 f"{s.hits / s.lookups if s.lookups else 0.0:.2f}, stall {s.stall_ms:.1f} ms, step {s.step_ms:.1f} ms"
                 + (f", {s.step_wait_ms:.1f} ms waiting for the last step" if s.step_wait_ms else "")
-                + (f" (CPU share {self.cpu_step_share:.2f})" if self.cpu_step_share is not None else ""))
+                + (f" (CPU share {self.cpu_step_share:.2f})" if self.cpu_step_share is not None else "")
+                + (" (last split step: CPU {:.0f} ms for {} experts, device {:.0f} ms for {})".format(
+                    self.split_sides[0], self.split_sides[2], self.split_sides[1], self.split_sides[3])
+                   if self.split_sides is not None else ""))

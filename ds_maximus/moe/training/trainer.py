@@ -363,6 +363,7 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
             t_cpu, t_dev = p.finish(self)
         finally:
             self.counters.step_wait_ms += p.wait_s * 1e3
+        self.counters.split_sides = (t_cpu * 1e3, t_dev * 1e3, p.n_cpu, p.n_dev)
         from ds_maximus.moe.training.step import rebalance
         rebalance(self, p, t_cpu, t_dev)
 
