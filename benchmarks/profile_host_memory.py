@@ -18,6 +18,7 @@ Prints one line per (beside copies, threads): median ms per expert of 3 calls ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,34 @@ def _busy_link(stop: threading.Event, mib: int = 1024) -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def _link(beside: bool):
+    """While inside: a thread keeps the link busy both ways (``beside``), or nothing."""
+    stop = threading.Event()
+    th = threading.Thread(target=_busy_link, args=(stop,)) if beside else None
+    if th is not None:
+        th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if th is not None:
+            th.join()
+
+
+def _timed(n_threads: int, fn, repeat: int) -> float:
+    """Median seconds of ``fn`` with ``n_threads`` OpenMP threads, run in a worker thread (as
+    ``ds_maximus.moe.training.step._cpu_side`` runs the op), after one untimed call."""
+    def once() -> float:
+        torch.set_num_threads(n_threads)  # this worker thread's OpenMP team
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    with ThreadPoolExecutor(1) as ex:
+        ex.submit(once).result()
+        return sorted(ex.submit(once).result() for _ in range(repeat))[repeat // 2]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--elems", default="176M", help="elements of the expert (K/M/G suffixes)")
@@ -57,26 +86,15 @@ def main(argv=None) -> None:
     slots, last = torch.arange(rows), torch.full((rows,), 9, dtype=torch.long)
     lr_hist, wd_hist = torch.full((12,), 1e-3, dtype=torch.float64), torch.zeros(12, dtype=torch.float64)
 
-    def once(n: int) -> float:
-        torch.set_num_threads(n)  # this worker thread's OpenMP team
-        t0 = time.perf_counter()
+    def op() -> None:
         row_update(w, [m, v], slots, g, last, step=10, lr_hist=lr_hist, wd_hist=wd_hist, lr=1e-3, weight_decay=0.0,
                    beta1=0.9, beta2=0.999, eps=1e-8, grad_scale=0.5, shadow=shadow)
-        return time.perf_counter() - t0
 
     n0 = torch.get_num_threads()
     for beside in (False, True) if torch.cuda.is_available() else (False,):
         for n in (int(x) for x in a.threads.split(",")):
-            stop = threading.Event()
-            th = threading.Thread(target=_busy_link, args=(stop,)) if beside else None
-            if th is not None:
-                th.start()
-            with ThreadPoolExecutor(1) as ex:
-                ex.submit(once, n).result()
-                t = sorted(ex.submit(once, n).result() for _ in range(3))[1]
-            stop.set()
-            if th is not None:
-                th.join()
+            with _link(beside):
+                t = _timed(n, op, 3)
             print(f"beside copies={beside} threads={n}: {t * 1e3:.1f} ms/expert, {rows * d / t / 1e9:.2f} G elem/s",
                   flush=True)
     torch.set_num_threads(n0)
@@ -86,29 +104,11 @@ def _stream(a) -> None:
     n = 1 << 28  # 1 GiB of fp32 per array
     x, y, z = torch.rand(n), torch.rand(n), torch.empty(n)
     passes = {"copy": (lambda: z.copy_(x), 8), "triad": (lambda: torch.add(x, y, alpha=0.5, out=z), 12)}
-
-    def once(n_threads: int, fn) -> float:
-        torch.set_num_threads(n_threads)
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
     n0 = torch.get_num_threads()
     for beside in (False, True) if torch.cuda.is_available() else (False,):
         for nt in (int(t) for t in a.threads.split(",")):
-            stop = threading.Event()
-            th = threading.Thread(target=_busy_link, args=(stop,)) if beside else None
-            if th is not None:
-                th.start()
-            row = []
-            with ThreadPoolExecutor(1) as ex:
-                for name, (fn, bpe) in passes.items():
-                    ex.submit(once, nt, fn).result()
-                    t = sorted(ex.submit(once, nt, fn).result() for _ in range(5))[2]
-                    row.append(f"{name} {n * bpe / t / 1e9:.1f} GB/s")
-            stop.set()
-            if th is not None:
-                th.join()
+            with _link(beside):
+                row = [f"{name} {n * bpe / _timed(nt, fn, 5) / 1e9:.1f} GB/s" for name, (fn, bpe) in passes.items()]
             print(f"stream beside copies={beside} threads={nt}: " + ", ".join(row), flush=True)
     torch.set_num_threads(n0)
 
