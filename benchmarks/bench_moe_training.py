@@ -144,6 +144,8 @@ def ds_config(a, kind, bf16):
                                                        "ours_split_sync": "split"}.get(kind, "compute"),
                                   "overlap_step": kind != "ours_split_sync",
                                   "speculative_prefetch": True}}
+        if a.state_experts and kind.startswith("ours_split"):
+            cfg["maximus"]["moe"]["gpu_state_experts"] = a.state_experts
     return cfg
 
 
@@ -366,6 +368,8 @@ def main(argv=None):
                    "gives 4 to the Mixtral shape: 14.5 GiB peak under the 15.8 GiB cap, fewer loads)")
     p.add_argument("--grad-experts", type=int, default=None, help="expert gradients kept on the GPU (ours; "
                    "default: as many fp32 gradients as fit in a quarter of --cap-gib)")
+    p.add_argument("--state-experts", type=int, default=0, help="ours_split*: moe.gpu_state_experts, experts whose "
+                   "fp32 master and moments stay on the GPU (12 B a parameter each)")
     p.add_argument("--cap-gib", type=float, default=None, help="GPU memory cap of the offloading peers "
                    "(default: 2 x the experts' bf16 bytes: their weights fit, their training state does not)")
     p.add_argument("--warmup", type=int, default=2)
@@ -404,7 +408,8 @@ def main(argv=None):
     bench = Bench("moe_training", dtype="bf16" if torch.cuda.is_available() else "fp32",
                   sizes={"layers": a.layers, "H": a.hidden, "F": a.ffn, "E": a.experts, "top_k": a.top_k,
                          "tokens/step": a.micro_batch * a.seq * a.gas, "expert GiB (bf16)": round(expert_gib, 2),
-                         "cap GiB": a.cap_gib, "slots/layer": a.slots},
+                         "cap GiB": a.cap_gib, "slots/layer": a.slots,
+                         **({"state experts": a.state_experts} if a.state_experts else {})},
                   notes="ms = one optimizer step (a split step that overlaps the next forward: none runs when the clock "
                         "starts, the last one's tail is timed; "
                         "step ms: host time in the expert step, wait ms: the forward's waits for the last step's "

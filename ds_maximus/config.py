@@ -196,9 +196,10 @@ class MoEConfig(_Section):
     overlap_step: bool = False
     """With ``optimizer_device: split``: the step returns once it is queued and runs on into the next forward,
     which waits for each layer's experts only when it reaches that layer (same results, bit for bit). On the
-    H200, 3 Mixtral-shaped layers: 3-4.5% faster; 64 small experts a layer: 8% slower (both sides and the
-    forward's loads share the link and host memory). Sets DeepSpeed's ``timers.throughput.synchronized``
-    false unless the config sets it (it would sync the device at every forward)."""
+    H200, 3 Mixtral-shaped layers: 3-4.5% faster in session 13, 7% slower in the one session-15 call that timed
+    both (both sides and the forward's loads share the link and host memory). Sets DeepSpeed's
+    ``timers.throughput.synchronized`` false unless the config sets it (it would sync the device at every
+    forward)."""
     step_chunk_bytes: int = Field(512 << 20, ge=1 << 16)
     """With ``train`` and ``optimizer_device: compute``: fp32 masters, moments and gradients staged on the
     device at once (a large expert is stepped in pieces)."""
@@ -207,12 +208,22 @@ class MoEConfig(_Section):
     first; older ones move to pinned CPU memory until the step. ``None``: ``gpu_experts_per_layer``."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
+    gpu_state_experts: int = Field(0, ge=0)
+    """With ``train`` and ``optimizer_device: split`` (tier in CPU memory): the first this many experts (in uid
+    order, ``layer * num_experts + expert``: layer 0 first) keep their fp32 master and optimizer state on the
+    compute device as well. The step takes them on the device side with no state crossing the link, only
+    the gradient (when it waits on the host) in and the compute copy out; the CPU tier's rows are brought up
+    to date when something reads them (catch-up, checkpoints, export). Costs 12 bytes a parameter each (AdamW)
+    on the device, e.g. 2.1 GB for a Mixtral expert."""
 
     @model_validator(mode="after")
     def _train_needs_enabled(self):
         if self.train and not self.enabled:
             raise ValueError("moe.train is true but moe.enabled is false; set \"enabled\": true to train the "
                              "experts as swappable partitions, or drop \"train\"")
+        if self.gpu_state_experts and self.optimizer_device != ExpertOptimizerDevice.SPLIT:
+            raise ValueError(f"moe.gpu_state_experts={self.gpu_state_experts} needs \"optimizer_device\": \"split\" "
+                             f"(got \"{self.optimizer_device.value}\"); set it, or set gpu_state_experts to 0")
         return self
 
 

@@ -122,3 +122,30 @@ def test_overlapped_split_step_on_cuda_equals_the_synchronous_one(monkeypatch):
         for e, s in enumerate(t.cache.groups[g].map.id_to_slot.tolist()):
             if s >= 0:
                 assert torch.equal(t.cache.slot_buffer(g)[s].cpu(), t.store.shadow[g * t.num_experts + e])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_device_state_experts_on_cuda_equal_the_tier_only_run(overlap):
+    """``moe.gpu_state_experts`` on the H200: bf16, clipped, 5 of 16 experts' masters and moments on the GPU
+    (layer 0's first five), stepped there on the pipeline's streams, overlapped or not: the same losses, tier
+    (once read), shadows and resident slots as the split step without them, bit for bit."""
+    data = batches(8, batch=2, seqlen=8)
+    engines, losses = {}, {}
+    for n in (0, 5):
+        engines[n] = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", clip=0.05,
+                           maximus=moe_section(slots=2, gpu_grad_experts=3, optimizer_device="split",
+                                               cpu_step_share=0.5, step_chunk_bytes=1 << 16, overlap_step=overlap,
+                                               gpu_state_experts=n))
+        losses[n] = train(engines[n], data)
+    t, ts = (engines[n].maximus.modules["moe"] for n in (5, 0))
+    assert losses[5] == losses[0]
+    t.finish_step()
+    ts.finish_step()
+    assert t.store.device_tables["weight"].is_cuda
+    for n, v in ts.store.state().items():
+        assert torch.equal(t.store.state()[n], v), n
+    assert torch.equal(t.store.shadow, ts.store.shadow)
+    for g in range(t.num_layers):
+        for e, s in enumerate(t.cache.groups[g].map.id_to_slot.tolist()):
+            if s >= 0:
+                assert torch.equal(t.cache.slot_buffer(g)[s].cpu(), t.store.shadow[g * t.num_experts + e])

@@ -121,6 +121,40 @@ def _update_piece(tr, staged, grad, part: List[int], width: int, last: bool) -> 
         opt.last_step.index_copy_(0, ids, before)
 
 
+def _step_resident(tr, uids: List[int], dev: torch.device, copy_stream=None) -> None:
+    """AdamW of experts whose master and state live on the compute device (``moe.gpu_state_experts``), on the
+    current stream: only a gradient waiting on the host comes in, and the compute copy goes out to the CPU tier's
+    (shadow, or the master itself for fp32 compute), on ``copy_stream`` when given. A resident slot is refreshed
+    on the device."""
+    if not uids:
+        return
+    store, opt, sub = tr.store, tr.row_optimizer, tr.sub
+    t, k = store.device_tables, tr.numel // sub
+    weights, states = _views(t["weight"], sub), [_views(t[n], sub) for n in opt.state_names]
+    grad_bytes = 0
+    for u in uids:
+        i = store.resident[u]
+        raw = tr.grads.raw(u)
+        grad_bytes += raw.element_size() * tr.numel if raw.device != dev else 0
+        g = tr.grads.get(u, dev)  # fp32 and scaled: the bits the staged pipeline and the CPU op step with
+        opt.update(weights, states, i * k + torch.arange(k), _views(g, sub), torch.full((k,), u, dtype=torch.long))
+        host = store.host_view(u)
+        copy = t["weight"][i] if host.dtype == torch.float32 else t["weight"][i].to(host.dtype)
+        tr.refresh_slot(u, copy)
+        if copy_stream is not None:
+            copy_stream.wait_stream(torch.cuda.current_stream(dev))
+            copy.record_stream(copy_stream)
+            with torch.cuda.stream(copy_stream):
+                host.copy_(copy, non_blocking=True)
+        else:
+            host.copy_(copy, non_blocking=dev.type == "cuda")
+        if raw.is_cuda and copy_stream is not None:  # read by the queued update: its memory waits for it
+            raw.record_stream(torch.cuda.current_stream(dev))
+        tr.grads.drop(u)
+    store.mark_device_newer(uids)
+    tr.counters.add_step_traffic(len(uids), grad_bytes + len(uids) * tr.numel * store.host_view(uids[0]).element_size())
+
+
 class _Pipeline:
     """The CUDA step's streams and its two buffer sets (kept on the trainer between steps)."""
 
@@ -158,8 +192,9 @@ def _step_staged_cuda(tr, uids: List[int], dev: torch.device, pending: Optional[
     """The pipelined step (module docstring). With ``pending`` (the split step), the updates run on the
     pipeline's own stream and nothing waits here: ``pending`` gets an event per layer and the timing events."""
     names = tr.store.names
-    pieces = list(_pieces(tr, uids))
-    elems = max(len(part) * (hi - lo) for part, lo, hi in pieces)
+    resident = [u for u in uids if u in tr.store.resident]
+    pieces = list(_pieces(tr, [u for u in uids if u not in tr.store.resident]))
+    elems = max((len(part) * (hi - lo) for part, lo, hi in pieces), default=tr.sub)
     pl = _pipeline(tr, dev, names, elems)
     main = torch.cuda.current_stream(dev)
     compute = main if pending is None else pl.update
@@ -170,6 +205,11 @@ def _step_staged_cuda(tr, uids: List[int], dev: torch.device, pending: Optional[
         last_piece = {u // tr.num_experts: i for i, (part, _, _) in enumerate(pieces) for u in part}
     pl.load.wait_stream(main)  # the backward's gradients, and those still landing on the host
     with torch.cuda.stream(compute):
+        _step_resident(tr, resident, dev, copy_stream=pl.store)
+        if pending is not None:  # layers stepped on the device with no piece to stage: done after these copies
+            ev = pl.store.record_event()
+            for layer in sorted({u // tr.num_experts for u in resident} - set(last_piece)):
+                pending.layer_queued(layer, ev)
         host, host_uids = _pipelined_pieces(tr, pl, pieces, compute, pending, last_piece if pending else None)
     if pending is not None:
         end = torch.cuda.Event(enable_timing=True)
@@ -261,14 +301,16 @@ def _write_back(tr, part: List[int], host) -> None:
 
 def _cpu_share(tr, uids: List[int], share: float) -> List[int]:
     """The experts the CPU side steps: ``share`` of them, those whose gradient already waits on the host first
-    (a device one would cross the link out, a host one stepped on the device back in). The same whether or not
+    (a device one would cross the link out, a host one stepped on the device back in), never one whose state lives
+    on the device (``moe.gpu_state_experts``). The same whether or not
     the step overlaps the next forward: the backward ends at layer 0, so the device keeps layer 0's gradients and
     steps them first, and the CPU side goes up from the lowest layer of the rest, the order the forward needs
     them in. (Taking the share in every layer alike, session 13's overlapped step, sent gradients across the link
     twice; on the H200 it took 1463 against 1183 ms a step on the fine-grained shape, 1594 against 1326 on the
     Mixtral one, in one call.)"""
     n_cpu = int(round(len(uids) * share))
-    return sorted(sorted(uids, key=lambda u: (not tr.grads.on_host(u), u))[:n_cpu])
+    movable = [u for u in uids if u not in tr.store.resident]  # moe.gpu_state_experts: always the device's
+    return sorted(sorted(movable, key=lambda u: (not tr.grads.on_host(u), u))[:n_cpu])
 
 
 def step_split(tr, uids: List[int], dev: torch.device) -> PendingStep:
@@ -294,7 +336,8 @@ def step_split(tr, uids: List[int], dev: torch.device) -> PendingStep:
         _step_staged_cuda(tr, dev_uids, dev, pending)
     elif dev_uids:
         t0 = time.perf_counter()
-        step_staged(tr, dev_uids, dev)
+        _step_resident(tr, [u for u in dev_uids if u in tr.store.resident], dev)
+        step_staged(tr, [u for u in dev_uids if u not in tr.store.resident], dev)
         pending.dev_s = time.perf_counter() - t0
     tr.counters.add_step_traffic(len(cpu_uids), sum(g.element_size() for _, g, _, _ in items) * tr.numel)
     tr.counters.cpu_step_share = share

@@ -61,6 +61,10 @@ class ExpertTrainStore(ExpertStore):
                                                  pin_memory=pin_memory, overwrite=True)
         self.tier = "cpu" if nvme_path is None else "nvme"  # the label ExpertStore users print
         self.shadow: Optional[Tensor] = None
+        # moe.gpu_state_experts: uid -> row of ``device_tables`` (masters and state kept on the compute device)
+        self.resident: Dict[int, int] = {}
+        self.device_tables: Dict[str, Tensor] = {}
+        self._newer: set = set()  # resident uids stepped on the device since the tier's rows were written
         self.set_compute_dtype(compute_dtype)
 
     # -- the compute copy (what ExpertCache loads) -------------------------------------------------
@@ -70,6 +74,7 @@ class ExpertTrainStore(ExpertStore):
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
         """Compute copies in ``dtype`` (a shadow is built from the masters when it is not fp32 in memory)."""
+        self.pull()
         self.layout = ExpertLayout(self.master_layout.names, self.master_layout.shapes, self.master_layout.offsets,
                                    self.master_layout.numel, dtype)
         if dtype == torch.float32 or not self.in_memory:  # NVMe: loads read the tier (its CPU shard cache)
@@ -92,6 +97,7 @@ class ExpertTrainStore(ExpertStore):
     # -- masters ----------------------------------------------------------------------------------
     def master_row(self, uid: int) -> Tensor:
         """The fp32 master of ``uid`` (a view in memory, a copy from NVMe)."""
+        self.pull([uid])
         if self.in_memory:
             return self._tier.tensors["weight"][uid]
         out = {name: torch.empty(1, self.layout.numel) for name in self.names}
@@ -124,14 +130,17 @@ class ExpertTrainStore(ExpertStore):
             for i in range(e):
                 self.write_master(first_uid + i, {name: tensors[name][i] for name in lay.names})
             return
+        self.pull(range(first_uid, first_uid + e))
         rows = self._tier.tensors["weight"][first_uid:first_uid + e]
         for name in lay.names:
             lay.stacked_view(rows, name).copy_(tensors[name].detach())
         if self.shadow is not None:
             self.shadow[first_uid:first_uid + e].copy_(rows)
+        self.push([u for u in range(first_uid, first_uid + e) if u in self.resident])
 
     def read_rows(self, uids: Tensor, pin: bool = False) -> Dict[str, Tensor]:
         """Copies of the masters and states of ``uids`` as ``{name: [n, numel] fp32}``."""
+        self.pull(uids.tolist())
         out = {name: torch.empty(uids.numel(), self.layout.numel, pin_memory=pin and self.pin) for name in self.names}
         self._tier.read(uids, out)
         return out
@@ -139,8 +148,10 @@ class ExpertTrainStore(ExpertStore):
     def write_rows(self, uids: Tensor, rows: Mapping[str, Tensor], names: Optional[Sequence[str]] = None) -> None:
         names = tuple(names or self.names)
         if self.in_memory:
+            self.pull(uids.tolist())
             for name in names:
                 self._tier.tensors[name].index_copy_(0, uids, rows[name][:uids.numel()].to("cpu"))
+            self.push([u for u in uids.tolist() if u in self.resident])
             return
         full = rows
         if set(names) != set(self.names):  # the NVMe tier writes whole entries
@@ -160,9 +171,48 @@ class ExpertTrainStore(ExpertStore):
 
     def state(self) -> Dict[str, Tensor]:
         """Every table as one CPU tensor each (for checkpoints)."""
+        self.pull()
         return {name: self._tier.materialize(name) for name in self.names}
 
     def load_state(self, tensors: Mapping[str, Tensor]) -> None:
+        self._newer.clear()  # every row is overwritten
         self._tier.load({name: tensors[name].float() for name in self.names})
         if self.shadow is not None:
             self.shadow.copy_(self._tier.tensors["weight"])
+        self.push()
+
+    # -- masters and state kept on the compute device (moe.gpu_state_experts) ---------------------------------
+    def make_resident(self, uids: Sequence[int], device: torch.device) -> None:
+        """Keep the masters and optimizer state of ``uids`` on ``device`` too (from the tier's current rows)."""
+        if not self.in_memory:  # (the trainer says so before it allocates the tier)
+            raise ConfigError("moe.gpu_state_experts needs the experts' tier in CPU memory")
+        self.pull()
+        self.resident = {int(u): i for i, u in enumerate(uids)}
+        self.device_tables = {n: torch.empty(len(self.resident), self.layout.numel, device=device)
+                              for n in self.names} if self.resident else {}
+        self.push()
+
+    def mark_device_newer(self, uids: Sequence[int]) -> None:
+        """A step updated these resident experts on the device: the tier's rows are stale until :meth:`pull`."""
+        self._newer.update(uids)
+
+    def pull(self, uids: Optional[Sequence[int]] = None) -> None:
+        """Bring the tier's rows of resident ``uids`` (all by default) up to date from the device, where a step
+        changed them (before the tier is read)."""
+        todo = sorted(self._newer if uids is None else self._newer.intersection(uids))
+        if not todo:
+            return
+        dev = next(iter(self.device_tables.values())).device
+        if dev.type == "cuda":  # a step may still run on another stream
+            torch.cuda.synchronize(dev)
+        for n, rows in self.device_tables.items():
+            for u in todo:
+                self._tier.tensors[n][u].copy_(rows[self.resident[u]])
+        self._newer.difference_update(todo)
+
+    def push(self, uids: Optional[Sequence[int]] = None) -> None:
+        """Copy the tier's rows of resident ``uids`` (all of them by default) to the device (after a write)."""
+        for u in (self.resident if uids is None else uids):
+            i = self.resident[u]
+            for n, rows in self.device_tables.items():
+                rows[i].copy_(self._tier.tensors[n][u])

@@ -83,6 +83,9 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         self.optimizer_config = mcfg.optimizer
         self.row_optimizer = RowOptimizer(mcfg.optimizer, self.num_uids)
         off = mcfg.offload
+        if mcfg.gpu_state_experts and off.device == OffloadDevice.NVME:
+            raise ConfigError("moe.gpu_state_experts needs the experts' tier in CPU memory (offload.device: cpu); "
+                              "with an NVMe tier set it to 0")
         t0 = time.perf_counter()
         gb = (1 + len(self.row_optimizer.state_names)) * 4 * self.num_uids * self.numel / 1e9
         logger.info("ExpertTrainer: allocating %d experts x %d elements, fp32 master + %s: %.1f GB %s",
@@ -109,6 +112,8 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         self._dtype = torch.float32
         self.store.set_compute_dtype(dtype)
         self._dtype = dtype
+        if mcfg.gpu_state_experts:  # their masters and state live on the device too, stepped there (step.py)
+            self.store.make_resident(range(min(mcfg.gpu_state_experts, self.num_uids)), self.compute_device)
         self.cache: Optional[ExpertCache] = None
         self._pending = None  # split: the step still running into the next forward (pending.py)
         self._build_cache()
@@ -297,11 +302,13 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
 
     def _catch_up_uids(self, uids: Tensor) -> None:
         opt, names = self.row_optimizer, self.row_optimizer.state_names
-        if self.store.in_memory:
+        if self.store.in_memory:  # (resident experts: caught up on the tier, as the CPU side would, then copied)
+            self.store.pull(uids.tolist())
             t = self.store._tier.tensors
             opt.catch_up(self._row_views(t["weight"]), [self._row_views(t[n]) for n in names],
                          self._sub_slots(uids), self._sub_ids(uids))
             masters = [t["weight"][u] for u in uids.tolist()]
+            self.store.push([u for u in uids.tolist() if u in self.store.resident])
         else:
             rows = self.store.read_rows(uids)
             local = torch.arange(uids.numel())
