@@ -21,8 +21,11 @@ On a CUDA step device the pieces are pipelined over three streams: piece ``i + 1
 while piece ``i`` is updated and piece ``i - 1`` goes back (D2H: fp32 master and moments, and the compute
 copy cast on the device, so the shadow costs 2 bytes a parameter and no CPU time); two buffer sets
 alternate, and the host waits once, at the end of the step. The link is the limit: a Mixtral expert's
-step moves 16 bytes per parameter in (14 when its gradient is a single bf16 one, see ``grads``) and 14 out. The row op parallelises over rows, so an expert's flat
-buffer is viewed as ``numel / sub`` sub-rows that share the expert's step bookkeeping.
+step moves 16 bytes per parameter in (14 when its gradient is a single bf16 one, see ``grads``) and 14 out.
+Experts whose master and moments live on the device (``moe.gpu_state_experts``) are stepped there first, on
+the same stream, with none of that state moving: only a host gradient in and the compute copy out.
+The row op parallelises over rows, so an expert's flat buffer is viewed as ``numel / sub`` sub-rows that
+share the expert's step bookkeeping.
 """
 from __future__ import annotations
 
