@@ -52,7 +52,12 @@ def test_device_rows_are_the_newest_until_read():
     st = t.store
     assert st._newer, "the step did not mark its device rows"
     stale = st._tier.tensors["exp_avg"][0].clone()
+    newest = {n: v.clone() for n, v in st.device_tables.items()}
     assert not torch.equal(stale, st.device_tables["exp_avg"][0])
+    st.make_resident(list(st.resident), torch.device("cpu"))  # what following the model to another device does
+    for n, v in newest.items():
+        assert torch.equal(st.device_tables[n], v), n
+    train(e, data)
     assert torch.equal(st.state()["exp_avg"][0], st.device_tables["exp_avg"][0]) and not st._newer
     ones = {k: torch.ones_like(v[0]) for k, v in t.expert_tensors(0).items()}
     t.load_expert_tensors(0, {k: v[None].expand(t.num_experts, *v.shape) for k, v in ones.items()})

@@ -166,6 +166,8 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         if device != self.compute_device:
             self.compute_device = device
             self.grads.device = device
+            if self.store.resident:  # moe.gpu_state_experts: their masters and state follow (brought up to date)
+                self.store.make_resident(list(self.store.resident), device)
             self._build_cache()
         if dtype is not None and dtype.is_floating_point:
             self.out_dtype = dtype
