@@ -21,15 +21,16 @@ def _equal_experts(a, b):
             assert torch.equal(ea[g][n], eb[g][n]), (g, n)
 
 
-@pytest.mark.parametrize("n,stage,gas", [(3, 2, 1), (16, 2, 1), (5, 3, 2)])
-def test_device_state_experts_equal_the_tier_only_run(n, stage, gas):
-    """3 of 16 experts (some of layer 0), all of them, or 5 under ZeRO-3 with 2 micro-batches a step: the same
-    losses, experts and tier as the split step without the option (which test_equality holds to plain DeepSpeed),
-    bit for bit; experts that skipped steps are caught up too."""
+@pytest.mark.parametrize("n,stage,gas,ffn", [(3, 2, 1, 48), (16, 2, 1, 48), (5, 3, 2, 48), (4, 2, 1, 192)])
+def test_device_state_experts_equal_the_tier_only_run(n, stage, gas, ffn):
+    """3 of 16 experts (some of layer 0), all of them, 5 under ZeRO-3 with 2 micro-batches a step, or 4 experts
+    larger than a gradient piece (``step_chunk_bytes``: 3 x 32 x 192 elements, in 2 pieces): the same losses,
+    experts and tier as the split step without the option (which test_equality holds to plain DeepSpeed), bit for
+    bit; experts that skipped steps are caught up too."""
     data = batches(10 * gas, batch=2, seqlen=4)
-    plain = build(tiny_mixtral(num_experts=8), stage, gas=gas, maximus=_sec(0), clip=0.5)
+    plain = build(tiny_mixtral(num_experts=8, ffn=ffn), stage, gas=gas, maximus=_sec(0), clip=0.5)
     l_plain = train(plain, data)
-    got = build(tiny_mixtral(num_experts=8), stage, gas=gas, maximus=_sec(n), clip=0.5)
+    got = build(tiny_mixtral(num_experts=8, ffn=ffn), stage, gas=gas, maximus=_sec(n), clip=0.5)
     l_got = train(got, data)
     t = got.maximus.modules["moe"]
     assert sorted(t.store.resident) == list(range(min(n, t.num_uids)))

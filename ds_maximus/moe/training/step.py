@@ -134,13 +134,21 @@ def _step_resident(tr, uids: List[int], dev: torch.device, copy_stream=None) -> 
     store, opt, sub = tr.store, tr.row_optimizer, tr.sub
     t, k = store.device_tables, tr.numel // sub
     weights, states = _views(t["weight"], sub), [_views(t[n], sub) for n in opt.state_names]
+    piece = max(sub, (tr.cfg.moe.step_chunk_bytes // STATE_BYTES) // sub * sub)  # fp32 gradient widened at once
     grad_bytes = 0
     for u in uids:
-        i = store.resident[u]
-        raw = tr.grads.raw(u)
+        i, ids = store.resident[u], torch.tensor([u])
+        raw, f = tr.grads.raw(u), tr.grads.factor(u)
         grad_bytes += raw.element_size() * tr.numel if raw.device != dev else 0
-        g = tr.grads.get(u, dev)  # fp32 and scaled: the bits the staged pipeline and the CPU op step with
-        opt.update(weights, states, i * k + torch.arange(k), _views(g, sub), torch.full((k,), u, dtype=torch.long))
+        before = opt.last_step.index_select(0, ids)
+        for lo in range(0, tr.numel, piece):  # the gradient in fp32, scaled, as the staged pipeline steps it
+            hi = min(lo + piece, tr.numel)
+            g = raw[lo:hi].to(dev, non_blocking=True).float()  # a bf16 one crosses as bf16, widens on the device
+            g = g * f if f != 1.0 else g
+            n = (hi - lo) // sub
+            opt.update(weights, states, i * k + lo // sub + torch.arange(n), g.view(n, sub), ids.repeat(n))
+            if hi < tr.numel:  # the next piece of this expert starts from the same step state
+                opt.last_step.index_copy_(0, ids, before)
         host = store.host_view(u)
         copy = t["weight"][i] if host.dtype == torch.float32 else t["weight"][i].to(host.dtype)
         tr.refresh_slot(u, copy)
@@ -307,9 +315,9 @@ def _cpu_share(tr, uids: List[int], share: float) -> List[int]:
     (a device one would cross the link out, a host one stepped on the device back in), never one whose state lives
     on the device (``moe.gpu_state_experts``). The same whether or not the step overlaps the next forward: the
     backward ends at layer 0, so the device keeps layer 0's gradients and steps them first, and the CPU side goes
-    up from the lowest layer of the rest, the order the forward needs them in. (Taking the share in every layer alike, session 13's overlapped step, sent gradients across the link
-    twice; on the H200 it took 1463 against 1183 ms a step on the fine-grained shape, 1594 against 1326 on the
-    Mixtral one, in one call.)"""
+    up from the lowest layer of the rest, the order the forward needs them in. (Taking the share in every layer
+    alike, session 13's overlapped step, sent gradients across the link twice; on the H200 it took 1463 against
+    1183 ms a step on the fine-grained shape, 1594 against 1326 on the Mixtral one, in one call.)"""
     n_cpu = int(round(len(uids) * share))
     movable = [u for u in uids if u not in tr.store.resident]  # moe.gpu_state_experts: always the device's
     return sorted(sorted(movable, key=lambda u: (not tr.grads.on_host(u), u))[:n_cpu])
