@@ -224,6 +224,9 @@ class MoEConfig(_Section):
         if self.gpu_state_experts and self.optimizer_device != ExpertOptimizerDevice.SPLIT:
             raise ValueError(f"moe.gpu_state_experts={self.gpu_state_experts} needs \"optimizer_device\": \"split\" "
                              f"(got \"{self.optimizer_device.value}\"); set it, or set gpu_state_experts to 0")
+        if self.gpu_state_experts and self.offload.device == OffloadDevice.NVME:
+            raise ValueError("moe.gpu_state_experts needs the experts' tier in CPU memory (offload.device: cpu); "
+                             "with an NVMe tier set it to 0")
         return self
 
 

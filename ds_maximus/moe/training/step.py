@@ -203,8 +203,8 @@ def _step_staged_cuda(tr, uids: List[int], dev: torch.device, pending: Optional[
     """The pipelined step (module docstring). With ``pending`` (the split step), the updates run on the
     pipeline's own stream and nothing waits here: ``pending`` gets an event per layer and the timing events."""
     names = tr.store.names
-    resident = [u for u in uids if u in tr.store.resident]
-    pieces = list(_pieces(tr, [u for u in uids if u not in tr.store.resident]))
+    resident, staged = tr.store.partition(uids)
+    pieces = list(_pieces(tr, staged))
     elems = max((len(part) * (hi - lo) for part, lo, hi in pieces), default=tr.sub)
     pl = _pipeline(tr, dev, names, elems)
     main = torch.cuda.current_stream(dev)
@@ -319,7 +319,7 @@ def _cpu_share(tr, uids: List[int], share: float) -> List[int]:
     alike, session 13's overlapped step, sent gradients across the link twice; on the H200 it took 1463 against
     1183 ms a step on the fine-grained shape, 1594 against 1326 on the Mixtral one, in one call.)"""
     n_cpu = int(round(len(uids) * share))
-    movable = [u for u in uids if u not in tr.store.resident]  # moe.gpu_state_experts: always the device's
+    movable = tr.store.partition(uids)[1]  # moe.gpu_state_experts: always the device's
     return sorted(sorted(movable, key=lambda u: (not tr.grads.on_host(u), u))[:n_cpu])
 
 
@@ -346,8 +346,9 @@ def step_split(tr, uids: List[int], dev: torch.device) -> PendingStep:
         _step_staged_cuda(tr, dev_uids, dev, pending)
     elif dev_uids:
         t0 = time.perf_counter()
-        _step_resident(tr, [u for u in dev_uids if u in tr.store.resident], dev)
-        step_staged(tr, [u for u in dev_uids if u not in tr.store.resident], dev)
+        resident, staged = tr.store.partition(dev_uids)
+        _step_resident(tr, resident, dev)
+        step_staged(tr, staged, dev)
         pending.dev_s = time.perf_counter() - t0
     tr.counters.add_step_traffic(len(cpu_uids), sum(g.element_size() for _, g, _, _ in items) * tr.numel)
     tr.counters.cpu_step_share = share

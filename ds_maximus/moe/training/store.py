@@ -192,6 +192,10 @@ class ExpertTrainStore(ExpertStore):
                               for n in self.names} if self.resident else {}
         self.push()
 
+    def partition(self, uids: Sequence[int]):
+        """``(resident, rest)``: the experts of ``uids`` whose state lives on the device, and the others."""
+        return [u for u in uids if u in self.resident], [u for u in uids if u not in self.resident]
+
     def mark_device_newer(self, uids: Sequence[int]) -> None:
         """A step updated these resident experts on the device: the tier's rows are stale until :meth:`pull`."""
         self._newer.update(uids)

@@ -83,9 +83,6 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         self.optimizer_config = mcfg.optimizer
         self.row_optimizer = RowOptimizer(mcfg.optimizer, self.num_uids)
         off = mcfg.offload
-        if mcfg.gpu_state_experts and off.device == OffloadDevice.NVME:
-            raise ConfigError("moe.gpu_state_experts needs the experts' tier in CPU memory (offload.device: cpu); "
-                              "with an NVMe tier set it to 0")
         t0 = time.perf_counter()
         gb = (1 + len(self.row_optimizer.state_names)) * 4 * self.num_uids * self.numel / 1e9
         logger.info("ExpertTrainer: allocating %d experts x %d elements, fp32 master + %s: %.1f GB %s",
