@@ -146,6 +146,8 @@ def ds_config(a, kind, bf16):
                                   "speculative_prefetch": True}}
         if a.state_experts and kind.startswith("ours_split"):
             cfg["maximus"]["moe"]["gpu_state_experts"] = a.state_experts
+        if a.cpu_share is not None:
+            cfg["maximus"]["moe"]["cpu_step_share"] = a.cpu_share
     return cfg
 
 
@@ -232,6 +234,10 @@ def run_peer(a, kind) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    trace = None
+    if a.trace and cuda:  # the GPU side of the timed steps: streams, kernels, copies (read with trace_timeline)
+        trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        trace.__enter__()
     prof = None
     if a.profile:  # host-side profile of the timed steps: where a step's seconds go (waits included)
         import cProfile
@@ -247,6 +253,9 @@ def run_peer(a, kind) -> dict:
     if cuda:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / a.steps
+    if trace is not None:
+        trace.__exit__(None, None, None)
+        trace.export_chrome_trace(f"{a.trace}_{kind}.json")
     if prof is not None:
         import io
         import pstats
@@ -370,6 +379,8 @@ def main(argv=None):
                    "default: as many fp32 gradients as fit in a quarter of --cap-gib)")
     p.add_argument("--state-experts", type=int, default=0, help="ours_split*: moe.gpu_state_experts, experts whose "
                    "fp32 master and moments stay on the GPU (12 B a parameter each)")
+    p.add_argument("--cpu-share", type=float, default=None, help="ours_split*: a fixed moe.cpu_step_share "
+                   "(default: measured, so that both sides finish together)")
     p.add_argument("--cap-gib", type=float, default=None, help="GPU memory cap of the offloading peers "
                    "(default: 2 x the experts' bf16 bytes: their weights fit, their training state does not)")
     p.add_argument("--warmup", type=int, default=2)
@@ -382,6 +393,8 @@ def main(argv=None):
                    "names the phase it was in), so a slow baseline leaves time to the others: one number for every "
                    "peer, or 'key=s,key=s' (peers not named get the rest of the budget)")
     p.add_argument("--out", default=None)
+    p.add_argument("--trace", default=None, metavar="PREFIX", help="write a torch.profiler chrome trace (CUDA only) of the timed "
+                   "steps of each peer to PREFIX_<peer>.json (read it with benchmarks.trace_timeline)")
     p.add_argument("--profile", action="store_true", help="cProfile the timed steps of each peer (PROFILE lines)")
     p.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)

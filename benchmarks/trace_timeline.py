@@ -31,6 +31,17 @@ def _kind(e: dict) -> str:
     return e["name"][:20] if e["cat"] == "gpu_memcpy" else e["cat"]
 
 
+def _copied(events: List[dict]) -> str:
+    """``"; <GB> GB at <GB/s> GB/s while copying"`` per copy direction of a stream (kineto's ``bytes``)."""
+    out = []
+    for kind in sorted({_kind(e) for e in events if e["cat"] == "gpu_memcpy"}):
+        sel = [e for e in events if e["cat"] == "gpu_memcpy" and _kind(e) == kind]
+        nbytes, busy = sum(e.get("args", {}).get("bytes", 0) for e in sel), sum(e["dur"] for e in sel)
+        if nbytes:
+            out.append(f"{kind} {nbytes / 1e9:.2f} GB at {nbytes / 1e3 / max(busy, 1):.1f} GB/s")
+    return "; " + "; ".join(out) if out else ""
+
+
 def timeline(events: List[dict], bucket_ms: float = 20.0, streams: int = 6) -> str:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:
@@ -47,7 +58,7 @@ def timeline(events: List[dict], bucket_ms: float = 20.0, streams: int = 6) -> s
         for e in by[tid]:
             kinds[_kind(e)] += e["dur"] / 1e3
         split = ", ".join(f"{k} {v:.1f}" for k, v in kinds.most_common())
-        lines.append(f"stream {tid}: busy {sum(kinds.values()):.1f} ms ({split})")
+        lines.append(f"stream {tid}: busy {sum(kinds.values()):.1f} ms ({split}){_copied(by[tid])}")
     nb = int((t1 - t0) / 1e3 / bucket_ms) + 1
     occ = {t: [0.0] * nb for t in order}
     for t in order:
