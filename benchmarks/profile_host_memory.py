@@ -6,6 +6,10 @@ core taken by the driving thread.
     python -m benchmarks.profile_host_memory                      # on the GPU machine
     python -m benchmarks.profile_host_memory --elems 32M --threads 2,1 # anywhere (no GPU: alone only)
     python -m benchmarks.profile_host_memory --stream                 # the host memory's own ceiling
+    python -m benchmarks.profile_host_memory --duplex                 # the link: each way alone and both at once
+
+``--duplex`` times 1 GiB pinned copies host-to-device alone, device-to-host alone and both at once on two streams,
+also beside a CPU triad pass on all threads (the CPU side of a split step): whether the link's two directions add up.
 
 ``--stream`` times plain copy and triad passes (``torch``'s vectorised OpenMP kernels, 1 GiB arrays) in the same
 way, alone and beside the copies: what host memory gives any op at that thread count, the figure the op's rate is
@@ -74,7 +78,10 @@ def main(argv=None) -> None:
     ap.add_argument("--elems", default="176M", help="elements of the expert (K/M/G suffixes)")
     ap.add_argument("--threads", default="16,15,14,12,8", help="OpenMP thread counts to time")
     ap.add_argument("--stream", action="store_true", help="time plain copy/triad passes instead of the op")
+    ap.add_argument("--duplex", action="store_true", help="time the link's directions alone and together")
     a = ap.parse_args(argv)
+    if a.duplex:
+        return _duplex()
     if a.stream:
         return _stream(a)
     from ds_maximus.ops.sharded_embedding import row_update
@@ -98,6 +105,49 @@ def main(argv=None) -> None:
             print(f"beside copies={beside} threads={n}: {t * 1e3:.1f} ms/expert, {rows * d / t / 1e9:.2f} G elem/s",
                   flush=True)
     torch.set_num_threads(n0)
+
+
+def _duplex(reps: int = 5) -> None:
+    n = 1 << 28  # 1 GiB of fp32
+    h_in, h_out = torch.empty(n, pin_memory=True), torch.empty(n, pin_memory=True)
+    d_in, d_out = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def copies(h2d: bool, d2h: bool) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if h2d:
+                with torch.cuda.stream(s1):
+                    d_in.copy_(h_in, non_blocking=True)
+            if d2h:
+                with torch.cuda.stream(s2):
+                    h_out.copy_(d_out, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    x, y, z = torch.rand(n), torch.rand(n), torch.empty(n)
+    stop = threading.Event()
+
+    def triad() -> None:
+        while not stop.is_set():
+            torch.add(x, y, alpha=0.5, out=z)
+    for beside in (False, True):
+        th = threading.Thread(target=triad) if beside else None
+        if th is not None:
+            th.start()
+        try:
+            copies(True, True)  # warm
+            row = []
+            for name, h2d, d2h in (("H2D", True, False), ("D2H", False, True), ("both", True, True)):
+                t = copies(h2d, d2h)
+                row.append(f"{name} {(h2d + d2h) * reps * 4 * n / t / 1e9:.1f} GB/s")
+        finally:
+            stop.set()
+            if th is not None:
+                th.join()
+            stop.clear()
+        print(f"duplex beside CPU triad={beside}: " + ", ".join(row) + " (both: the two directions' sum)", flush=True)
 
 
 def _stream(a) -> None:

@@ -42,6 +42,34 @@ def _copied(events: List[dict]) -> str:
     return "; " + "; ".join(out) if out else ""
 
 
+def _merged(events: List[dict]) -> List[tuple]:
+    out: List[list] = []
+    for s, f in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], f)
+        else:
+            out.append([s, f])
+    return [tuple(x) for x in out]
+
+
+def _overlaps(by: dict, tids: List) -> List[str]:
+    """Per pair of copying streams, the ms both were busy at once: whether copies of the two ran side by side."""
+    lines = []
+    spans = {t: _merged(by[t]) for t in tids}
+    for i, a in enumerate(tids):
+        for b in tids[i + 1:]:
+            both, j = 0.0, 0
+            for s, f in spans[a]:
+                while j < len(spans[b]) and spans[b][j][1] <= s:
+                    j += 1
+                k = j
+                while k < len(spans[b]) and spans[b][k][0] < f:
+                    both += min(f, spans[b][k][1]) - max(s, spans[b][k][0])
+                    k += 1
+            lines.append(f"streams {a} and {b}: both busy {both / 1e3:.1f} ms")
+    return lines
+
+
 def timeline(events: List[dict], bucket_ms: float = 20.0, streams: int = 6) -> str:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:
@@ -59,6 +87,7 @@ def timeline(events: List[dict], bucket_ms: float = 20.0, streams: int = 6) -> s
             kinds[_kind(e)] += e["dur"] / 1e3
         split = ", ".join(f"{k} {v:.1f}" for k, v in kinds.most_common())
         lines.append(f"stream {tid}: busy {sum(kinds.values()):.1f} ms ({split}){_copied(by[tid])}")
+    lines += _overlaps(by, [t for t in order if any(e["cat"] == "gpu_memcpy" for e in by[t])])
     nb = int((t1 - t0) / 1e3 / bucket_ms) + 1
     occ = {t: [0.0] * nb for t in order}
     for t in order:
