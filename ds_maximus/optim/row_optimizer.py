@@ -96,12 +96,23 @@ class RowOptimizer:
         return dev_t[0], dev_t[1]
 
     # -- row updates -----------------------------------------------------------------------------
+    def device_index(self, slots: Tensor, ids: Tensor, device: torch.device) -> Tuple[Tensor, Tensor]:
+        """``slots`` and the last steps of rows ``ids`` (CPU) on ``device``, in one copy on the current stream,
+        for :meth:`update`'s ``index``. A caller that streams rows in on a load stream queues this there, ahead of
+        the rows: an update on another stream then has no host-to-device copy of its own, which would wait in the
+        copy engine behind the load stream's next rows (on the H200 that serialised the MoE step's two link
+        directions)."""
+        from ds_maximus.ops import to_device_pair
+        return to_device_pair(slots, torch.from_numpy(self.last_step.numpy()[index_array(ids)]), device)
+
     def update(self, weight: Tensor, states: List[Tensor], slots: Tensor, grads: Tensor, ids: Tensor, *,
-               grad_scale: float = 1.0, shadow: Optional[Tensor] = None) -> None:
+               grad_scale: float = 1.0, shadow: Optional[Tensor] = None,
+               index: Optional[Tuple[Tensor, Tensor]] = None) -> None:
         """Apply step ``self.step`` with ``grads`` to rows ``slots`` (ids ``ids``, CPU) of the given tensors.
 
         In ``exact`` mode the rows' skipped steps are replayed first (fused in the same kernel). On CPU
-        tensors, ``grad_scale`` and ``shadow`` go to :func:`ops.row_update` (same pass).
+        tensors, ``grad_scale`` and ``shadow`` go to :func:`ops.row_update` (same pass). ``index``: the
+        :meth:`device_index` of ``slots`` and ``ids``, made earlier (the same step, these rows not updated since).
         """
         from ds_maximus.ops import sharded_embedding as ops
         if ids.numel() == 0:
@@ -109,7 +120,8 @@ class RowOptimizer:
         lr_h, wd_h = self.history(weight.device)
         ids_np = index_array(ids)
         last = self.last_step.numpy()
-        ops.row_update(weight, states, slots, grads, torch.from_numpy(last[ids_np]),
+        slots, last_steps = index if index is not None else (slots, torch.from_numpy(last[ids_np]))
+        ops.row_update(weight, states, slots, grads, last_steps,
                        step=self.step, lr_hist=lr_h, wd_hist=wd_h, lr=self.lr_hist[self.step],
                        weight_decay=self.wd_hist[self.step], beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                        optimizer=self.kind, lazy=self.lazy, grad_scale=grad_scale, shadow=shadow)

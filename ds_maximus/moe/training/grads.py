@@ -41,6 +41,7 @@ class ExpertGrads:
         self._left: Dict[int, Tuple[object, Tensor, Tensor]] = {}  # host uid -> (copy event, |g|^2, finite)
         self._factor: Dict[int, float] = {}  # uid -> pending scale (host gradients, and bf16 ones)
         self.moved_to_host = 0
+        self._out: Optional[torch.cuda.Stream] = None  # the copies out (made when first needed)
 
     def __bool__(self) -> bool:
         return bool(self.g)
@@ -89,6 +90,8 @@ class ExpertGrads:
             dev = torch.device(device) if device is not None else t.device
             if dev.type == "cpu":
                 self._landed(uid)
+            else:
+                self.ready(uid, torch.cuda.current_stream(dev))
             out = t.to(dev, non_blocking=True).float()  # a bf16 one moves as bf16 and widens where it lands
         else:
             out = (t if device is None else t.to(device, non_blocking=True)).float()
@@ -99,14 +102,24 @@ class ExpertGrads:
         t = self.g[uid]
         norm_sq, finite = _dot(t), torch.isfinite(t).all()  # on the device, before it leaves
         host, ev = t, None                                           # a CPU run: already there
-        if t.is_cuda:
+        if t.is_cuda:  # on a stream of its own: the backward's kernels do not queue behind the copy
+            if self._out is None:
+                self._out = torch.cuda.Stream(t.device)
+            self._out.wait_stream(torch.cuda.current_stream(t.device))
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self._out):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(self._out)
+            ev = self._out.record_event()
         self.g[uid] = host
         self._left[uid] = (ev, norm_sq, finite)
         self.moved_to_host += 1
+
+    def ready(self, uid: int, stream) -> None:
+        """Make CUDA ``stream`` wait until host gradient ``uid`` has landed (before a copy of it back in)."""
+        left = self._left.get(uid)
+        if left is not None and left[0] is not None:
+            stream.wait_event(left[0])
 
     def _landed(self, uid: int) -> None:
         ev = self._left[uid][0]

@@ -72,6 +72,10 @@ def _pieces(tr, uids: List[int]):
         for i in range(0, len(uids), n):
             yield uids[i:i + n], 0, tr.numel
         return
+    # pieces of one size: with a short last piece (a 22M-element expert in 16M + 6M) the next expert's first piece
+    # waited for this one's first piece to go back, in the CUDA pipeline's other buffer set
+    n = -(-tr.numel // piece)
+    piece = -(-tr.numel // (n * tr.sub)) * tr.sub
     for u in uids:
         for lo in range(0, tr.numel, piece):
             yield [u], lo, min(lo + piece, tr.numel)
@@ -113,13 +117,20 @@ def step_staged(tr, uids: List[int], dev: torch.device) -> None:
     _write_back(tr, host_uids, host)
 
 
-def _update_piece(tr, staged, grad, part: List[int], width: int, last: bool) -> None:
-    """AdamW on elements ``[lo, lo + width)`` of experts ``part``, staged as ``[len(part), width]`` rows."""
+def _piece_rows(tr, part: List[int], width: int):
+    """The row op's ``(slots, ids)`` for experts ``part`` staged as ``[len(part), width]``: sub-rows in order."""
+    return torch.arange(len(part) * (width // tr.sub)), torch.tensor(part).repeat_interleave(width // tr.sub)
+
+
+def _update_piece(tr, staged, grad, part: List[int], width: int, last: bool, index=None) -> None:
+    """AdamW on elements ``[lo, lo + width)`` of experts ``part``, staged as ``[len(part), width]`` rows
+    (``index``: the rows' ``RowOptimizer.device_index``, already on the device)."""
     opt, sub = tr.row_optimizer, tr.sub
     ids = torch.tensor(part)
     before = opt.last_step.index_select(0, ids)
+    slots, rows = _piece_rows(tr, part, width)
     opt.update(_views(staged["weight"], sub), [_views(staged[n], sub) for n in opt.state_names],
-               torch.arange(len(part) * (width // sub)), _views(grad, sub), ids.repeat_interleave(width // sub))
+               slots, _views(grad, sub), rows, index=index)
     if not last:  # the next piece of these experts starts from the same step state
         opt.last_step.index_copy_(0, ids, before)
 
@@ -141,6 +152,8 @@ def _step_resident(tr, uids: List[int], dev: torch.device, copy_stream=None) -> 
         raw, f = tr.grads.raw(u), tr.grads.factor(u)
         grad_bytes += raw.element_size() * tr.numel if raw.device != dev else 0
         before = opt.last_step.index_select(0, ids)
+        if dev.type == "cuda":
+            tr.grads.ready(u, torch.cuda.current_stream(dev))
         for lo in range(0, tr.numel, piece):  # the gradient in fp32, scaled, as the staged pipeline steps it
             hi = min(lo + piece, tr.numel)
             g = raw[lo:hi].to(dev, non_blocking=True).float()  # a bf16 one crosses as bf16, widens on the device
@@ -246,11 +259,14 @@ def _pipelined_pieces(tr, pl, pieces, compute, pending, last_piece):
         with torch.cuda.stream(pl.load):
             if pl.freed[k] is not None:
                 pl.load.wait_event(pl.freed[k])
+            index = tr.row_optimizer.device_index(*_piece_rows(tr, part, width), pl.dev)  # ahead of the rows
+            index[0].record_stream(compute)  # made on this stream, read by the update (one buffer for both)
             for name in names:
                 for j in range(n):
                     buf[name][j].copy_(host[name][j][lo:hi], non_blocking=True)
             for j, u in enumerate(part):
                 if grads.on_host(u):
+                    grads.ready(u, pl.load)
                     src = grads.raw(u)[lo:hi]
                     if src.dtype != torch.float32:
                         src = pl.grad_stage(k, n * width)[j * width:(j + 1) * width].copy_(src, non_blocking=True)
@@ -262,7 +278,7 @@ def _pipelined_pieces(tr, pl, pieces, compute, pending, last_piece):
             if grads.factor(u) != 1.0:
                 buf["grad"][j].mul_(grads.factor(u))
         last = hi == tr.numel
-        _update_piece(tr, buf, buf["grad"], part, width, last)
+        _update_piece(tr, buf, buf["grad"], part, width, last, index)
         low = None
         if pl.low[k] is not None:
             low = pl.low[k][:n * width].view(n, width)
