@@ -101,3 +101,23 @@ def test_host_tensor_pinned_on_cuda():
     del t
     gc.collect()  # a view keeps the memory mapped and registered
     assert view.is_pinned() and torch.equal(view, src[1])
+
+
+@pytest.mark.parametrize("numel,sub,chunk_elems", [(22 * 64, 64, 16 * 64), (100 * 8, 8, 30 * 8), (10 * 4, 4, 4 * 4), (12 * 4, 4, 12 * 4)])
+def test_step_pieces_are_even_and_cover_each_expert(numel, sub, chunk_elems):
+    """The staged step cuts an expert larger than the budget into pieces of one size (multiples of the sub-row),
+    which together cover it once: a short last piece had made the CUDA pipeline's next piece wait."""
+    from types import SimpleNamespace
+
+    from ds_maximus.moe.training.step import STATE_BYTES, _pieces
+    names = ("weight", "exp_avg", "exp_avg_sq")
+    tr = SimpleNamespace(numel=numel, sub=sub, store=SimpleNamespace(names=names), cfg=SimpleNamespace(
+        moe=SimpleNamespace(step_chunk_bytes=chunk_elems * STATE_BYTES * (len(names) + 1))))
+    pieces = list(_pieces(tr, [3, 7]))
+    for u in (3, 7):
+        spans = [(lo, hi) for part, lo, hi in pieces if part == [u]]
+        assert spans[0][0] == 0 and spans[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        widths = [hi - lo for lo, hi in spans]
+        assert all(w % sub == 0 and 0 < w <= chunk_elems for w in widths)
+        assert max(widths) - min(widths) <= sub  # one size, give or take a sub-row

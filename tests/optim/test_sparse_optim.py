@@ -59,6 +59,31 @@ def test_row_optimizer_replay_equals_stepping_every_row():
     assert torch.equal(lazy_rows.last_step, torch.full((6,), 12))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_update_with_a_device_index_made_ahead_equals_the_plain_update(device):
+    """``device_index`` (made on a load stream ahead of the rows in the MoE step) gives the same update bit for bit,
+    with skipped steps replayed, and the last steps advance as they do without it."""
+    cfg = EmbeddingOptimizerConfig(lr=1e-2, weight_decay=0.1)
+    plain, ahead = RowOptimizer(cfg, 6), RowOptimizer(cfg, 6)
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(6, 4, generator=g)
+    wa, wb = w0.clone().to(device), w0.clone().to(device)
+    sa = [torch.zeros(6, 4, device=device) for _ in range(2)]
+    sb = [torch.zeros(6, 4, device=device) for _ in range(2)]
+    for step in range(6):
+        ids = torch.tensor([1, 4]) if step % 3 else torch.tensor([0, 1, 5])  # rows 0 and 5 skip steps
+        grads = torch.randn(ids.numel(), 4, generator=g).to(device)
+        for opt in (plain, ahead):
+            opt.begin_step(1e-2 / (1 + step), None)
+        index = ahead.device_index(ids, ids, torch.device(device))
+        assert all(t.device.type == device for t in index)
+        plain.update(wa, sa, ids, grads, ids)
+        ahead.update(wb, sb, ids, grads, ids, index=index)
+    assert torch.equal(wa, wb) and all(torch.equal(x, y) for x, y in zip(sa, sb))
+    assert torch.equal(plain.last_step, ahead.last_step)
+
+
 def test_row_optimizer_needs_lr_and_round_trips_state():
     opt = RowOptimizer(EmbeddingOptimizerConfig(), 3)
     with pytest.raises(ConfigError, match="lr"):

@@ -74,11 +74,11 @@ def _pieces(tr, uids: List[int]):
         return
     # pieces of one size: with a short last piece (a 22M-element expert in 16M + 6M) the next expert's first piece
     # waited for this one's first piece to go back, in the CUDA pipeline's other buffer set
-    n = -(-tr.numel // piece)
-    piece = -(-tr.numel // (n * tr.sub)) * tr.sub
+    n, subs = -(-tr.numel // piece), tr.numel // tr.sub
+    bounds = [k * subs // n * tr.sub for k in range(n + 1)]  # widths differ by at most one sub-row
     for u in uids:
-        for lo in range(0, tr.numel, piece):
-            yield [u], lo, min(lo + piece, tr.numel)
+        for lo, hi in zip(bounds, bounds[1:]):
+            yield [u], lo, hi
 
 
 def step_staged(tr, uids: List[int], dev: torch.device) -> None:
