@@ -229,6 +229,10 @@ def run_peer(a, kind) -> dict:
         phase(f"warm-up step {i + 1}/{a.warmup}")
         step(i)
     moe = engine.maximus.modules["moe"] if kind.startswith("ours") else None
+    if moe is not None and cuda:  # where the cap goes: ours' own buffers beside everything torch holds
+        use = {k: round(v / 2**30, 2) for k, v in moe.device_bytes().items()}
+        print(f"DEVICE GiB after warm-up: {use}, all allocated {torch.cuda.memory_allocated() / 2**30:.2f}, "
+              f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f}", flush=True)
     if moe is not None:  # the window starts as a synchronous step's would: no warm-up step still running
         moe.finish_step()
     if cuda:

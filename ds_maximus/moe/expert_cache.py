@@ -114,6 +114,11 @@ class ExpertCache:
         """All slots of a group, ``[slots, numel]`` (see ``ExpertLayout.stacked_view``)."""
         return self.groups[group].buffer
 
+    def device_bytes(self) -> int:
+        """Bytes of the slots (and the staged guess's head) on the device."""
+        ts = [g.buffer for g in self.groups] + ([self._stage] if self._stage is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
     def resident(self, group: int) -> List[int]:
         return sorted(int(i) for i in self.groups[group].map.resident_ids())
 

@@ -84,3 +84,18 @@ def test_device_state_needs_the_split_step_and_a_memory_tier(tmp_path):
         build(tiny_mixtral(num_experts=8), 2, maximus=moe_section(slots=3, gpu_state_experts=2))
     with pytest.raises(ConfigError, match="tier in CPU memory"):
         build(tiny_mixtral(num_experts=8), 2, maximus=_sec(2, offload={"device": "nvme", "nvme_path": str(tmp_path)}))
+
+
+
+def test_device_bytes_adds_up_the_trainers_buffers_by_use():
+    """``device_bytes`` (the benchmark's memory line): the slots, the device-state experts' fp32 master and two
+    moments, the step pipeline's buffers and the gradients not sent to the host (none once a step has run)."""
+    e = build(tiny_mixtral(num_experts=8), 2, maximus=_sec(3), clip=0.5)
+    train(e, batches(2, batch=2, seqlen=4))
+    t = e.maximus.modules["moe"]
+    use = t.device_bytes()
+    slot_bytes = t.numel * t.cache.layout.dtype.itemsize
+    assert use["expert slots"] >= t.num_layers * t.cache.slots_per_group * slot_bytes
+    assert use["device-state experts"] == 3 * 3 * t.numel * 4
+    assert use["expert gradients"] == 0  # the step consumed them
+    assert set(use) == {"expert slots", "device-state experts", "step pipeline", "expert gradients"}

@@ -421,6 +421,18 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         self.cache.synchronize()
         self.store.flush()
 
+    def device_bytes(self) -> dict:
+        """Bytes this trainer holds on the compute device now, by use: what a memory cap has to fit beside the
+        model's dense part and the activations."""
+        def size(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        pl = getattr(self, "_step_pipeline", None)
+        staging = [] if pl is None else [b for s in pl.bufs for b in s.values()] + pl.low + pl.grad_low
+        return {"expert slots": self.cache.device_bytes(),
+                "device-state experts": size(self.store.device_tables.values()),
+                "step pipeline": size(staging),
+                "expert gradients": size(self.grads.raw(u) for u in self.grads.uids() if not self.grads.on_host(u))}
+
     def stats(self) -> dict:
         """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing)."""
         return self.counters.as_dict(self.cache)
