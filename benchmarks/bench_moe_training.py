@@ -397,8 +397,8 @@ def main(argv=None):
                    "names the phase it was in), so a slow baseline leaves time to the others: one number for every "
                    "peer, or 'key=s,key=s' (peers not named get the rest of the budget)")
     p.add_argument("--out", default=None)
-    p.add_argument("--trace", default=None, metavar="PREFIX", help="write a torch.profiler chrome trace (CUDA only) of the timed "
-                   "steps of each peer to PREFIX_<peer>.json (read it with benchmarks.trace_timeline)")
+    p.add_argument("--trace", default=None, metavar="PREFIX", help="write a torch.profiler chrome trace (CUDA only) "
+                   "of the timed steps of each peer to PREFIX_<peer>.json (read it with benchmarks.trace_timeline)")
     p.add_argument("--profile", action="store_true", help="cProfile the timed steps of each peer (PROFILE lines)")
     p.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)

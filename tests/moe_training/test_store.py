@@ -103,7 +103,8 @@ def test_host_tensor_pinned_on_cuda():
     assert view.is_pinned() and torch.equal(view, src[1])
 
 
-@pytest.mark.parametrize("numel,sub,chunk_elems", [(22 * 64, 64, 16 * 64), (100 * 8, 8, 30 * 8), (10 * 4, 4, 4 * 4), (12 * 4, 4, 12 * 4)])
+@pytest.mark.parametrize("numel,sub,chunk_elems", [(22 * 64, 64, 16 * 64), (100 * 8, 8, 30 * 8), (10 * 4, 4, 4 * 4),
+                                                   (12 * 4, 4, 12 * 4)])
 def test_step_pieces_are_even_and_cover_each_expert(numel, sub, chunk_elems):
     """The staged step cuts an expert larger than the budget into pieces of one size (multiples of the sub-row),
     which together cover it once: a short last piece had made the CUDA pipeline's next piece wait."""
