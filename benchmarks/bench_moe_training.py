@@ -152,6 +152,9 @@ def ds_config(a, kind, bf16):
 
 
 GRAD_SHARE_OF_CAP = 0.25
+# host-memory bytes an element of the CPU side's fused AdamW pass: fp32 master and moments read and written (24), the
+# bf16 gradient read (2) and the bf16 compute copy written with streaming stores (2); 2 more with an fp32 gradient
+CPU_OP_BYTES = 28
 
 
 def _grad_experts(a) -> int:
@@ -281,6 +284,9 @@ def run_peer(a, kind) -> dict:
             sd = s["split_sides"]
             out["sides ms: CPU/device (experts)"] = (f"{sd['cpu_ms']:.0f}/{sd['device_ms']:.0f} "
                                                       f"({sd['cpu_experts']}/{sd['device_experts']})")
+        if "split_sides" in s:  # host memory: the link's bytes (each lands in or leaves it) and the CPU op's pass
+            host = s["bytes_moved"] + s["split_sides"]["cpu_experts"] * 3 * a.hidden * a.ffn * CPU_OP_BYTES
+            out["host GB/step (est.)"] = f"{host / 1e9:.1f} ({host / dt / 1e9:.0f} GB/s)"
         out.update({"experts moved/step": s["experts_loaded"], "MB moved/step": round(s["bytes_moved"] / 1e6, 1),
                     "hit rate": round(s["hit_rate"], 3), "stall ms": round(s["stall_ms"], 1),
                     "step ms": round(s["step_ms"], 1), "wait ms": round(s["step_wait_ms"], 1)})
