@@ -10,7 +10,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_moe_training_tiny_runs_ours_split(tmp_path):
     out = tmp_path / "moe.md"
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    # the peer picks a free port itself: not the one this pytest process's own process group may hold
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                            "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["DS_ACCELERATOR"] = "cpu"
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_moe_training", "--tiny", "--peers", "ours_split",
                         "--warmup", "1", "--steps", "1", "--budget-s", "200", "--slot-s", "200", "--out", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
