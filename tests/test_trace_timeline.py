@@ -1,0 +1,19 @@
+"""benchmarks.trace_timeline on a synthetic chrome trace: busy time, bytes and rate per copy direction, and the time
+two copying streams overlapped (how session 16 found the MoE step's link directions taking turns)."""
+from benchmarks.trace_timeline import timeline
+
+
+def _copy(name, ts, dur, tid, nbytes):
+    return {"ph": "X", "cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "tid": tid, "args": {"bytes": nbytes}}
+
+
+def test_copy_rates_and_overlap_of_two_streams():
+    h2d, d2h = "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)"
+    events = [_copy(h2d, 0, 1000, 7, 50_000_000), _copy(h2d, 3000, 1000, 7, 50_000_000),  # 2 ms busy, 100 MB
+              _copy(d2h, 500, 1000, 8, 40_000_000), _copy(d2h, 3500, 2000, 8, 60_000_000),  # 3 ms, 100 MB
+              {"ph": "X", "cat": "kernel", "name": "k", "ts": 1600, "dur": 400, "tid": 9}]
+    text = timeline(events, bucket_ms=1.0)
+    assert "span 5.5 ms, 5 GPU events" in text
+    assert "0.10 GB at 50.0 GB/s" in text and "0.10 GB at 33.3 GB/s" in text
+    assert "streams 8 and 7: both busy 1.0 ms" in text  # 0.5 + 0.5 ms of the two pairs' overlap
+    assert "stream 9: busy 0.4 ms (kernel 0.4)" in text and "streams 9" not in text  # no copies: not paired
