@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,16 +38,10 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from benchmarks.harness import Bench, Budget, progress
+from benchmarks.harness import Bench, Budget, free_port, progress
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_TOL, MEAN_TOL = 0.02, 0.005
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_config(name: str, cli: List[str], timeout_s: float, env_extra: Optional[dict] = None) -> dict:
@@ -57,7 +50,7 @@ def run_config(name: str, cli: List[str], timeout_s: float, env_extra: Optional[
         out_json = os.path.join(tmp, "out.json")
         cmd = [sys.executable, "-u", str(ROOT / "examples" / "train_llama.py"), *cli, "--json-out", out_json]
         env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port()), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+               "MASTER_PORT": str(free_port()), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
                **(env_extra or {})}
         progress(f"{name}: {' '.join(cli)}")

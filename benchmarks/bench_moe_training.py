@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Bench, Budget
+from benchmarks.harness import Bench, Budget, free_port, observed
 
 PEERS = {  # in run order: the baseline and ours first, so a short budget still gives the ratio
     "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu": "zero3_offload",
@@ -189,14 +189,10 @@ def _log_to_stdout() -> None:
 
 def run_peer(a, kind) -> dict:
     """One peer in this process: build, train ``--warmup`` + ``--steps`` steps, return its figures."""
-    import socket
     phase("imports")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("LOCAL_RANK", "0"),
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"), ("LOCAL_RANK", "0"),
                  ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
+        os.environ.setdefault(k, v)  # the parent gives each child a free port (_child); a hand-run --peer takes one
     import deepspeed
     import transformers.models.mixtral.modeling_mixtral  # noqa: F401  (seconds of import: not the model build)
     import ds_maximus
@@ -241,38 +237,18 @@ def run_peer(a, kind) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    trace = None
-    if a.trace and cuda:  # the GPU side of the timed steps: streams, kernels, copies (read with trace_timeline)
-        trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-        trace.__enter__()
-    prof = None
-    if a.profile:  # host-side profile of the timed steps: where a step's seconds go (waits included)
-        import cProfile
-        prof = cProfile.Profile()
-        prof.enable()
-    t0 = time.perf_counter()
-    for i in range(a.steps):
-        phase(f"timed step {i + 1}/{a.steps}")
-        loss = step(i)
-    if moe is not None:  # a split step runs on into the next forward: the last one's tail is timed too
-        last = dict(moe.stats()["last_step"])
-        moe.finish_step()
-    if cuda:
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / a.steps
-    if trace is not None:
-        trace.__exit__(None, None, None)
-        trace.export_chrome_trace(f"{a.trace}_{kind}.json")
-    if prof is not None:
-        import io
-        import pstats
-        prof.disable()
-        buf = io.StringIO()
-        st = pstats.Stats(prof, stream=buf)
-        st.sort_stats("cumulative").print_stats(30)
-        st.sort_stats("tottime").print_stats(20)
-        st.print_callers(r"built-in method torch.empty|_cuda_synchronize|method 'cpu'|Event.synchronize")
-        print("\n".join("PROFILE " + ln for ln in buf.getvalue().splitlines() if ln.strip()), flush=True)
+    # the timed steps, traced on the GPU (--trace) and profiled on the host (--profile: where a step's seconds go)
+    with observed(f"{a.trace}_{kind}.json" if a.trace else None, a.profile):
+        t0 = time.perf_counter()
+        for i in range(a.steps):
+            phase(f"timed step {i + 1}/{a.steps}")
+            loss = step(i)
+        if moe is not None:  # a split step runs on into the next forward: the last one's tail is timed too
+            last = dict(moe.stats()["last_step"])
+            moe.finish_step()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / a.steps
     phase("done")
     out = {"ms": dt * 1e3, "tokens/s": a.micro_batch * a.seq * a.gas / dt, "loss": round(loss, 4),
            "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
@@ -284,8 +260,8 @@ def run_peer(a, kind) -> dict:
             sd = s["split_sides"]
             out["sides ms: CPU/device (experts)"] = (f"{sd['cpu_ms']:.0f}/{sd['device_ms']:.0f} "
                                                       f"({sd['cpu_experts']}/{sd['device_experts']})")
-        if "split_sides" in s:  # host memory: the link's bytes (each lands in or leaves it) and the CPU op's pass
-            host = s["bytes_moved"] + s["split_sides"]["cpu_experts"] * 3 * a.hidden * a.ffn * CPU_OP_BYTES
+            # host memory: the link's bytes (each lands in or leaves it) and the CPU op's pass
+            host = s["bytes_moved"] + sd["cpu_experts"] * 3 * a.hidden * a.ffn * CPU_OP_BYTES
             out["host GB/step (est.)"] = f"{host / 1e9:.1f} ({host / dt / 1e9:.0f} GB/s)"
         out.update({"experts moved/step": s["experts_loaded"], "MB moved/step": round(s["bytes_moved"] / 1e6, 1),
                     "hit rate": round(s["hit_rate"], 3), "stall ms": round(s["stall_ms"], 1),
@@ -301,8 +277,10 @@ def _child(a, kind, timeout_s):
     import threading
     cmd = [sys.executable, "-u", "-m", "benchmarks.bench_moe_training", "--peer", kind] + a.passthrough
     start = time.perf_counter()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1"}  # its own process group, whatever this process's environment holds
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                         start_new_session=True)
+                         start_new_session=True, env=env)
     seen = {"phase": "start-up", "since": start, "result": None, "oom": False}
     tail = collections.deque(maxlen=40)
 

@@ -23,6 +23,7 @@ on CPU with ``time.perf_counter`` and the process's peak RSS delta (``ru_maxrss`
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import gc
@@ -39,6 +40,45 @@ import torch
 
 OUT_DIR = Path(os.environ.get("MAXIMUS_BENCH_OUT", Path(__file__).resolve().parent.parent / "bench_out"))
 GIB = float(1 << 30)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: one per child process that starts its own process group."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def observed(trace_path: Optional[str] = None, profile: bool = False):
+    """Instrument a timed window: a CUDA-only ``torch.profiler`` chrome trace written to ``trace_path`` (read it
+    with ``benchmarks.trace_timeline``) and/or a cProfile of the host, printed as ``PROFILE`` lines at the end."""
+    trace = None
+    if trace_path and torch.cuda.is_available():
+        trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        trace.__enter__()
+    prof = None
+    if profile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    try:
+        yield
+    finally:
+        if trace is not None:
+            trace.__exit__(None, None, None)
+            trace.export_chrome_trace(trace_path)
+        if prof is not None:
+            import io
+            import pstats
+            prof.disable()
+            buf = io.StringIO()
+            st = pstats.Stats(prof, stream=buf)
+            st.sort_stats("cumulative").print_stats(30)
+            st.sort_stats("tottime").print_stats(20)
+            st.print_callers(r"built-in method torch.empty|_cuda_synchronize|method 'cpu'|Event.synchronize")
+            print("\n".join("PROFILE " + ln for ln in buf.getvalue().splitlines() if ln.strip()), flush=True)
 
 
 def git_commit() -> str:
