@@ -122,17 +122,23 @@ def _piece_rows(tr, part: List[int], width: int):
     return torch.arange(len(part) * (width // tr.sub)), torch.tensor(part).repeat_interleave(width // tr.sub)
 
 
-def _update_piece(tr, staged, grad, part: List[int], width: int, last: bool, index=None) -> None:
-    """AdamW on elements ``[lo, lo + width)`` of experts ``part``, staged as ``[len(part), width]`` rows
-    (``index``: the rows' ``RowOptimizer.device_index``, already on the device)."""
-    opt, sub = tr.row_optimizer, tr.sub
-    ids = torch.tensor(part)
+def _update_rows(opt, weights, states, slots, grad, rows, experts: List[int], last: bool, index=None) -> None:
+    """``opt.update`` of one piece of ``experts``; unless it is their ``last`` piece, their step bookkeeping is put
+    back, so that the next piece starts from the same step state (AdamW is elementwise)."""
+    ids = torch.tensor(experts)
     before = opt.last_step.index_select(0, ids)
-    slots, rows = _piece_rows(tr, part, width)
-    opt.update(_views(staged["weight"], sub), [_views(staged[n], sub) for n in opt.state_names],
-               slots, _views(grad, sub), rows, index=index)
-    if not last:  # the next piece of these experts starts from the same step state
+    opt.update(weights, states, slots, grad, rows, index=index)
+    if not last:
         opt.last_step.index_copy_(0, ids, before)
+
+
+def _update_piece(tr, staged, grad, part: List[int], width: int, last: bool, index=None, rows=None) -> None:
+    """AdamW on elements ``[lo, lo + width)`` of experts ``part``, staged as ``[len(part), width]`` rows
+    (``rows``: their :func:`_piece_rows` when made already; ``index``: its ``RowOptimizer.device_index``)."""
+    opt, sub = tr.row_optimizer, tr.sub
+    slots, ids = rows if rows is not None else _piece_rows(tr, part, width)
+    _update_rows(opt, _views(staged["weight"], sub), [_views(staged[n], sub) for n in opt.state_names],
+                 slots, _views(grad, sub), ids, part, last, index)
 
 
 def _step_resident(tr, uids: List[int], dev: torch.device, copy_stream=None) -> None:
@@ -151,7 +157,6 @@ def _step_resident(tr, uids: List[int], dev: torch.device, copy_stream=None) -> 
         i, ids = store.resident[u], torch.tensor([u])
         raw, f = tr.grads.raw(u), tr.grads.factor(u)
         grad_bytes += raw.element_size() * tr.numel if raw.device != dev else 0
-        before = opt.last_step.index_select(0, ids)
         if dev.type == "cuda":
             tr.grads.ready(u, torch.cuda.current_stream(dev))
         for lo in range(0, tr.numel, piece):  # the gradient in fp32, scaled, as the staged pipeline steps it
@@ -159,9 +164,8 @@ def _step_resident(tr, uids: List[int], dev: torch.device, copy_stream=None) -> 
             g = raw[lo:hi].to(dev, non_blocking=True).float()  # a bf16 one crosses as bf16, widens on the device
             g = g * f if f != 1.0 else g
             n = (hi - lo) // sub
-            opt.update(weights, states, i * k + lo // sub + torch.arange(n), g.view(n, sub), ids.repeat(n))
-            if hi < tr.numel:  # the next piece of this expert starts from the same step state
-                opt.last_step.index_copy_(0, ids, before)
+            _update_rows(opt, weights, states, i * k + lo // sub + torch.arange(n), g.view(n, sub), ids.repeat(n),
+                         [u], hi == tr.numel)
         host = store.host_view(u)
         copy = t["weight"][i] if host.dtype == torch.float32 else t["weight"][i].to(host.dtype)
         tr.refresh_slot(u, copy)
@@ -259,7 +263,8 @@ def _pipelined_pieces(tr, pl, pieces, compute, pending, last_piece):
         with torch.cuda.stream(pl.load):
             if pl.freed[k] is not None:
                 pl.load.wait_event(pl.freed[k])
-            index = tr.row_optimizer.device_index(*_piece_rows(tr, part, width), pl.dev)  # ahead of the rows
+            rows = _piece_rows(tr, part, width)
+            index = tr.row_optimizer.device_index(*rows, pl.dev)  # ahead of the rows
             index[0].record_stream(compute)  # made on this stream, read by the update (one buffer for both)
             for name in names:
                 for j in range(n):
@@ -278,7 +283,7 @@ def _pipelined_pieces(tr, pl, pieces, compute, pending, last_piece):
             if grads.factor(u) != 1.0:
                 buf["grad"][j].mul_(grads.factor(u))
         last = hi == tr.numel
-        _update_piece(tr, buf, buf["grad"], part, width, last, index)
+        _update_piece(tr, buf, buf["grad"], part, width, last, index, rows)
         low = None
         if pl.low[k] is not None:
             low = pl.low[k][:n * width].view(n, width)
