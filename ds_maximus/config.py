@@ -204,8 +204,14 @@ class MoEConfig(_Section):
     """With ``train`` and ``optimizer_device: compute``: fp32 masters, moments and gradients staged on the
     device at once (a large expert is stepped in pieces)."""
     gpu_grad_experts: Optional[int] = Field(None, ge=1)
-    """With ``train``: accumulated expert gradients (fp32) kept on the compute device, most recently used
-    first; older ones move to pinned CPU memory until the step. ``None``: ``gpu_experts_per_layer``."""
+    """With ``train``: expert gradients kept on the compute device, most recently used first; older ones move
+    to pinned CPU memory until the step. Counted as the backward makes them (bf16 in a bf16 run): one summed in
+    fp32 over micro-batches counts as two. ``None``: ``gpu_experts_per_layer``."""
+    host_grad_accumulate: bool = True
+    """With ``train`` and gradient accumulation: a micro-batch's gradient of an expert whose sum waits in CPU
+    memory is copied out in its own dtype and added there by a worker thread (the same fp32 additions, so the
+    same bits). ``false``: the sum comes back to the device, is added to there, and goes out again (fp32 both
+    ways)."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
     gpu_state_experts: int = Field(0, ge=0)

@@ -149,3 +149,52 @@ def test_device_state_experts_on_cuda_equal_the_tier_only_run(overlap):
         for e, s in enumerate(t.cache.groups[g].map.id_to_slot.tolist()):
             if s >= 0:
                 assert torch.equal(t.cache.slot_buffer(g)[s].cpu(), t.store.shadow[g * t.num_experts + e])
+
+
+@pytest.mark.parametrize("host_accumulate", [False, True])
+def test_gradient_accumulation_on_cuda_sums_the_same_bits(host_accumulate):
+    """Three micro-batches of bf16 gradients for 6 experts, 2 kept on the device: sums waiting on the host are
+    added there (or brought back and added on the device); either way every sum is the fp32 sum of the
+    micro-batches bit for bit, and the device never holds more than 2 gradients' worth (an fp32 sum counts two)."""
+    from ds_maximus.moe.training.grads import ExpertGrads
+    g = ExpertGrads(torch.device("cuda"), max_on_device=2, host_accumulate=host_accumulate)
+    gen = torch.Generator().manual_seed(0)
+    parts = [[torch.randn(4099, generator=gen).to(torch.bfloat16) for _ in range(6)] for _ in range(3)]
+    for mb in parts:
+        for u, p in enumerate(mb):
+            g.add(u, p.cuda())
+            bytes_on = sum(t.numel() * t.element_size() for t in g.g.values() if t.is_cuda)
+            assert bytes_on <= 2 * 4099 * 2
+    assert (g.added_on_host > 0) == host_accumulate
+    want = {u: parts[0][u].float() + parts[1][u].float() + parts[2][u].float() for u in range(6)}
+    norm = sum(float(torch.dot(w, w)) for w in want.values())
+    assert float(g.norm_sq()) == pytest.approx(norm, rel=1e-5)
+    assert g.finite()
+    g.scale_(0.5)
+    for u in range(6):
+        assert torch.equal(g.get(u, torch.device("cuda")).cpu(), want[u] * 0.5), u
+    t, f, ev = g.take_to_host(0)
+    if ev is not None:
+        ev.synchronize()
+    assert torch.equal(t.float() * f, want[0] * 0.5)
+
+
+def test_host_accumulation_trains_the_same_bits():
+    """bf16, clipped, 3 micro-batches a step, gradients spilled, the split step overlapped: adding micro-batches
+    on the host gives the same losses and tier, bit for bit, as bringing the sums back to the device."""
+    data = batches(9, batch=2, seqlen=8)
+    engines, losses = {}, {}
+    for host in (False, True):
+        engines[host] = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", clip=0.05, gas=3,
+                              maximus=moe_section(slots=2, gpu_grad_experts=2, optimizer_device="split",
+                                                  cpu_step_share=0.5, step_chunk_bytes=1 << 16,
+                                                  host_grad_accumulate=host))
+        losses[host] = train(engines[host], data)
+    t, ts = (engines[h].maximus.modules["moe"] for h in (True, False))
+    assert t.grads.added_on_host > 0 and ts.grads.added_on_host == 0
+    assert losses[True] == losses[False]
+    t.finish_step()
+    ts.finish_step()
+    for n, v in ts.store._tier.tensors.items():
+        assert torch.equal(t.store._tier.tensors[n], v), n
+    assert torch.equal(t.store.shadow, ts.store.shadow)

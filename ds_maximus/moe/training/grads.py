@@ -10,10 +10,19 @@ just computed, still in the expert cache); older ones move to pinned CPU memory 
 device the next time their expert adds to it or is stepped. Across data-parallel ranks the gradients
 are averaged like DeepSpeed averages dense ones (:meth:`allreduce_`).
 
-A gradient that moves to the host never costs CPU time: the copy is asynchronous (an event says when it
-has landed), its squared norm and finiteness are computed on the device as it leaves, and a clipping
-factor (:meth:`scale_`) is only recorded for it and applied where it is next used on the device (the
-step). A Mixtral expert's gradient is 704 MB of fp32: a CPU pass over 20 of them took seconds per step.
+A gradient that moves to the host costs no CPU time on the main thread: the copy is asynchronous (an event
+says when it has landed), its squared norm and finiteness are computed on the device as it leaves, and a
+clipping factor (:meth:`scale_`) is only recorded for it and applied where it is next used on the device
+(the step). A Mixtral expert's gradient is 704 MB of fp32: a CPU pass over 20 of them took seconds per step.
+
+``max_on_device`` counts gradients as the backward makes them (bf16 in a bf16 run): one widened to fp32 by a
+second micro-batch counts as two, so gradient accumulation keeps the device bytes of a single micro-batch.
+
+With gradient accumulation, a later micro-batch's gradient of an expert whose sum waits on the host is added
+there (``host_accumulate``, on by default): it crosses the link once, in its own dtype, and a worker thread adds
+it to the fp32 sum (the same fp32 additions as on the device, so the same bits) and takes the sum's norm.
+Bringing the sum back to the device to add to it moved 3x the bytes (fp32 in and out, against bf16 out): on
+the H200, 16K tokens a step on the fine-grained shape, that round trip was ~34 GB a micro-batch.
 
     >>> import torch
     >>> g = ExpertGrads(torch.device("cpu"), max_on_device=2)
@@ -24,6 +33,7 @@ step). A Mixtral expert's gradient is 704 MB of fp32: a CPU pass over 20 of them
 from __future__ import annotations
 
 import collections
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -33,15 +43,24 @@ from torch import Tensor
 class ExpertGrads:
     """uid -> flat gradient, fp32 or a single bf16 one (on the compute device, or on the CPU after an eviction)."""
 
-    def __init__(self, device: torch.device, max_on_device: int):
+    #: host-path copies in flight before the compute stream waits for the oldest (it holds their memory)
+    MAX_IN_FLIGHT = 4
+
+    def __init__(self, device: torch.device, max_on_device: int, host_accumulate: bool = True):
         self.device = torch.device(device)
         self.max_on_device = int(max_on_device)
+        self.host_accumulate = bool(host_accumulate)
         self.g: Dict[int, Tensor] = {}
         self._recent: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # uids on the device
         self._left: Dict[int, Tuple[object, Tensor, Tensor]] = {}  # host uid -> (copy event, |g|^2, finite)
         self._factor: Dict[int, float] = {}  # uid -> pending scale (host gradients, and bf16 ones)
         self.moved_to_host = 0
         self._out: Optional[torch.cuda.Stream] = None  # the copies out (made when first needed)
+        self._unit = 0  # bytes of a gradient as the backward makes it: the unit of max_on_device
+        self._acc: Dict[int, Future] = {}  # host uid -> its addition running in the worker
+        self._flying: "collections.deque" = collections.deque()  # (device gradient, copy event) still leaving
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.added_on_host = 0
 
     def __bool__(self) -> bool:
         return bool(self.g)
@@ -58,9 +77,13 @@ class ExpertGrads:
     def add(self, uid: int, grad: Tensor) -> None:
         """Accumulate ``grad`` (flat, any float dtype, on the compute device) into expert ``uid``."""
         cur = self.g.get(uid)
+        if grad.device.type != "cpu" and not self._unit:
+            self._unit = grad.element_size() * grad.numel()
         if cur is None:  # a copy: grad may be a view of a round's whole gradient buffer
             self.g[uid] = grad.clone() if grad.dtype == torch.bfloat16 else grad.to(torch.float32, copy=True)
         elif cur.device != grad.device:
+            if self.host_accumulate and grad.is_cuda:
+                return self._add_on_host(uid, grad)
             self.g[uid] = self._take(uid, grad.device).add_(grad)  # in use again: back on the device
         else:
             if cur.dtype != torch.float32:  # widened, its pending scale applied: fp32 from here on
@@ -70,8 +93,62 @@ class ExpertGrads:
         if grad.device.type != "cpu":
             self._recent[uid] = None
             self._recent.move_to_end(uid)
-            while len(self._recent) > self.max_on_device:
+            while self._recent and self._device_units() > self.max_on_device:
                 self._to_host(self._recent.popitem(last=False)[0])
+
+    def _device_units(self) -> float:
+        """Device gradients in units of one as the backward makes it (an fp32 sum in a bf16 run counts two)."""
+        return sum(max(1.0, self.g[u].element_size() * self.g[u].numel() / self._unit) for u in self._recent)
+
+    def _add_on_host(self, uid: int, grad: Tensor) -> None:
+        """``uid``'s sum waits on the host: copy ``grad`` out as it is and add it there in the worker."""
+        self._settle(uid)  # the previous micro-batch's addition (long done: a micro-batch ago)
+        cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
+        dev_stream = torch.cuda.current_stream(grad.device)
+        out = self._out_stream(grad.device)
+        out.wait_stream(dev_stream)
+        tmp = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        with torch.cuda.stream(out):
+            tmp.copy_(grad, non_blocking=True)
+        ev = out.record_event()
+        # no record_stream: the compute stream waits for the copy before this memory is freed, so it can be
+        # reused at once (a recorded block waits for the host to see the copy end, and meanwhile the cap fills)
+        self._flying.append((grad, ev))
+        self._retire(self.MAX_IN_FLIGHT, dev_stream)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-grad-add")
+        wide = None  # made here: a pinned allocation in the worker could make a context on another device
+        if cur.dtype != torch.float32:
+            wide = torch.empty(cur.shape, dtype=torch.float32, pin_memory=cur.is_pinned())
+        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, tmp, ev, wide)
+        self.added_on_host += 1
+
+    def _retire(self, keep: int, stream=None) -> None:
+        """Forget copies out that have landed; make ``stream`` wait for the oldest beyond ``keep``."""
+        while self._flying and (len(self._flying) > keep or self._flying[0][1].query()):
+            t, ev = self._flying.popleft()
+            if not ev.query():
+                (stream or torch.cuda.current_stream(t.device)).wait_event(ev)
+
+    def _settle(self, uid: int) -> None:
+        """Wait for ``uid``'s addition on the host, if one is running, and take its sum, norm and finiteness."""
+        fut = self._acc.pop(uid, None)
+        if fut is not None:
+            total, norm_sq, finite = fut.result()
+            if uid in self.g:
+                self.g[uid] = total
+                self._left[uid] = (None, norm_sq, finite)
+
+    def _settle_all(self) -> None:
+        for uid in list(self._acc):
+            self._settle(uid)
+        if self._flying:
+            self._retire(0)
+
+    def _out_stream(self, device: torch.device):
+        if self._out is None:
+            self._out = torch.cuda.Stream(device)
+        return self._out
 
     def factor(self, uid: int) -> float:
         """The scale still to apply to ``uid``'s stored gradient (1.0 unless it waits on the host or is bf16)."""
@@ -85,6 +162,7 @@ class ExpertGrads:
     def get(self, uid: int, device: Optional[torch.device] = None) -> Tensor:
         """``uid``'s gradient in fp32, scaled (a copy when it was waiting on the host with a pending factor,
         or was bf16)."""
+        self._settle(uid)
         t = self.g[uid]
         if uid in self._left:
             dev = torch.device(device) if device is not None else t.device
@@ -103,8 +181,7 @@ class ExpertGrads:
         norm_sq, finite = _dot(t), torch.isfinite(t).all()  # on the device, before it leaves
         host, ev = t, None                                           # a CPU run: already there
         if t.is_cuda:  # on a stream of its own: the backward's kernels do not queue behind the copy
-            if self._out is None:
-                self._out = torch.cuda.Stream(t.device)
+            self._out_stream(t.device)
             self._out.wait_stream(torch.cuda.current_stream(t.device))
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             with torch.cuda.stream(self._out):
@@ -117,11 +194,13 @@ class ExpertGrads:
 
     def ready(self, uid: int, stream) -> None:
         """Make CUDA ``stream`` wait until host gradient ``uid`` has landed (before a copy of it back in)."""
+        self._settle(uid)
         left = self._left.get(uid)
         if left is not None and left[0] is not None:
             stream.wait_event(left[0])
 
     def _landed(self, uid: int) -> None:
+        self._settle(uid)
         ev = self._left[uid][0]
         if ev is not None:
             ev.synchronize()
@@ -144,6 +223,7 @@ class ExpertGrads:
         device one is copied out asynchronously (wait on the event, if any, before reading the tensor)."""
         if uid not in self._left:
             self._to_host(uid)
+        self._settle(uid)
         t, (ev, _, _), f = self.g[uid], self._left[uid], self._factor.get(uid, 1.0)
         self.drop(uid)
         return t, f, ev
@@ -151,12 +231,14 @@ class ExpertGrads:
     def drop(self, uid: int) -> None:
         """Forget ``uid``'s gradient (the step has consumed it)."""
         self._recent.pop(uid, None)
+        self._acc.pop(uid, None)
         self.g.pop(uid)
         self._left.pop(uid, None)
         self._factor.pop(uid, None)
 
     def norm_sq(self) -> Tensor:
         """Sum of squares of every gradient (one device sync for all of them)."""
+        self._settle_all()
         parts = []
         for u, t in self.g.items():
             f2 = self._factor.get(u, 1.0) ** 2
@@ -168,6 +250,7 @@ class ExpertGrads:
     def scale_(self, factor: float) -> None:
         """Scale every gradient: fp32 ones on the device in place; host and bf16 ones only record the factor
         (applied in fp32 where they are read: the step, :meth:`get`), so a bf16 one stays 2 bytes a parameter."""
+        self._settle_all()
         for u, t in self.g.items():
             if u in self._left or t.dtype != torch.float32:
                 self._factor[u] = self._factor.get(u, 1.0) * factor
@@ -175,12 +258,16 @@ class ExpertGrads:
                 t.mul_(factor)
 
     def finite(self) -> bool:
+        self._settle_all()
         flags = [self._left[u][2] if u in self._left else torch.isfinite(t).all() for u, t in self.g.items()]
         if not flags:
             return True
         return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
     def clear(self) -> None:
+        for fut in self._acc.values():  # its buffers are the worker's until it ends
+            fut.result()
+        self._acc.clear()
         self.g.clear()
         self._recent.clear()
         self._left.clear()
@@ -192,6 +279,7 @@ class ExpertGrads:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
+        self._settle_all()
         world = dist.get_world_size(group)
         dev = self._comm_device()
         have = torch.zeros(num_uids, dtype=torch.int32, device=dev)
@@ -224,6 +312,22 @@ class ExpertGrads:
         import torch.distributed as dist
         backend = dist.get_backend()
         return self.device if backend == "nccl" else torch.device("cpu")
+
+
+def _host_sum(cur: Tensor, ev_cur, factor: float, add: Tensor, ev_add,
+              wide: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """The worker's part of :meth:`ExpertGrads._add_on_host`: ``cur * factor + add`` in fp32 (in place when
+    ``cur`` is fp32, else in ``wide``), once both have landed, with the sum's squared norm and finiteness."""
+    if ev_cur is not None:
+        ev_cur.synchronize()
+    if ev_add is not None:
+        ev_add.synchronize()
+    if cur.dtype != torch.float32:
+        cur = wide.copy_(cur)
+    if factor != 1.0:
+        cur.mul_(factor)
+    cur.add_(add)
+    return cur, _dot(cur), torch.isfinite(cur).all()
 
 
 def _dot(t: Tensor) -> Tensor:

@@ -123,7 +123,7 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
             load_op("cpu")
         logger.info("ExpertTrainer: compute copy, expert cache and optimizer op in %.1f s (set-up %.1f s)",
                     time.perf_counter() - t2, time.perf_counter() - t0)
-        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots)
+        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots, mcfg.host_grad_accumulate)
         self.cpu_step_share: Optional[float] = None  # split: the measured share of the CPU side (step.py)
         self._step_pool = None                       # split: the CPU side's worker thread
         self.counters = ExpertTrainStats(self.num_layers, self.num_experts)
