@@ -18,6 +18,7 @@ class ShardedEmbeddingBuilder(MaximusOpBuilder):
         return [self.csrc("sharded_embedding", "cpu", "sharded_embedding_cpu.cpp"),
                 self.csrc("sharded_embedding", "cpu", "slot_map.cpp"),
                 self.csrc("sharded_embedding", "cpu", "batch_plan.cpp"),
+                self.csrc("sharded_embedding", "cpu", "grad_sum.cpp"),
                 self.csrc("sharded_embedding", "bindings.cpp")]
 
     def cxx_args(self):
@@ -31,6 +32,7 @@ class ShardedEmbeddingCUDABuilder(MaximusCUDAOpBuilder):
         return [self.csrc("sharded_embedding", "cpu", "sharded_embedding_cpu.cpp"),
                 self.csrc("sharded_embedding", "cpu", "slot_map.cpp"),
                 self.csrc("sharded_embedding", "cpu", "batch_plan.cpp"),
+                self.csrc("sharded_embedding", "cpu", "grad_sum.cpp"),
                 self.csrc("sharded_embedding", "cuda", "sharded_embedding_cuda.cu"),
                 self.csrc("sharded_embedding", "bindings.cpp")]
 

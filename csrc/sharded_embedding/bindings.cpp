@@ -81,6 +81,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "sorted unique ids of a CPU batch into uniq_out, [inverse | stable order | offsets] into idx_out; returns U "
           "(-1 - n when id n is outside the vocabulary, nothing written)",
           "ids"_a, "mask"_a, "rank"_a, "uniq_out"_a, "idx_out"_a, nogil());
+    m.def("grad_sum", &maximus::grad_sum_cpu,
+          "CPU: out = base * factor + add in fp32 (base may be out); returns (sum of out^2, every element finite)",
+          "out"_a, "base"_a, "factor"_a, "add"_a, nogil());
     m.def("row_update", &maximus::row_update, "fused exact-replay + AdamW/SparseAdam/Adagrad step on rows", "weight"_a,
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
           "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true,

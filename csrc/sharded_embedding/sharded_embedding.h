@@ -29,6 +29,9 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> 
 // BatchPlanner.plan of ds_maximus/embedding/function.py: writes the U sorted unique ids of ``ids`` to uniq_out and
 // [inverse (N) | stable order (N) | offsets (U + 1)] to idx_out; returns U. ``mask`` (bool, vocabulary-sized) must
 // be all false and is left so; ``rank`` (int64, vocabulary-sized) is scratch.
+// out = base * factor + add (fp32 elementwise, as the device does it); returns (sum of out^2, all finite).
+std::tuple<double, bool> grad_sum_cpu(at::Tensor& out, const at::Tensor& base, double factor, const at::Tensor& add);
+
 int64_t batch_plan_cpu(const at::Tensor& ids, at::Tensor& mask, at::Tensor& rank, at::Tensor& uniq_out,
                        at::Tensor& idx_out);
 #ifdef MAXIMUS_WITH_CUDA

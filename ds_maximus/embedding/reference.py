@@ -75,3 +75,13 @@ def row_update_ref(weight: Tensor, states: List[Tensor], slots: Tensor, grads: O
                 run(slots[active], None, k, float(lr_hist[k]), float(wd_hist[k]))
     if grads is not None:
         run(slots, grads.float(), step, lr, weight_decay)
+
+
+def grad_sum_ref(out: Tensor, base: Tensor, factor: float, add: Tensor):
+    """``out = base * factor + add`` in fp32 as torch does it on a device (``base`` may be ``out``); returns
+    ``(sum of out ** 2, every element finite)``."""
+    out.copy_(base)
+    if factor != 1.0:
+        out.mul_(factor)
+    out.add_(add)
+    return float(torch.dot(out.double(), out.double())), bool(torch.isfinite(out).all())

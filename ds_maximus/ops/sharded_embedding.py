@@ -95,6 +95,15 @@ def segment_reduce(grad: Tensor, inverse: Tensor, num_unique: int, order: Option
     return out
 
 
+def grad_sum(out: Tensor, base: Tensor, factor: float, add: Tensor):
+    """Host tensors: ``out = base * factor + add`` elementwise in fp32 (``base`` fp32, bf16 or fp16, and may be
+    ``out``; the device's roundings), in one pass that also returns ``(sum of out ** 2, every element finite)``."""
+    op = host_op()
+    if op is None:
+        return ref.grad_sum_ref(out, base, factor, add)
+    return op.grad_sum(out, base.contiguous(), float(factor), add.contiguous())
+
+
 def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optional[Tensor],
                last_step: Optional[Tensor], *, step: int, lr_hist: Optional[Tensor], wd_hist: Optional[Tensor],
                lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,

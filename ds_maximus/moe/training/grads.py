@@ -123,6 +123,12 @@ class ExpertGrads:
         self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, tmp, ev, wide)
         self.added_on_host += 1
 
+    def settle_copies(self) -> None:
+        """Make the compute stream wait for the gradients still being copied out, so that their memory (a
+        backward round's whole gradient buffer) is free for the next round: called before a round's backward."""
+        if self._flying:
+            self._retire(0)
+
     def _retire(self, keep: int, stream=None) -> None:
         """Forget copies out that have landed; make ``stream`` wait for the oldest beyond ``keep``."""
         while self._flying and (len(self._flying) > keep or self._flying[0][1].query()):
@@ -317,17 +323,16 @@ class ExpertGrads:
 def _host_sum(cur: Tensor, ev_cur, factor: float, add: Tensor, ev_add,
               wide: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """The worker's part of :meth:`ExpertGrads._add_on_host`: ``cur * factor + add`` in fp32 (in place when
-    ``cur`` is fp32, else in ``wide``), once both have landed, with the sum's squared norm and finiteness."""
+    ``cur`` is fp32, else in ``wide``), once both have landed, with the sum's squared norm and finiteness (one
+    pass of the ops' ``grad_sum``)."""
+    from ds_maximus.ops.sharded_embedding import grad_sum
     if ev_cur is not None:
         ev_cur.synchronize()
     if ev_add is not None:
         ev_add.synchronize()
-    if cur.dtype != torch.float32:
-        cur = wide.copy_(cur)
-    if factor != 1.0:
-        cur.mul_(factor)
-    cur.add_(add)
-    return cur, _dot(cur), torch.isfinite(cur).all()
+    out = cur if cur.dtype == torch.float32 else wide
+    norm_sq, finite = grad_sum(out, cur, factor, add)
+    return out, torch.tensor(norm_sq, dtype=torch.float64), torch.tensor(bool(finite))
 
 
 def _dot(t: Tensor) -> Tensor:

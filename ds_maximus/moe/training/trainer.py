@@ -225,6 +225,7 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         slots = self.cache.acquire(group, experts)   # a reload if it was evicted since forward
         self._prefetch_backward(group)
         try:
+            self.grads.settle_copies()  # the last round's gradients out: its buffer is reused for this one's
             with torch.enable_grad():
                 buf = self.cache.slot_buffer(group).detach().requires_grad_(True)
                 xl = x.detach().requires_grad_(x.requires_grad)

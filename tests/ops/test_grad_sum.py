@@ -1,0 +1,57 @@
+"""The ops' ``grad_sum`` (an expert gradient's micro-batch sum on the host) against its PyTorch reference."""
+import pytest
+import torch
+
+from ds_maximus.embedding import reference as ref
+from ds_maximus.ops import sharded_embedding as ops
+
+
+@pytest.fixture(scope="module")
+def op():
+    op = ops.load_op("cpu")
+    if op is None:
+        pytest.fail("the CPU op did not build")
+    return op
+
+
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("add_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [1.0, 0.37])
+def test_grad_sum_equals_the_reference_bit_for_bit(op, base_dtype, add_dtype, factor):
+    g = torch.Generator().manual_seed(0)
+    n = 200_003  # several chunks and a ragged end
+    base = (torch.randn(n, generator=g) * 3).to(base_dtype)
+    add = torch.randn(n, generator=g).to(add_dtype)
+    want = torch.empty(n)
+    w_sq, w_fin = ref.grad_sum_ref(want, base, factor, add)
+    out = torch.empty(n)
+    sq, fin = op.grad_sum(out, base, factor, add)
+    assert torch.equal(out, want)
+    assert sq == pytest.approx(w_sq, rel=1e-12) and fin and w_fin
+    if base_dtype == torch.float32:  # in place, as ExpertGrads adds to an fp32 sum
+        sq2, _ = op.grad_sum(base, base, factor, add)
+        assert torch.equal(base, want) and sq2 == sq
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_grad_sum_reports_a_non_finite_element(op, bad):
+    base, add = torch.ones(100_000), torch.ones(100_000, dtype=torch.bfloat16)
+    add[77_777] = bad
+    _, fin = op.grad_sum(torch.empty(100_000), base, 1.0, add)
+    assert not fin
+    _, fin = ref.grad_sum_ref(torch.empty(100_000), base, 1.0, add)
+    assert not fin
+
+
+def test_grad_sum_rejects_mismatched_sizes(op):
+    with pytest.raises(RuntimeError, match="differ in size"):
+        op.grad_sum(torch.empty(10), torch.ones(10), 1.0, torch.ones(9))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        op.grad_sum(torch.empty(10, dtype=torch.bfloat16), torch.ones(10), 1.0, torch.ones(10))
+
+
+def test_the_wrapper_falls_back_to_the_reference(monkeypatch):
+    monkeypatch.setenv("MAXIMUS_SHARDED_EMBEDDING_REFERENCE", "1")
+    out = torch.empty(5)
+    sq, fin = ops.grad_sum(out, torch.full((5,), 2.0, dtype=torch.bfloat16), 0.5, torch.ones(5))
+    assert torch.equal(out, torch.full((5,), 2.0)) and sq == 20.0 and fin
