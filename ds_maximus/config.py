@@ -207,11 +207,11 @@ class MoEConfig(_Section):
     """With ``train``: expert gradients kept on the compute device, most recently used first; older ones move
     to pinned CPU memory until the step. Counted as the backward makes them (bf16 in a bf16 run): one summed in
     fp32 over micro-batches counts as two. ``None``: ``gpu_experts_per_layer``."""
-    host_grad_accumulate: bool = True
+    host_grad_accumulate: bool = False
     """With ``train`` and gradient accumulation: a micro-batch's gradient of an expert whose sum waits in CPU
     memory is copied out in its own dtype and added there by a worker thread (the same fp32 additions, so the
-    same bits). ``false``: the sum comes back to the device, is added to there, and goes out again (fp32 both
-    ways)."""
+    same bits), instead of the sum coming back to the device and going out again (fp32 both ways). Experimental:
+    on the H200 it was ~6x slower a step than the round trip (docs/bench/moe_training.md, session 17)."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
     gpu_state_experts: int = Field(0, ge=0)
