@@ -24,6 +24,12 @@ out once in its own dtype and a worker thread adds it to the host sum (the ops' 
 additions, so the same bits; tested on the H200). It moves a third of the bytes over the link, but on the H200
 (fine-grained shape, 16K tokens a step) it took ~22 s a step against ~3.5 s for the round trip, for a reason not
 yet found (docs/bench/moe_training.md, session 17): it stays off until that is understood.
+
+    >>> import torch
+    >>> g = ExpertGrads(torch.device("cpu"), max_on_device=2)
+    >>> g.add(3, torch.ones(4)); g.add(3, torch.ones(4)); g.add(1, torch.zeros(4))
+    >>> g.uids(), float(g.norm_sq())
+    ([1, 3], 16.0)
 """
 from __future__ import annotations
 
