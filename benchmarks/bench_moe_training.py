@@ -143,7 +143,8 @@ def ds_config(a, kind, bf16):
                                   "optimizer_device": {"ours_cpu": "cpu", "ours_split": "split",
                                                        "ours_split_sync": "split"}.get(kind, "compute"),
                                   "overlap_step": kind != "ours_split_sync",
-                                  "speculative_prefetch": True}}
+                                  "speculative_prefetch": True,
+                                  "host_grad_accumulate": a.host_grad_accumulate}}
         if a.state_experts and kind.startswith("ours_split"):
             cfg["maximus"]["moe"]["gpu_state_experts"] = a.state_experts
         if a.cpu_share is not None:
@@ -246,6 +247,8 @@ def run_peer(a, kind) -> dict:
         if moe is not None:  # a split step runs on into the next forward: the last one's tail is timed too
             last = dict(moe.stats()["last_step"])
             moe.finish_step()
+            if "host_grad_accumulate" in moe.stats():  # cumulative, warm-up included
+                phase(f"HOST GRADS {moe.stats()['host_grad_accumulate']}")
         if cuda:
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / a.steps
@@ -365,6 +368,8 @@ def main(argv=None):
                    "gives 4 to the Mixtral shape: 14.5 GiB peak under the 15.8 GiB cap, fewer loads)")
     p.add_argument("--grad-experts", type=int, default=None, help="expert gradients kept on the GPU (ours; "
                    "default: as many fp32 gradients as fit in a quarter of --cap-gib)")
+    p.add_argument("--host-grad-accumulate", action="store_true", help="ours: moe.host_grad_accumulate (with "
+                   "--gas > 1; prints a HOST GRADS line of its timings)")
     p.add_argument("--state-experts", type=int, default=0, help="ours_split*: moe.gpu_state_experts, experts whose "
                    "fp32 master and moments stay on the GPU (12 B a parameter each)")
     p.add_argument("--cpu-share", type=float, default=None, help="ours_split*: a fixed moe.cpu_step_share "
@@ -410,7 +415,8 @@ def main(argv=None):
                   sizes={"layers": a.layers, "H": a.hidden, "F": a.ffn, "E": a.experts, "top_k": a.top_k,
                          "tokens/step": a.micro_batch * a.seq * a.gas, "expert GiB (bf16)": round(expert_gib, 2),
                          "cap GiB": a.cap_gib, "slots/layer": a.slots,
-                         **({"state experts": a.state_experts} if a.state_experts else {})},
+                         **({"state experts": a.state_experts} if a.state_experts else {}),
+                         **({"host grad accumulate": True} if a.host_grad_accumulate else {})},
                   notes="ms = one optimizer step (a split step that overlaps the next forward: none runs when the clock "
                         "starts, the last one's tail is timed; "
                         "step ms: host time in the expert step, wait ms: the forward's waits for the last step's "

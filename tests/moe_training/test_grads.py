@@ -89,3 +89,18 @@ def test_bf16_training_is_bit_identical_to_fp32_gradients(monkeypatch, device):
     assert torch.equal(t_got.store.shadow, t_ref.store.shadow)
     er, eg = mixtral_experts(ref), mixtral_experts(got)
     assert all(torch.equal(eg[g][n], er[g][n]) for g in er for n in er[g])
+
+
+def test_host_accumulation_timings_are_in_the_stats():
+    """``moe.host_grad_accumulate`` reports its waits in ``stats()`` (the figures the H200 runs need to find where
+    its slow steps go); on the CPU every gradient is already on the host, so none is added there."""
+    sec = moe_section(slots=2, gpu_grad_experts=1, optimizer_device="split", host_grad_accumulate=True)
+    eng = build(tiny_mixtral(num_experts=8), 2, gas=2, maximus=sec)
+    train(eng, batches(4, batch=2, seqlen=8))
+    t = eng.maximus.modules["moe"]
+    t.finish_step()
+    got = t.stats()["host_grad_accumulate"]
+    assert got["added_on_host"] == 0
+    assert set(got) == {"added_on_host", "settle_wait_ms", "pin_alloc_ms", "worker_copy_wait_ms", "worker_sum_ms"}
+    assert "host_grad_accumulate" not in build(tiny_mixtral(num_experts=8), 2, maximus=moe_section(slots=2)) \
+        .maximus.modules["moe"].stats()

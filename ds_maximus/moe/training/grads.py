@@ -34,6 +34,7 @@ yet found (docs/bench/moe_training.md, session 17): it stays off until that is u
 from __future__ import annotations
 
 import collections
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
@@ -62,6 +63,8 @@ class ExpertGrads:
         self._flying: "collections.deque" = collections.deque()  # (device gradient, copy event) still leaving
         self._pool: Optional[ThreadPoolExecutor] = None
         self.added_on_host = 0
+        # host accumulation's seconds, cumulative (see timings()): where its slow steps on the H200 went is open
+        self._t = {"settle_wait": 0.0, "pin_alloc": 0.0, "worker_copy_wait": 0.0, "worker_sum": 0.0}
 
     def __bool__(self) -> bool:
         return bool(self.g)
@@ -108,7 +111,12 @@ class ExpertGrads:
         dev_stream = torch.cuda.current_stream(grad.device)
         out = self._out_stream(grad.device)
         out.wait_stream(dev_stream)
+        t0 = time.perf_counter()
         tmp = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        wide = None  # made here: a pinned allocation in the worker could make a context on another device
+        if cur.dtype != torch.float32:
+            wide = torch.empty(cur.shape, dtype=torch.float32, pin_memory=cur.is_pinned())
+        self._t["pin_alloc"] += time.perf_counter() - t0
         with torch.cuda.stream(out):
             tmp.copy_(grad, non_blocking=True)
         ev = out.record_event()
@@ -118,10 +126,7 @@ class ExpertGrads:
         self._retire(self.MAX_IN_FLIGHT, dev_stream)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-grad-add")
-        wide = None  # made here: a pinned allocation in the worker could make a context on another device
-        if cur.dtype != torch.float32:
-            wide = torch.empty(cur.shape, dtype=torch.float32, pin_memory=cur.is_pinned())
-        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, tmp, ev, wide)
+        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, tmp, ev, wide, self._t)
         self.added_on_host += 1
 
     def settle_copies(self) -> None:
@@ -141,7 +146,9 @@ class ExpertGrads:
         """Wait for ``uid``'s addition on the host, if one is running, and take its sum, norm and finiteness."""
         fut = self._acc.pop(uid, None)
         if fut is not None:
+            t0 = time.perf_counter()
             total, norm_sq, finite = fut.result()
+            self._t["settle_wait"] += time.perf_counter() - t0
             if uid in self.g:
                 self.g[uid] = total
                 self._left[uid] = (None, norm_sq, finite)
@@ -151,6 +158,12 @@ class ExpertGrads:
             self._settle(uid)
         if self._flying:
             self._retire(0)
+
+    def timings(self) -> Dict[str, float]:
+        """Host accumulation, cumulative: gradients added on the host, and ms the main thread waited for the worker
+        (``settle_wait``) and allocated pinned memory (``pin_alloc``), and the worker waited for copies to land
+        (``worker_copy_wait``) and summed (``worker_sum``)."""
+        return {"added_on_host": self.added_on_host, **{k + "_ms": v * 1e3 for k, v in self._t.items()}}
 
     def _out_stream(self, device: torch.device):
         if self._out is None:
@@ -321,18 +334,22 @@ class ExpertGrads:
         return self.device if backend == "nccl" else torch.device("cpu")
 
 
-def _host_sum(cur: Tensor, ev_cur, factor: float, add: Tensor, ev_add,
-              wide: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+def _host_sum(cur: Tensor, ev_cur, factor: float, add: Tensor, ev_add, wide: Optional[Tensor],
+              timing: Dict[str, float]) -> Tuple[Tensor, Tensor, Tensor]:
     """The worker's part of :meth:`ExpertGrads._add_on_host`: ``cur * factor + add`` in fp32 (in place when
     ``cur`` is fp32, else in ``wide``), once both have landed, with the sum's squared norm and finiteness (one
     pass of the ops' ``grad_sum``)."""
     from ds_maximus.ops.sharded_embedding import grad_sum
+    t0 = time.perf_counter()
     if ev_cur is not None:
         ev_cur.synchronize()
     if ev_add is not None:
         ev_add.synchronize()
+    t1 = time.perf_counter()
     out = cur if cur.dtype == torch.float32 else wide
     norm_sq, finite = grad_sum(out, cur, factor, add)
+    timing["worker_copy_wait"] += t1 - t0  # the worker is the only writer of these two
+    timing["worker_sum"] += time.perf_counter() - t1
     return out, torch.tensor(norm_sq, dtype=torch.float64), torch.tensor(bool(finite))
 
 

@@ -435,5 +435,9 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
                 "expert gradients": size(self.grads.raw(u) for u in self.grads.uids() if not self.grads.on_host(u))}
 
     def stats(self) -> dict:
-        """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing)."""
-        return self.counters.as_dict(self.cache)
+        """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing); with
+        ``moe.host_grad_accumulate``, ``"host_grad_accumulate"``: :meth:`ExpertGrads.timings`."""
+        out = self.counters.as_dict(self.cache)
+        if self.grads.host_accumulate:
+            out["host_grad_accumulate"] = self.grads.timings()
+        return out
