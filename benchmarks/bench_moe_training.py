@@ -247,8 +247,9 @@ def run_peer(a, kind) -> dict:
         if moe is not None:  # a split step runs on into the next forward: the last one's tail is timed too
             last = dict(moe.stats()["last_step"])
             moe.finish_step()
-            if "host_grad_accumulate" in moe.stats():  # cumulative, warm-up included
-                phase(f"HOST GRADS {moe.stats()['host_grad_accumulate']}")
+            host_grads = moe.stats().get("host_grad_accumulate")
+            if host_grads is not None:  # cumulative, warm-up included
+                phase(f"HOST GRADS {host_grads}")
         if cuda:
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / a.steps

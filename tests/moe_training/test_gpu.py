@@ -101,23 +101,16 @@ def test_overlapped_split_step_on_cuda_equals_the_synchronous_one(monkeypatch):
     from tests.moe_training.test_overlap import _slow_cpu_side
     _slow_cpu_side(monkeypatch)
     data = batches(6, batch=2, seqlen=8)
-    engines, losses = {}, {}
-    for overlap in (False, True):
-        engines[overlap] = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", clip=0.05,
-                                 maximus=moe_section(slots=2, gpu_grad_experts=1, optimizer_device="split",
-                                                     cpu_step_share=0.5, step_chunk_bytes=1 << 16,
-                                                     overlap_step=overlap))
-        losses[overlap] = train(engines[overlap], data)
-    t, ts = (engines[o].maximus.modules["moe"] for o in (True, False))
+    _engines, trainers, losses = _split_runs(data, "overlap_step", (False, True), {"clip": 0.05},
+                                             gpu_grad_experts=1)
+    t, ts = trainers[True], trainers[False]
     assert t._pending is not None and t.cache.device.type == "cuda"
     assert losses[True] == losses[False]
     t.finish_step()
     # every forward after the first waited for the last step in a layer still being updated (a layer whose updates
     # were all done by then is taken without counting, by the prefetch of the layer before)
     assert t.counters.overlapped_layers >= len(data) - 1
-    for n, v in ts.store._tier.tensors.items():
-        assert torch.equal(t.store._tier.tensors[n], v), n
-    assert torch.equal(t.store.shadow, ts.store.shadow)
+    _assert_same_tier(t, ts)
     for g in range(t.num_layers):
         for e, s in enumerate(t.cache.groups[g].map.id_to_slot.tolist()):
             if s >= 0:
@@ -130,14 +123,9 @@ def test_device_state_experts_on_cuda_equal_the_tier_only_run(overlap):
     (layer 0's first five), stepped there on the pipeline's streams, overlapped or not: the same losses, tier
     (once read), shadows and resident slots as the split step without them, bit for bit."""
     data = batches(8, batch=2, seqlen=8)
-    engines, losses = {}, {}
-    for n in (0, 5):
-        engines[n] = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", clip=0.05,
-                           maximus=moe_section(slots=2, gpu_grad_experts=3, optimizer_device="split",
-                                               cpu_step_share=0.5, step_chunk_bytes=1 << 16, overlap_step=overlap,
-                                               gpu_state_experts=n))
-        losses[n] = train(engines[n], data)
-    t, ts = (engines[n].maximus.modules["moe"] for n in (5, 0))
+    _engines, trainers, losses = _split_runs(data, "gpu_state_experts", (0, 5), {"clip": 0.05},
+                                             gpu_grad_experts=3, overlap_step=overlap)
+    t, ts = trainers[5], trainers[0]
     assert losses[5] == losses[0]
     t.finish_step()
     ts.finish_step()
@@ -185,18 +173,32 @@ def test_host_accumulation_trains_the_same_bits():
     the host sums' norms are summed in double, the device's by cuBLAS in fp32, so a clip factor may differ in
     its last bit; the sums themselves are compared bit for bit above.)"""
     data = batches(9, batch=2, seqlen=8)
-    engines, losses = {}, {}
-    for host in (False, True):
-        engines[host] = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", gas=3,
-                              maximus=moe_section(slots=2, gpu_grad_experts=2, optimizer_device="split",
-                                                  cpu_step_share=0.5, step_chunk_bytes=1 << 16,
-                                                  host_grad_accumulate=host))
-        losses[host] = train(engines[host], data)
-    t, ts = (engines[h].maximus.modules["moe"] for h in (True, False))
+    _engines, trainers, losses = _split_runs(data, "host_grad_accumulate", (False, True), {"gas": 3},
+                                             gpu_grad_experts=2)
+    t, ts = trainers[True], trainers[False]
     assert t.grads.added_on_host > 0 and ts.grads.added_on_host == 0
     assert losses[True] == losses[False]
     t.finish_step()
     ts.finish_step()
+    _assert_same_tier(t, ts)
+
+
+def _split_runs(data, name, values, build_kw, **section):
+    """A bf16 tiny Mixtral trained on ``data`` with the split step for each value of ``moe.<name>`` (the rest of
+    the section: ``section``; DeepSpeed's config: ``build_kw``): engines (hold them while their trainers are
+    used), trainers and losses, by value."""
+    engines, trainers, losses = {}, {}, {}
+    for v in values:
+        engines[v] = engine = build(tiny_mixtral(num_experts=8).cuda(), 2, dtype="bf16", **build_kw,
+                       maximus=moe_section(slots=2, optimizer_device="split", cpu_step_share=0.5,
+                                           step_chunk_bytes=1 << 16, **section, **{name: v}))
+        losses[v] = train(engine, data)
+        trainers[v] = engine.maximus.modules["moe"]
+    return engines, trainers, losses
+
+
+def _assert_same_tier(t, ts) -> None:
+    """Every tier tensor and the compute copy of trainer ``t`` equal ``ts``'s, bit for bit."""
     for n, v in ts.store._tier.tensors.items():
         assert torch.equal(t.store._tier.tensors[n], v), n
     assert torch.equal(t.store.shadow, ts.store.shadow)

@@ -137,10 +137,13 @@ class ExpertGrads:
 
     def _retire(self, keep: int, stream=None) -> None:
         """Forget copies out that have landed; make ``stream`` wait for the oldest beyond ``keep``."""
-        while self._flying and (len(self._flying) > keep or self._flying[0][1].query()):
-            t, ev = self._flying.popleft()
+        while self._flying:
+            t, ev = self._flying[0]
             if not ev.query():
+                if len(self._flying) <= keep:
+                    break
                 (stream or torch.cuda.current_stream(t.device)).wait_event(ev)
+            self._flying.popleft()
 
     def _settle(self, uid: int) -> None:
         """Wait for ``uid``'s addition on the host, if one is running, and take its sum, norm and finiteness."""
@@ -156,8 +159,7 @@ class ExpertGrads:
     def _settle_all(self) -> None:
         for uid in list(self._acc):
             self._settle(uid)
-        if self._flying:
-            self._retire(0)
+        self.settle_copies()
 
     def timings(self) -> Dict[str, float]:
         """Host accumulation, cumulative: gradients added on the host, and ms the main thread waited for the worker
