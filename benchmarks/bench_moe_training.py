@@ -213,6 +213,8 @@ def run_peer(a, kind) -> dict:
     phase("ds_maximus.initialize (experts into the CPU tier)" if kind.startswith("ours") else "deepspeed.initialize")
     fn = ds_maximus.initialize if kind.startswith("ours") else deepspeed.initialize
     engine, *_ = fn(model=model, model_parameters=model.parameters(), config=cfg)
+    if kind.startswith("ours"):
+        _LIVE["moe"] = engine.maximus.modules["moe"]
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=g) for _ in range(4)]
     dev = engine.device
@@ -271,6 +273,39 @@ def run_peer(a, kind) -> dict:
                     "hit rate": round(s["hit_rate"], 3), "stall ms": round(s["stall_ms"], 1),
                     "step ms": round(s["step_ms"], 1), "wait ms": round(s["step_wait_ms"], 1)})
     return out
+
+
+_LIVE: dict = {}  # ours' MoE module while a peer runs: what an out-of-memory report names
+
+
+def oom_report() -> None:
+    """What held the GPU when a peer ran out of memory: the allocator's totals, ours' own buffers, and the live
+    CUDA tensors by shape (tensors only autograd holds, e.g. saved activations, are the rest of 'allocated')."""
+    import collections
+    import gc
+    gib = 2**30
+    sizes, counts, seen = collections.Counter(), collections.Counter(), set()
+    for o in gc.get_objects():
+        try:
+            if not (torch.is_tensor(o) and o.is_cuda):
+                continue
+            st = o.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            k = f"{o.dtype} {tuple(o.shape)}"
+            sizes[k] += st.nbytes()
+            counts[k] += 1
+        except Exception:  # noqa: BLE001 (any object gc holds; a report must not fail)
+            continue
+    print(f"OOM MEMORY allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, reserved "
+          f"{torch.cuda.memory_reserved() / gib:.2f}, peak {torch.cuda.max_memory_allocated() / gib:.2f}; "
+          f"tensors seen {sum(sizes.values()) / gib:.2f}", flush=True)
+    moe = _LIVE.get("moe")
+    if moe is not None:
+        print(f"OOM MEMORY ours: {({k: round(v / gib, 2) for k, v in moe.device_bytes().items()})}", flush=True)
+    for k, b in sizes.most_common(10):
+        print(f"OOM MEMORY {b / gib:.2f} GiB in {counts[k]} x {k}", flush=True)
 
 
 def _child(a, kind, timeout_s):
@@ -405,6 +440,7 @@ def main(argv=None):
             res = run_peer(a, a.peer)
         except torch.cuda.OutOfMemoryError as e:
             print(str(e).splitlines()[0] if str(e) else "CUDA out of memory", flush=True)
+            oom_report()
             res = {"error": "OOM"}
         print("RESULT " + json.dumps(res), flush=True)
         sys.stderr.flush()

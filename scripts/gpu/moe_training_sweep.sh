@@ -32,7 +32,7 @@ for run in $RUNS; do
   [ -n "$extra" ] && args="$args ${extra//+/ }"
   timeout ${PER_S:-150} python -u -m benchmarks.bench_moe_training $args --out "$OUT/sweep_$i.md" > "$OUT/sweep_$i.log" 2>&1
   echo "run $i ($run) rc=$?"
-  grep "GPU cap\|ExpertTrainer step\|DEVICE GiB\|HOST GRADS\|^\[" "$OUT/sweep_$i.log" | tail -7
+  grep "GPU cap\|ExpertTrainer step\|DEVICE GiB\|HOST GRADS\|OOM MEMORY\|^\[" "$OUT/sweep_$i.log" | tail -20
   cat "$OUT/sweep_$i.md"
 done
 tar czf /tmp/sweep.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/sweep.tgz "$OUT"/

@@ -81,8 +81,10 @@ class ExpertGrads:
     def add(self, uid: int, grad: Tensor) -> None:
         """Accumulate ``grad`` (flat, any float dtype, on the compute device) into expert ``uid``."""
         cur = self.g.get(uid)
-        if grad.device.type != "cpu" and not self._unit:
-            self._unit = grad.element_size() * grad.numel()
+        if grad.device.type != "cpu":
+            if not self._unit:
+                self._unit = grad.element_size() * grad.numel()
+            self._make_room(uid, cur, grad)
         if cur is None:  # a copy: grad may be a view of a round's whole gradient buffer
             self.g[uid] = grad.clone() if grad.dtype == torch.bfloat16 else grad.to(torch.float32, copy=True)
         elif cur.device != grad.device:
@@ -99,6 +101,35 @@ class ExpertGrads:
             self._recent.move_to_end(uid)
             while self._recent and self._device_units() > self.max_on_device:
                 self._to_host(self._recent.popitem(last=False)[0])
+
+    def _make_room(self, uid: int, cur: Optional[Tensor], grad: Tensor) -> None:
+        """Move older gradients out *before* ``uid``'s grows on the device, so the device never holds more
+        than ``max_on_device`` units, not even for the moment between an allocation and the eviction it forces
+        (that moment ran the Mixtral shape out of memory at 16K tokens a step, session 17)."""
+        if cur is None:  # a new copy: bf16 as it comes, anything else widened to fp32
+            extra = self._units(grad.numel(), 2 if grad.dtype == torch.bfloat16 else 4)
+        elif cur.device != grad.device:  # a host sum comes back in fp32; host accumulation leaves it there
+            extra = 0 if self.host_accumulate else self._units(cur.numel(), 4)
+        elif cur.dtype != torch.float32:  # widened: the bf16 one and its fp32 copy, for a moment
+            extra = self._units(cur.numel(), 4)
+        else:
+            extra = 0
+        if not extra:
+            return
+        if uid in self._recent:
+            self._recent.move_to_end(uid)
+        while len(self._recent) > (uid in self._recent) and self._device_units() + extra > self.max_on_device:
+            self._to_host(self._recent.popitem(last=False)[0])
+
+    def _units(self, numel: int, itemsize: int) -> float:
+        return max(1.0, numel * itemsize / self._unit)
+
+    def device_bytes(self) -> Dict[str, int]:
+        """Bytes on the compute device: gradients kept, and gradients still being copied out (host accumulation)."""
+        def size(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+        return {"expert gradients": size(self.g[u] for u in self._recent),
+                "expert gradients leaving": size(t for t, _ in self._flying)}
 
     def _device_units(self) -> float:
         """Device gradients in units of one as the backward makes it (an fp32 sum in a bf16 run counts two)."""

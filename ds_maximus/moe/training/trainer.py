@@ -431,8 +431,7 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         staging = [] if pl is None else [b for s in pl.bufs for b in s.values()] + pl.low + pl.grad_low
         return {"expert slots": self.cache.device_bytes(),
                 "device-state experts": size(self.store.device_tables.values()),
-                "step pipeline": size(staging),
-                "expert gradients": size(self.grads.raw(u) for u in self.grads.uids() if not self.grads.on_host(u))}
+                "step pipeline": size(staging), **self.grads.device_bytes()}
 
     def stats(self) -> dict:
         """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing); with
