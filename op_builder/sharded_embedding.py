@@ -11,6 +11,15 @@ from .builder import MaximusCUDAOpBuilder, MaximusOpBuilder
 NO_CONTRACTION = ["-ffp-contract=off"]
 
 
+def host_args(builder) -> list:
+    """The host compiler's flags for the CPU kernels, the same in both builds: OpenMP threads (``at::parallel_for``
+    is a header template, so without ``-fopenmp`` its loop runs on one thread), the machine's vector units, and
+    vectorisable ``sqrtf`` (``-fno-math-errno``, as ``MaximusOpBuilder`` has it).
+    The CUDA build serves host tensors too (``ops.sharded_embedding.host_op``): built without these, its
+    ``grad_sum`` took 62 ms for 22M elements on the H200 host's 16 cores, against 17 ms on a 2-core CPU machine."""
+    return [builder.cpu_arch(), "-fopenmp", builder.simd_width(), "-fno-math-errno"] + NO_CONTRACTION
+
+
 class ShardedEmbeddingBuilder(MaximusOpBuilder):
     NAME = "sharded_embedding"
 
@@ -37,7 +46,7 @@ class ShardedEmbeddingCUDABuilder(MaximusCUDAOpBuilder):
                 self.csrc("sharded_embedding", "bindings.cpp")]
 
     def cxx_args(self):
-        return super().cxx_args() + NO_CONTRACTION + ["-DMAXIMUS_WITH_CUDA"]
+        return [a for a in super().cxx_args() if a] + host_args(self) + ["-DMAXIMUS_WITH_CUDA"]
 
     def nvcc_args(self):
         # no --use_fast_math (DeepSpeed's default): IEEE division and square root, no flushed subnormals, so

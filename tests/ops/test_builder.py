@@ -128,3 +128,15 @@ def test_a_load_after_a_killed_build_does_not_hang(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "answer 42" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert "stale JIT build lock" in out.stderr
+
+
+def test_the_cuda_build_compiles_its_cpu_kernels_like_the_cpu_build():
+    """The CUDA op serves host tensors too (``host_op``: the slot map, the batch plan, ``grad_sum``), so its C++
+    files need the CPU build's OpenMP, vector and math flags; without ``-fopenmp`` ``at::parallel_for`` runs on
+    one thread (the H200 host's ``grad_sum`` took 62 ms for 22M elements)."""
+    from ds_maximus.ops import builder
+    cpu = builder("sharded_embedding", "ShardedEmbeddingBuilder").cxx_args()
+    cuda = builder("sharded_embedding", "ShardedEmbeddingCUDABuilder").cxx_args()
+    assert "-fopenmp" in cuda and "-ffp-contract=off" in cuda and "-DMAXIMUS_WITH_CUDA" in cuda
+    missing = [a for a in cpu if a and not a.startswith("-std=") and a not in cuda]
+    assert not missing, f"the CUDA build lacks the CPU build's host flags {missing}"
