@@ -97,11 +97,28 @@ def segment_reduce(grad: Tensor, inverse: Tensor, num_unique: int, order: Option
 
 def grad_sum(out: Tensor, base: Tensor, factor: float, add: Tensor):
     """Host tensors: ``out = base * factor + add`` elementwise in fp32 (``base`` fp32, bf16 or fp16, and may be
-    ``out``; the device's roundings), in one pass that also returns ``(sum of out ** 2, every element finite)``."""
+    ``out``; the device's roundings), in one pass that also returns ``(sum of out ** 2, every element finite)``.
+
+    Bad arguments raise ``ValueError`` here, before the op: a ``TORCH_CHECK`` thrown by the op (it runs without the
+    GIL) crashed the process with a segmentation fault on the H200 host, as ``batch_plan``'s did (session 12)."""
+    _check_grad_sum(out, base, add)
     op = host_op()
     if op is None:
         return ref.grad_sum_ref(out, base, factor, add)
     return op.grad_sum(out, base.contiguous(), float(factor), add.contiguous())
+
+
+def _check_grad_sum(out: Tensor, base: Tensor, add: Tensor) -> None:
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if any(t.is_cuda for t in (out, base, add)):
+        raise ValueError("grad_sum adds host tensors: out, base and add must all be CPU tensors")
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"grad_sum: out must be contiguous float32, got {out.dtype}"
+                         f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if base.dtype not in floats or add.dtype not in floats:
+        raise ValueError(f"grad_sum: base and add must be float32, bfloat16 or float16, got {base.dtype} and {add.dtype}")
+    if not (out.numel() == base.numel() == add.numel()):
+        raise ValueError(f"grad_sum: out, base and add differ in size ({out.numel()}, {base.numel()}, {add.numel()})")
 
 
 def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optional[Tensor],
