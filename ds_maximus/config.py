@@ -211,7 +211,8 @@ class MoEConfig(_Section):
     """With ``train`` and gradient accumulation: a micro-batch's gradient of an expert whose sum waits in CPU
     memory is copied out in its own dtype and added there by a worker thread (the same fp32 additions, so the
     same bits), instead of the sum coming back to the device and going out again (fp32 both ways). Experimental:
-    on the H200 it was ~6x slower a step than the round trip (docs/bench/moe_training.md, session 17)."""
+    it saves link bytes but adds a CPU pass per addition, and on the H200 it was ~1.7x slower a step than the
+    round trip (5.9 against 3.5 s at 16K tokens a step; docs/bench/moe_training.md, session 19)."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
     gpu_state_experts: int = Field(0, ge=0)

@@ -21,9 +21,11 @@ second micro-batch counts as two, so gradient accumulation keeps the device byte
 By default a later micro-batch's gradient of an expert whose sum waits on the host brings the sum back to the
 device (fp32), is added there, and the sum goes out again (fp32). ``host_accumulate`` instead copies the gradient
 out once in its own dtype and a worker thread adds it to the host sum (the ops' ``grad_sum``: the same fp32
-additions, so the same bits; tested on the H200). It moves a third of the bytes over the link, but on the H200
-(fine-grained shape, 16K tokens a step) it took ~22 s a step against ~3.5 s for the round trip, for a reason not
-yet found (docs/bench/moe_training.md, session 17): it stays off until that is understood.
+additions, so the same bits; tested on the H200). It moves a third of the bytes over the link, but every addition
+is a CPU pass of ~10 bytes a parameter (the fine-grained shape at 16K tokens a step: 492 additions, ~108 GB a step),
+and host memory is what the split step is short of. On the H200 it took 5.9-6.5 s a step against ~3.5 s for the
+round trip (docs/bench/moe_training.md, session 19; ~22 s in session 17, when ``grad_sum`` ran on one thread), so
+it stays off.
 
     >>> import torch
     >>> g = ExpertGrads(torch.device("cpu"), max_on_device=2)
