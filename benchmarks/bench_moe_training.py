@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Bench, Budget, free_port, observed
+from benchmarks.harness import Bench, Budget, cuda_memory_report, free_port, observed
 
 PEERS = {  # in run order: the baseline and ours first, so a short budget still gives the ratio
     "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu": "zero3_offload",
@@ -280,36 +280,6 @@ def run_peer(a, kind) -> dict:
 _LIVE: dict = {}  # ours' MoE module while a peer runs: what an out-of-memory report names
 
 
-def oom_report() -> None:
-    """What held the GPU when a peer ran out of memory: the allocator's totals, ours' own buffers, and the live
-    CUDA tensors by shape (tensors only autograd holds, e.g. saved activations, are the rest of 'allocated')."""
-    import collections
-    import gc
-    gib = 2**30
-    sizes, counts, seen = collections.Counter(), collections.Counter(), set()
-    for o in gc.get_objects():
-        try:
-            if not (torch.is_tensor(o) and o.is_cuda):
-                continue
-            st = o.untyped_storage()
-            if st.data_ptr() in seen:
-                continue
-            seen.add(st.data_ptr())
-            k = f"{o.dtype} {tuple(o.shape)}"
-            sizes[k] += st.nbytes()
-            counts[k] += 1
-        except Exception:  # noqa: BLE001 (any object gc holds; a report must not fail)
-            continue
-    print(f"OOM MEMORY allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, reserved "
-          f"{torch.cuda.memory_reserved() / gib:.2f}, peak {torch.cuda.max_memory_allocated() / gib:.2f}; "
-          f"tensors seen {sum(sizes.values()) / gib:.2f}", flush=True)
-    moe = _LIVE.get("moe")
-    if moe is not None:
-        print(f"OOM MEMORY ours: {({k: round(v / gib, 2) for k, v in moe.device_bytes().items()})}", flush=True)
-    for k, b in sizes.most_common(10):
-        print(f"OOM MEMORY {b / gib:.2f} GiB in {counts[k]} x {k}", flush=True)
-
-
 def _child(a, kind, timeout_s):
     """Run peer ``kind`` in a subprocess; its output goes to this log as it comes (prefixed with the peer
     and the seconds since its start), and a timeout names the phase it was in."""
@@ -442,7 +412,8 @@ def main(argv=None):
             res = run_peer(a, a.peer)
         except torch.cuda.OutOfMemoryError as e:
             print(str(e).splitlines()[0] if str(e) else "CUDA out of memory", flush=True)
-            oom_report()
+            moe = _LIVE.get("moe")
+            cuda_memory_report("OOM MEMORY", {"ours": moe.device_bytes()} if moe is not None else None)
             res = {"error": "OOM"}
         print("RESULT " + json.dumps(res), flush=True)
         sys.stderr.flush()

@@ -81,6 +81,36 @@ def observed(trace_path: Optional[str] = None, profile: bool = False):
             print("\n".join("PROFILE " + ln for ln in buf.getvalue().splitlines() if ln.strip()), flush=True)
 
 
+def cuda_memory_report(prefix: str = "OOM MEMORY", extra: Optional[Dict[str, Dict[str, int]]] = None,
+                       top: int = 10) -> None:
+    """What holds the GPU (after an out-of-memory error): the allocator's totals, ``extra``'s named byte counts
+    (a module's own buffers), and the live CUDA tensors by dtype and shape, largest first; tensors only autograd
+    holds (saved activations) are the rest of 'allocated'."""
+    import collections
+    gib = 2**30
+    sizes, counts, seen = collections.Counter(), collections.Counter(), set()
+    for o in gc.get_objects():
+        try:
+            if not (torch.is_tensor(o) and o.is_cuda):
+                continue
+            st = o.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            k = f"{o.dtype} {tuple(o.shape)}"
+            sizes[k] += st.nbytes()
+            counts[k] += 1
+        except Exception:  # noqa: BLE001 (any object gc holds; a report must not fail)
+            continue
+    print(f"{prefix} allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, reserved "
+          f"{torch.cuda.memory_reserved() / gib:.2f}, peak {torch.cuda.max_memory_allocated() / gib:.2f}; "
+          f"tensors seen {sum(sizes.values()) / gib:.2f}", flush=True)
+    for name, parts in (extra or {}).items():
+        print(f"{prefix} {name}: {({k: round(v / gib, 2) for k, v in parts.items()})}", flush=True)
+    for k, b in sizes.most_common(top):
+        print(f"{prefix} {b / gib:.2f} GiB in {counts[k]} x {k}", flush=True)
+
+
 def git_commit() -> str:
     """``MAXIMUS_COMMIT`` when set (device runs: pass it in, their copy of .git is stale), else git's HEAD."""
     if os.environ.get("MAXIMUS_COMMIT"):
