@@ -116,7 +116,8 @@ def _check_grad_sum(out: Tensor, base: Tensor, add: Tensor) -> None:
         raise ValueError(f"grad_sum: out must be contiguous float32, got {out.dtype}"
                          f"{'' if out.is_contiguous() else ' (not contiguous)'}")
     if base.dtype not in floats or add.dtype not in floats:
-        raise ValueError(f"grad_sum: base and add must be float32, bfloat16 or float16, got {base.dtype} and {add.dtype}")
+        raise ValueError(f"grad_sum: base and add must be float32, bfloat16 or float16, got {base.dtype} and "
+                         f"{add.dtype}")
     if not (out.numel() == base.numel() == add.numel()):
         raise ValueError(f"grad_sum: out, base and add differ in size ({out.numel()}, {base.numel()}, {add.numel()})")
 
