@@ -90,7 +90,8 @@ def ds_config(a, kind, bf16):
                                                        "ours_split_sync": "split"}.get(kind, "compute"),
                                   "overlap_step": kind != "ours_split_sync",
                                   "speculative_prefetch": True,
-                                  "host_grad_accumulate": a.host_grad_accumulate}}
+                                  "host_grad_accumulate": a.host_grad_accumulate,
+                                  "host_grad_parts": a.host_grad_parts}}
         if a.state_experts and kind.startswith("ours_split"):
             cfg["maximus"]["moe"]["gpu_state_experts"] = a.state_experts
         if a.cpu_share is not None:
@@ -324,6 +325,8 @@ def main(argv=None):
                    "default: as many fp32 gradients as fit in a quarter of --cap-gib)")
     p.add_argument("--host-grad-accumulate", action="store_true", help="ours: moe.host_grad_accumulate (with "
                    "--gas > 1; prints a HOST GRADS line of its timings)")
+    p.add_argument("--host-grad-parts", action="store_true", help="ours: moe.host_grad_parts (with --gas > 1; "
+                   "prints the HOST GRADS line too)")
     p.add_argument("--state-experts", type=int, default=0, help="ours_split*: moe.gpu_state_experts, experts whose "
                    "fp32 master and moments stay on the GPU (12 B a parameter each)")
     p.add_argument("--cpu-share", type=float, default=None, help="ours_split*: a fixed moe.cpu_step_share "
@@ -372,7 +375,8 @@ def main(argv=None):
                          "tokens/step": a.micro_batch * a.seq * a.gas, "expert GiB (bf16)": round(expert_gib, 2),
                          "cap GiB": a.cap_gib, "slots/layer": a.slots,
                          **({"state experts": a.state_experts} if a.state_experts else {}),
-                         **({"host grad accumulate": True} if a.host_grad_accumulate else {})},
+                         **({"host grad accumulate": True} if a.host_grad_accumulate else {}),
+                         **({"host grad parts": True} if a.host_grad_parts else {})},
                   notes="ms = one optimizer step (a split step that overlaps the next forward: none runs when the clock "
                         "starts, the last one's tail is timed; "
                         "step ms: host time in the expert step, wait ms: the forward's waits for the last step's "

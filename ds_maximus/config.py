@@ -213,6 +213,14 @@ class MoEConfig(_Section):
     same bits), instead of the sum coming back to the device and going out again (fp32 both ways). Experimental:
     it saves link bytes but adds a CPU pass per addition, and on the H200 it was ~1.7x slower a step than the
     round trip (5.9 against 3.5 s at 16K tokens a step; docs/bench/moe_training.md, session 19)."""
+    host_grad_parts: bool = False
+    """With ``train`` and gradient accumulation: a micro-batch's gradient of an expert whose sum waits in CPU
+    memory is copied out in its own dtype and kept there as a part; an expert's parts are added to its sum in one
+    CPU pass (the ops' ``grad_sum_parts``: the same fp32 additions in micro-batch order, so the same bits) when the
+    step first reads its gradient (the clip norm). A bf16 part crosses the link once (2 bytes a parameter) and is
+    read once by the CPU, where the default round trip moves the fp32 sum both ways each micro-batch and
+    ``host_grad_accumulate`` makes a CPU pass of ~10 bytes a parameter each micro-batch. Experimental: CPU-tested,
+    not yet run on a GPU (docs/bench/moe_training.md, session 19). Not with ``host_grad_accumulate``."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
     gpu_state_experts: int = Field(0, ge=0)
@@ -231,6 +239,9 @@ class MoEConfig(_Section):
         if self.gpu_state_experts and self.optimizer_device != ExpertOptimizerDevice.SPLIT:
             raise ValueError(f"moe.gpu_state_experts={self.gpu_state_experts} needs \"optimizer_device\": \"split\" "
                              f"(got \"{self.optimizer_device.value}\"); set it, or set gpu_state_experts to 0")
+        if self.host_grad_parts and self.host_grad_accumulate:
+            raise ValueError("moe.host_grad_parts and moe.host_grad_accumulate are two ways of adding a later "
+                             "micro-batch's gradient on the host; set at most one of them")
         if self.gpu_state_experts and self.offload.device == OffloadDevice.NVME:
             raise ValueError("moe.gpu_state_experts needs the experts' tier in CPU memory (offload.device: cpu); "
                              "with an NVMe tier set it to 0")

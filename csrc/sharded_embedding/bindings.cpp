@@ -84,6 +84,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("grad_sum", &maximus::grad_sum_cpu,
           "CPU: out = base * factor + add in fp32 (base may be out); returns (sum of out^2, every element finite)",
           "out"_a, "base"_a, "factor"_a, "add"_a, nogil());
+    m.def("grad_sum_parts", &maximus::grad_sum_parts_cpu,
+          "CPU: out = base * factor + adds[0] + adds[1] + ... in fp32, in order, one pass (base may be out); returns "
+          "(sum of out^2, every element finite)",
+          "out"_a, "base"_a, "factor"_a, "adds"_a, nogil());
     m.def("row_update", &maximus::row_update, "fused exact-replay + AdamW/SparseAdam/Adagrad step on rows", "weight"_a,
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
           "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a = 0, "lazy"_a = false, "has_grad"_a = true,

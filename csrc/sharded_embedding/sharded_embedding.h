@@ -31,6 +31,9 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> 
 // be all false and is left so; ``rank`` (int64, vocabulary-sized) is scratch.
 // out = base * factor + add (fp32 elementwise, as the device does it); returns (sum of out^2, all finite).
 std::tuple<double, bool> grad_sum_cpu(at::Tensor& out, const at::Tensor& base, double factor, const at::Tensor& add);
+// out = base * factor + adds[0] + ... (each addition rounded in fp32, in order; base may be out): one pass.
+std::tuple<double, bool> grad_sum_parts_cpu(at::Tensor& out, const at::Tensor& base, double factor,
+                                            const std::vector<at::Tensor>& adds);
 
 int64_t batch_plan_cpu(const at::Tensor& ids, at::Tensor& mask, at::Tensor& rank, at::Tensor& uniq_out,
                        at::Tensor& idx_out);

@@ -80,8 +80,15 @@ def row_update_ref(weight: Tensor, states: List[Tensor], slots: Tensor, grads: O
 def grad_sum_ref(out: Tensor, base: Tensor, factor: float, add: Tensor):
     """``out = base * factor + add`` in fp32 as torch does it on a device (``base`` may be ``out``); returns
     ``(sum of out ** 2, every element finite)``."""
+    return grad_sum_parts_ref(out, base, factor, [add])
+
+
+def grad_sum_parts_ref(out: Tensor, base: Tensor, factor: float, adds: List[Tensor]):
+    """``out = base * factor + adds[0] + adds[1] + ...`` in fp32, one ``add_`` after another as a device sums
+    micro-batch gradients (``base`` may be ``out``); returns ``(sum of out ** 2, every element finite)``."""
     out.copy_(base)
     if factor != 1.0:
         out.mul_(factor)
-    out.add_(add)
+    for add in adds:
+        out.add_(add)
     return float(torch.dot(out.double(), out.double())), bool(torch.isfinite(out).all())

@@ -101,25 +101,34 @@ def grad_sum(out: Tensor, base: Tensor, factor: float, add: Tensor):
 
     Bad arguments raise ``ValueError`` here, before the op: a ``TORCH_CHECK`` thrown by the op (it runs without the
     GIL) crashed the process with a segmentation fault on the H200 host, as ``batch_plan``'s did (session 12)."""
-    _check_grad_sum(out, base, add)
+    return grad_sum_parts(out, base, factor, [add])
+
+
+def grad_sum_parts(out: Tensor, base: Tensor, factor: float, adds: List[Tensor]):
+    """:func:`grad_sum` of several parts: ``out = base * factor + adds[0] + adds[1] + ...``, each addition rounded
+    in fp32 in the order given (the bits of adding them one micro-batch at a time), in one pass over memory."""
+    _check_grad_sum(out, base, adds)
     op = host_op()
     if op is None:
-        return ref.grad_sum_ref(out, base, factor, add)
-    return op.grad_sum(out, base.contiguous(), float(factor), add.contiguous())
+        return ref.grad_sum_parts_ref(out, base, factor, adds)
+    return op.grad_sum_parts(out, base.contiguous(), float(factor), [a.contiguous() for a in adds])
 
 
-def _check_grad_sum(out: Tensor, base: Tensor, add: Tensor) -> None:
+def _check_grad_sum(out: Tensor, base: Tensor, adds: List[Tensor]) -> None:
     floats = (torch.float32, torch.bfloat16, torch.float16)
-    if any(t.is_cuda for t in (out, base, add)):
-        raise ValueError("grad_sum adds host tensors: out, base and add must all be CPU tensors")
+    if any(t.is_cuda for t in (out, base, *adds)):
+        raise ValueError("grad_sum adds host tensors: out, base and every part must be CPU tensors")
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"grad_sum: out must be contiguous float32, got {out.dtype}"
                          f"{'' if out.is_contiguous() else ' (not contiguous)'}")
-    if base.dtype not in floats or add.dtype not in floats:
-        raise ValueError(f"grad_sum: base and add must be float32, bfloat16 or float16, got {base.dtype} and "
-                         f"{add.dtype}")
-    if not (out.numel() == base.numel() == add.numel()):
-        raise ValueError(f"grad_sum: out, base and add differ in size ({out.numel()}, {base.numel()}, {add.numel()})")
+    if base.dtype not in floats or any(a.dtype not in floats for a in adds):
+        raise ValueError(f"grad_sum: base and parts must be float32, bfloat16 or float16, got {base.dtype} and "
+                         f"{[a.dtype for a in adds]}")
+    if len({a.dtype for a in adds}) > 1:
+        raise ValueError(f"grad_sum: the parts must share one dtype, got {[a.dtype for a in adds]}")
+    if any(t.numel() != out.numel() for t in (base, *adds)):
+        raise ValueError(f"grad_sum: out, base and parts differ in size "
+                         f"({out.numel()}, {base.numel()}, {[a.numel() for a in adds]})")
 
 
 def row_update(weight: Tensor, states: List[Tensor], slots: Tensor, grads: Optional[Tensor],

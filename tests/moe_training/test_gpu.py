@@ -167,16 +167,18 @@ def test_gradient_accumulation_on_cuda_sums_the_same_bits(host_accumulate):
     assert torch.equal(t.float() * f, want[0] * 0.5)
 
 
-def test_host_accumulation_trains_the_same_bits():
+@pytest.mark.parametrize("name,counter", [("host_grad_accumulate", "added_on_host"),
+                                          ("host_grad_parts", "parts_added")])
+def test_host_accumulation_trains_the_same_bits(name, counter):
     """bf16, 3 micro-batches a step, gradients spilled, the split step overlapped: adding micro-batches on the
-    host gives the same losses and tier, bit for bit, as bringing the sums back to the device. (Not clipped:
-    the host sums' norms are summed in double, the device's by cuBLAS in fp32, so a clip factor may differ in
-    its last bit; the sums themselves are compared bit for bit above.)"""
+    host (as each arrives, or as parts summed when first read) gives the same losses and tier, bit for bit, as
+    bringing the sums back to the device. (Not clipped: the host sums' norms are summed in double, the device's
+    by cuBLAS in fp32, so a clip factor may differ in its last bit; the sums themselves are compared bit for bit
+    above and in tests/ops/test_grad_sum.py.)"""
     data = batches(9, batch=2, seqlen=8)
-    _engines, trainers, losses = _split_runs(data, "host_grad_accumulate", (False, True), {"gas": 3},
-                                             gpu_grad_experts=2)
+    _engines, trainers, losses = _split_runs(data, name, (False, True), {"gas": 3}, gpu_grad_experts=2)
     t, ts = trainers[True], trainers[False]
-    assert t.grads.added_on_host > 0 and ts.grads.added_on_host == 0
+    assert getattr(t.grads, counter) > 0 and getattr(ts.grads, counter) == 0
     assert losses[True] == losses[False]
     t.finish_step()
     ts.finish_step()

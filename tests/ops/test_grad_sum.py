@@ -61,3 +61,40 @@ def test_the_wrapper_falls_back_to_the_reference(monkeypatch):
     out = torch.empty(5)
     sq, fin = ops.grad_sum(out, torch.full((5,), 2.0, dtype=torch.bfloat16), 0.5, torch.ones(5))
     assert torch.equal(out, torch.full((5,), 2.0)) and sq == 20.0 and fin
+
+
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("add_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [0, 1, 2, 4])
+@pytest.mark.parametrize("factor", [1.0, 0.37])
+def test_grad_sum_parts_equals_the_reference_and_one_addition_at_a_time(op, base_dtype, add_dtype, k, factor):
+    """A sum of k micro-batch parts in one pass has the bits of adding them one after another (ExpertGrads'
+    ``host_grad_parts`` relies on it to train the same bits as the device's running sum)."""
+    g = torch.Generator().manual_seed(k)
+    n = 70_001  # several chunks and a ragged end
+    base = (torch.randn(n, generator=g) * 3).to(base_dtype)
+    adds = [torch.randn(n, generator=g).to(add_dtype) for _ in range(k)]
+    want = torch.empty(n)
+    w_sq, w_fin = ref.grad_sum_parts_ref(want, base, factor, adds)
+    out = torch.empty(n)
+    sq, fin = op.grad_sum_parts(out, base, factor, adds)
+    assert torch.equal(out, want) and fin and w_fin
+    assert sq == pytest.approx(w_sq, rel=1e-12)
+    step = base.float() * factor if factor != 1.0 else base.float()  # the device's running sum
+    for a in adds:
+        step = step + a.float()
+    assert torch.equal(out, step)
+    if base_dtype == torch.float32:  # in place
+        op.grad_sum_parts(base, base, factor, adds)
+        assert torch.equal(base, want)
+
+
+def test_grad_sum_parts_wrapper_checks_and_falls_back(monkeypatch):
+    with pytest.raises(ValueError, match="share one dtype"):
+        ops.grad_sum_parts(torch.empty(4), torch.ones(4), 1.0, [torch.ones(4), torch.ones(4, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="differ in size"):
+        ops.grad_sum_parts(torch.empty(4), torch.ones(4), 1.0, [torch.ones(4), torch.ones(3)])
+    monkeypatch.setenv("MAXIMUS_SHARDED_EMBEDDING_REFERENCE", "1")
+    out = torch.empty(3)
+    sq, fin = ops.grad_sum_parts(out, torch.ones(3), 2.0, [torch.ones(3)] * 3)
+    assert torch.equal(out, torch.full((3,), 5.0)) and sq == 75.0 and fin

@@ -25,7 +25,10 @@ additions, so the same bits; tested on the H200). It moves a third of the bytes 
 is a CPU pass of ~10 bytes a parameter (the fine-grained shape at 16K tokens a step: 492 additions, ~108 GB a step),
 and host memory is what the split step is short of. On the H200 it took 5.9-6.5 s a step against ~3.5 s for the
 round trip (docs/bench/moe_training.md, session 19; ~22 s in session 17, when ``grad_sum`` ran on one thread), so
-it stays off.
+it stays off. ``host_parts`` copies such a gradient out once too, but keeps it beside the sum as a part: the first
+reader of the expert (the clip norm, at the step) adds every part in one CPU pass (``grad_sum_parts``, the same
+additions in the same order), ~4 + 2k bytes a parameter for k bf16 parts instead of ~10 per part. CPU-tested;
+not yet run on a GPU.
 
     >>> import torch
     >>> g = ExpertGrads(torch.device("cpu"), max_on_device=2)
@@ -50,10 +53,14 @@ class ExpertGrads:
     #: host-path copies in flight before the compute stream waits for the oldest (it holds their memory)
     MAX_IN_FLIGHT = 4
 
-    def __init__(self, device: torch.device, max_on_device: int, host_accumulate: bool = False):
+    def __init__(self, device: torch.device, max_on_device: int, host_accumulate: bool = False,
+                 host_parts: bool = False):
         self.device = torch.device(device)
         self.max_on_device = int(max_on_device)
         self.host_accumulate = bool(host_accumulate)
+        self.host_parts = bool(host_parts)
+        self._parts: Dict[int, List[Tuple[Tensor, object]]] = {}  # host uid -> later micro-batches' (part, event)
+        self.parts_added = 0
         self.g: Dict[int, Tensor] = {}
         self._recent: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # uids on the device
         self._left: Dict[int, Tuple[object, Tensor, Tensor]] = {}  # host uid -> (copy event, |g|^2, finite)
@@ -66,7 +73,7 @@ class ExpertGrads:
         self._pool: Optional[ThreadPoolExecutor] = None
         self.added_on_host = 0
         # host accumulation's seconds, cumulative (see timings()): where its slow steps on the H200 went is open
-        self._t = {"settle_wait": 0.0, "pin_alloc": 0.0, "worker_copy_wait": 0.0, "worker_sum": 0.0}
+        self._t = {"settle_wait": 0.0, "pin_alloc": 0.0, "worker_copy_wait": 0.0, "worker_sum": 0.0, "parts_sum": 0.0}
 
     def __bool__(self) -> bool:
         return bool(self.g)
@@ -89,11 +96,15 @@ class ExpertGrads:
             self._make_room(uid, cur, grad)
         if cur is None:  # a copy: grad may be a view of a round's whole gradient buffer
             self.g[uid] = grad.clone() if grad.dtype == torch.bfloat16 else grad.to(torch.float32, copy=True)
+        elif self.host_parts and uid in self._left:
+            return self._add_part(uid, grad)
         elif cur.device != grad.device:
             if self.host_accumulate and grad.is_cuda:
                 return self._add_on_host(uid, grad)
             self.g[uid] = self._take(uid, grad.device).add_(grad)  # in use again: back on the device
         else:
+            if uid in self._left:  # a CPU run's host-held sum, added to in place: its recorded norm would go stale
+                cur = self.g[uid] = self._take(uid, cur.device)
             if cur.dtype != torch.float32:  # widened, its pending scale applied: fp32 from here on
                 cur = self.g[uid] = self.get(uid)
                 self._factor.pop(uid, None)
@@ -111,7 +122,7 @@ class ExpertGrads:
         if cur is None:  # a new copy: bf16 as it comes, anything else widened to fp32
             extra = self._units(grad.numel(), 2 if grad.dtype == torch.bfloat16 else 4)
         elif cur.device != grad.device:  # a host sum comes back in fp32; host accumulation leaves it there
-            extra = 0 if self.host_accumulate else self._units(cur.numel(), 4)
+            extra = 0 if self.host_accumulate or self.host_parts else self._units(cur.numel(), 4)
         elif cur.dtype != torch.float32:  # widened: the bf16 one and its fp32 copy, for a moment
             extra = self._units(cur.numel(), 4)
         else:
@@ -141,26 +152,60 @@ class ExpertGrads:
         """``uid``'s sum waits on the host: copy ``grad`` out as it is and add it there in the worker."""
         self._settle(uid)  # the previous micro-batch's addition (long done: a micro-batch ago)
         cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
-        dev_stream = torch.cuda.current_stream(grad.device)
-        out = self._out_stream(grad.device)
-        out.wait_stream(dev_stream)
         t0 = time.perf_counter()
-        tmp = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
         wide = None  # made here: a pinned allocation in the worker could make a context on another device
         if cur.dtype != torch.float32:
             wide = torch.empty(cur.shape, dtype=torch.float32, pin_memory=cur.is_pinned())
         self._t["pin_alloc"] += time.perf_counter() - t0
+        tmp, ev = self._copy_out(grad)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-grad-add")
+        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, tmp, ev, wide, self._t)
+        self.added_on_host += 1
+
+    def _copy_out(self, grad: Tensor) -> Tuple[Tensor, object]:
+        """``grad`` (on the compute device) copied to pinned CPU memory as it is, on the copies-out stream:
+        ``(host tensor, event of the copy)``."""
+        dev_stream = torch.cuda.current_stream(grad.device)
+        out = self._out_stream(grad.device)
+        out.wait_stream(dev_stream)
+        t0 = time.perf_counter()
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        self._t["pin_alloc"] += time.perf_counter() - t0
         with torch.cuda.stream(out):
-            tmp.copy_(grad, non_blocking=True)
+            host.copy_(grad, non_blocking=True)
         ev = out.record_event()
         # no record_stream: the compute stream waits for the copy before this memory is freed, so it can be
         # reused at once (a recorded block waits for the host to see the copy end, and meanwhile the cap fills)
         self._flying.append((grad, ev))
         self._retire(self.MAX_IN_FLIGHT, dev_stream)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-grad-add")
-        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, tmp, ev, wide, self._t)
-        self.added_on_host += 1
+        return host, ev
+
+    def _add_part(self, uid: int, grad: Tensor) -> None:
+        """``uid``'s sum waits on the host (``host_parts``): copy ``grad`` out as it is and keep it beside the sum;
+        the first reader of ``uid`` adds every part to it in one CPU pass (:meth:`_settle`)."""
+        if grad.is_cuda:
+            part = self._copy_out(grad)
+        else:  # a CPU run: grad may be a view of a round's gradient buffer, which the next round reuses
+            part = (grad.clone(), None)
+        self._parts.setdefault(uid, []).append(part)
+        self.parts_added += 1
+
+    def _sum_parts(self, uid: int, parts: List[Tuple[Tensor, object]]) -> None:
+        """``uid``'s host sum (its pending factor applied) plus its parts in micro-batch order, in fp32: the bits
+        the device's running sum would have."""
+        from ds_maximus.ops.sharded_embedding import grad_sum_parts
+        cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
+        t0 = time.perf_counter()
+        for ev in [ev_cur] + [e for _, e in parts]:
+            if ev is not None:
+                ev.synchronize()
+        out = cur if cur.dtype == torch.float32 else torch.empty(cur.shape, dtype=torch.float32,
+                                                                 pin_memory=cur.is_pinned())
+        norm_sq, finite = grad_sum_parts(out, cur, f, [p for p, _ in parts])
+        self._t["parts_sum"] += time.perf_counter() - t0
+        self.g[uid] = out
+        self._left[uid] = (None, torch.tensor(norm_sq, dtype=torch.float64), torch.tensor(bool(finite)))
 
     def settle_copies(self) -> None:
         """Make the compute stream wait for the gradients still being copied out, so that their memory (a
@@ -179,7 +224,11 @@ class ExpertGrads:
             self._flying.popleft()
 
     def _settle(self, uid: int) -> None:
-        """Wait for ``uid``'s addition on the host, if one is running, and take its sum, norm and finiteness."""
+        """Wait for ``uid``'s addition on the host, if one is running, and take its sum, norm and finiteness; with
+        ``host_parts``, add its waiting parts."""
+        parts = self._parts.pop(uid, None)
+        if parts:
+            self._sum_parts(uid, parts)
         fut = self._acc.pop(uid, None)
         if fut is not None:
             t0 = time.perf_counter()
@@ -190,7 +239,7 @@ class ExpertGrads:
                 self._left[uid] = (None, norm_sq, finite)
 
     def _settle_all(self) -> None:
-        for uid in list(self._acc):
+        for uid in list(self._acc) + list(self._parts):
             self._settle(uid)
         self.settle_copies()
 
@@ -198,7 +247,8 @@ class ExpertGrads:
         """Host accumulation, cumulative: gradients added on the host, and ms the main thread waited for the worker
         (``settle_wait``) and allocated pinned memory (``pin_alloc``), and the worker waited for copies to land
         (``worker_copy_wait``) and summed (``worker_sum``)."""
-        return {"added_on_host": self.added_on_host, **{k + "_ms": v * 1e3 for k, v in self._t.items()}}
+        return {"added_on_host": self.added_on_host, "parts_added": self.parts_added,
+                **{k + "_ms": v * 1e3 for k, v in self._t.items()}}
 
     def _out_stream(self, device: torch.device):
         if self._out is None:
@@ -207,11 +257,13 @@ class ExpertGrads:
 
     def factor(self, uid: int) -> float:
         """The scale still to apply to ``uid``'s stored gradient (1.0 unless it waits on the host or is bf16)."""
+        self._settle(uid)
         return self._factor.get(uid, 1.0)
 
     def raw(self, uid: int) -> Tensor:
         """``uid``'s stored gradient as it is, fp32 or bf16 (a host one may still be landing: use it on the
         device's stream, or call :meth:`get` with a device); scale it by :meth:`factor`."""
+        self._settle(uid)
         return self.g[uid]
 
     def get(self, uid: int, device: Optional[torch.device] = None) -> Tensor:
@@ -287,6 +339,7 @@ class ExpertGrads:
         """Forget ``uid``'s gradient (the step has consumed it)."""
         self._recent.pop(uid, None)
         self._acc.pop(uid, None)
+        self._parts.pop(uid, None)
         self.g.pop(uid)
         self._left.pop(uid, None)
         self._factor.pop(uid, None)
@@ -323,6 +376,7 @@ class ExpertGrads:
         for fut in self._acc.values():  # its buffers are the worker's until it ends
             fut.result()
         self._acc.clear()
+        self._parts.clear()
         self.g.clear()
         self._recent.clear()
         self._left.clear()

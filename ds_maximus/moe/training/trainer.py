@@ -123,7 +123,8 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
             load_op("cpu")
         logger.info("ExpertTrainer: compute copy, expert cache and optimizer op in %.1f s (set-up %.1f s)",
                     time.perf_counter() - t2, time.perf_counter() - t0)
-        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots, mcfg.host_grad_accumulate)
+        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots, mcfg.host_grad_accumulate,
+                                 host_parts=mcfg.host_grad_parts)
         self.cpu_step_share: Optional[float] = None  # split: the measured share of the CPU side (step.py)
         self._step_pool = None                       # split: the CPU side's worker thread
         self.counters = ExpertTrainStats(self.num_layers, self.num_experts)
@@ -435,8 +436,8 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
 
     def stats(self) -> dict:
         """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing); with
-        ``moe.host_grad_accumulate``, ``"host_grad_accumulate"``: :meth:`ExpertGrads.timings`."""
+        ``moe.host_grad_accumulate`` or ``moe.host_grad_parts``, ``"host_grad_accumulate"``: :meth:`ExpertGrads.timings`."""
         out = self.counters.as_dict(self.cache)
-        if self.grads.host_accumulate:
+        if self.grads.host_accumulate or self.grads.host_parts:
             out["host_grad_accumulate"] = self.grads.timings()
         return out
