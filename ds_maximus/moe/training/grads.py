@@ -160,7 +160,8 @@ class ExpertGrads:
         tmp, ev = self._copy_out(grad)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-grad-add")
-        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, tmp, ev, wide, self._t)
+        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, [(tmp, ev)], wide, self._t,
+                                           "worker_copy_wait", "worker_sum")
         self.added_on_host += 1
 
     def _copy_out(self, grad: Tensor) -> Tuple[Tensor, object]:
@@ -194,18 +195,13 @@ class ExpertGrads:
     def _sum_parts(self, uid: int, parts: List[Tuple[Tensor, object]]) -> None:
         """``uid``'s host sum (its pending factor applied) plus its parts in micro-batch order, in fp32: the bits
         the device's running sum would have."""
-        from ds_maximus.ops.sharded_embedding import grad_sum_parts
         cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
-        t0 = time.perf_counter()
-        for ev in [ev_cur] + [e for _, e in parts]:
-            if ev is not None:
-                ev.synchronize()
-        out = cur if cur.dtype == torch.float32 else torch.empty(cur.shape, dtype=torch.float32,
-                                                                 pin_memory=cur.is_pinned())
-        norm_sq, finite = grad_sum_parts(out, cur, f, [p for p, _ in parts])
-        self._t["parts_sum"] += time.perf_counter() - t0
+        wide = None if cur.dtype == torch.float32 else torch.empty(cur.shape, dtype=torch.float32,
+                                                                   pin_memory=cur.is_pinned())
+        # the waits for the copies and the sum both count as "parts_sum"
+        out, norm_sq, finite = _host_sum(cur, ev_cur, f, parts, wide, self._t, "parts_sum", "parts_sum")
         self.g[uid] = out
-        self._left[uid] = (None, torch.tensor(norm_sq, dtype=torch.float64), torch.tensor(bool(finite)))
+        self._left[uid] = (None, norm_sq, finite)
 
     def settle_copies(self) -> None:
         """Make the compute stream wait for the gradients still being copied out, so that their memory (a
@@ -423,22 +419,22 @@ class ExpertGrads:
         return self.device if backend == "nccl" else torch.device("cpu")
 
 
-def _host_sum(cur: Tensor, ev_cur, factor: float, add: Tensor, ev_add, wide: Optional[Tensor],
-              timing: Dict[str, float]) -> Tuple[Tensor, Tensor, Tensor]:
-    """The worker's part of :meth:`ExpertGrads._add_on_host`: ``cur * factor + add`` in fp32 (in place when
-    ``cur`` is fp32, else in ``wide``), once both have landed, with the sum's squared norm and finiteness (one
-    pass of the ops' ``grad_sum``)."""
-    from ds_maximus.ops.sharded_embedding import grad_sum
+def _host_sum(cur: Tensor, ev_cur, factor: float, parts: List[Tuple[Tensor, object]], wide: Optional[Tensor],
+              timing: Dict[str, float], wait_key: str, sum_key: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """``cur * factor + parts[0] + parts[1] + ...`` in fp32 (in place when ``cur`` is fp32, else in ``wide``), once
+    ``cur`` and every ``(part, copy event)`` have landed, with the sum's squared norm and finiteness: one pass of the
+    ops' ``grad_sum_parts``. The worker's part of :meth:`ExpertGrads._add_on_host` (one part), and
+    :meth:`ExpertGrads._sum_parts` (all of them); the seconds waited and summed go to ``timing``."""
+    from ds_maximus.ops.sharded_embedding import grad_sum_parts
     t0 = time.perf_counter()
-    if ev_cur is not None:
-        ev_cur.synchronize()
-    if ev_add is not None:
-        ev_add.synchronize()
+    for ev in [ev_cur] + [e for _, e in parts]:
+        if ev is not None:
+            ev.synchronize()
     t1 = time.perf_counter()
     out = cur if cur.dtype == torch.float32 else wide
-    norm_sq, finite = grad_sum(out, cur, factor, add)
-    timing["worker_copy_wait"] += t1 - t0  # the worker is the only writer of these two
-    timing["worker_sum"] += time.perf_counter() - t1
+    norm_sq, finite = grad_sum_parts(out, cur, factor, [p for p, _ in parts])
+    timing[wait_key] += t1 - t0  # one writer a key: the worker, or the main thread
+    timing[sum_key] += time.perf_counter() - t1
     return out, torch.tensor(norm_sq, dtype=torch.float64), torch.tensor(bool(finite))
 
 
