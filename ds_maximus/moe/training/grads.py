@@ -73,7 +73,11 @@ class ExpertGrads:
         self._pool: Optional[ThreadPoolExecutor] = None
         self.added_on_host = 0
         # host accumulation's seconds, cumulative (see timings()): where its slow steps on the H200 went is open
-        self._t = {"settle_wait": 0.0, "pin_alloc": 0.0, "worker_copy_wait": 0.0, "worker_sum": 0.0, "parts_sum": 0.0}
+        self._t = {"settle_wait": 0.0, "pin_alloc": 0.0, "worker_copy_wait": 0.0, "worker_sum": 0.0,
+                   "parts_wait": 0.0, "parts_sum": 0.0}
+        #: set by the trainer before each backward (``engine.backward``): this micro-batch ends the accumulation
+        #: window, so ``host_parts`` sums a host-held expert's parts in the worker as soon as its last one is out
+        self.last_micro_batch = False
 
     def __bool__(self) -> bool:
         return bool(self.g)
@@ -150,19 +154,27 @@ class ExpertGrads:
 
     def _add_on_host(self, uid: int, grad: Tensor) -> None:
         """``uid``'s sum waits on the host: copy ``grad`` out as it is and add it there in the worker."""
-        self._settle(uid)  # the previous micro-batch's addition (long done: a micro-batch ago)
+        self._submit_sum(uid, [self._copy_out(grad)])
+        self.added_on_host += 1
+
+    def _submit_sum(self, uid: int, parts: List[Tuple[Tensor, object]]) -> None:
+        """Add ``parts`` to ``uid``'s host sum in the worker (after the addition already running for it, if any)."""
+        self._settle(uid)
         cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
-        t0 = time.perf_counter()
-        wide = None  # made here: a pinned allocation in the worker could make a context on another device
-        if cur.dtype != torch.float32:
-            wide = torch.empty(cur.shape, dtype=torch.float32, pin_memory=cur.is_pinned())
-        self._t["pin_alloc"] += time.perf_counter() - t0
-        tmp, ev = self._copy_out(grad)
+        wide = self._wide(cur)  # made here: a pinned allocation in the worker could make a context on another device
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-grad-add")
-        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, [(tmp, ev)], wide, self._t,
+        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, parts, wide, self._t,
                                            "worker_copy_wait", "worker_sum")
-        self.added_on_host += 1
+
+    def _wide(self, cur: Tensor) -> Optional[Tensor]:
+        """The fp32 buffer a host sum of a bf16 ``cur`` is written to (``None``: fp32, summed in place)."""
+        if cur.dtype == torch.float32:
+            return None
+        t0 = time.perf_counter()
+        wide = torch.empty(cur.shape, dtype=torch.float32, pin_memory=cur.is_pinned())
+        self._t["pin_alloc"] += time.perf_counter() - t0
+        return wide
 
     def _copy_out(self, grad: Tensor) -> Tuple[Tensor, object]:
         """``grad`` (on the compute device) copied to pinned CPU memory as it is, on the copies-out stream:
@@ -184,22 +196,24 @@ class ExpertGrads:
 
     def _add_part(self, uid: int, grad: Tensor) -> None:
         """``uid``'s sum waits on the host (``host_parts``): copy ``grad`` out as it is and keep it beside the sum;
-        the first reader of ``uid`` adds every part to it in one CPU pass (:meth:`_settle`)."""
+        the first reader of ``uid`` adds every part to it in one CPU pass (:meth:`_settle`). In the micro-batch
+        that ends the accumulation window (:attr:`last_micro_batch`) no more parts will come, so the worker adds
+        them at once, as the copy lands, while the backward goes on."""
         if grad.is_cuda:
             part = self._copy_out(grad)
         else:  # a CPU run: grad may be a view of a round's gradient buffer, which the next round reuses
             part = (grad.clone(), None)
-        self._parts.setdefault(uid, []).append(part)
         self.parts_added += 1
+        parts = self._parts.setdefault(uid, [])
+        parts.append(part)
+        if self.last_micro_batch:
+            self._submit_sum(uid, self._parts.pop(uid))
 
     def _sum_parts(self, uid: int, parts: List[Tuple[Tensor, object]]) -> None:
         """``uid``'s host sum (its pending factor applied) plus its parts in micro-batch order, in fp32: the bits
         the device's running sum would have."""
         cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
-        wide = None if cur.dtype == torch.float32 else torch.empty(cur.shape, dtype=torch.float32,
-                                                                   pin_memory=cur.is_pinned())
-        # the waits for the copies and the sum both count as "parts_sum"
-        out, norm_sq, finite = _host_sum(cur, ev_cur, f, parts, wide, self._t, "parts_sum", "parts_sum")
+        out, norm_sq, finite = _host_sum(cur, ev_cur, f, parts, self._wide(cur), self._t, "parts_wait", "parts_sum")
         self.g[uid] = out
         self._left[uid] = (None, norm_sq, finite)
 
@@ -222,10 +236,7 @@ class ExpertGrads:
     def _settle(self, uid: int) -> None:
         """Wait for ``uid``'s addition on the host, if one is running, and take its sum, norm and finiteness; with
         ``host_parts``, add its waiting parts."""
-        parts = self._parts.pop(uid, None)
-        if parts:
-            self._sum_parts(uid, parts)
-        fut = self._acc.pop(uid, None)
+        fut = self._acc.pop(uid, None)  # first: parts waiting beside it were added after its sum's micro-batches
         if fut is not None:
             t0 = time.perf_counter()
             total, norm_sq, finite = fut.result()
@@ -233,6 +244,9 @@ class ExpertGrads:
             if uid in self.g:
                 self.g[uid] = total
                 self._left[uid] = (None, norm_sq, finite)
+        parts = self._parts.pop(uid, None)
+        if parts:
+            self._sum_parts(uid, parts)
 
     def _settle_all(self) -> None:
         for uid in list(self._acc) + list(self._parts):
@@ -240,8 +254,9 @@ class ExpertGrads:
         self.settle_copies()
 
     def timings(self) -> Dict[str, float]:
-        """Host accumulation, cumulative: gradients added on the host, and ms the main thread waited for the worker
-        (``settle_wait``) and allocated pinned memory (``pin_alloc``), and the worker waited for copies to land
+        """The host paths, cumulative: gradients added on the host and parts kept; ms the main thread waited for the
+        worker (``settle_wait``), allocated pinned memory (``pin_alloc``), and waited for parts to land
+        (``parts_wait``) and summed them itself (``parts_sum``); ms the worker waited for copies to land
         (``worker_copy_wait``) and summed (``worker_sum``)."""
         return {"added_on_host": self.added_on_host, "parts_added": self.parts_added,
                 **{k + "_ms": v * 1e3 for k, v in self._t.items()}}
