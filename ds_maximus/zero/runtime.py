@@ -134,10 +134,6 @@ class MaximusRuntime:
     # -- hooks ---------------------------------------------------------------------------------
     def _backward(self, loss, *args, **kwargs):
         self._boundary = self.engine.is_gradient_accumulation_boundary()
-        for m in self.modules.values():
-            hook = getattr(m, "begin_backward", None)
-            if hook is not None:
-                hook(self._boundary)
         return self._orig["backward"](loss, *args, **kwargs)
 
     def _dense_norm_stage0_fp32(self) -> Optional[float]:

@@ -75,9 +75,6 @@ class ExpertGrads:
         # host accumulation's seconds, cumulative (see timings()): where its slow steps on the H200 went is open
         self._t = {"settle_wait": 0.0, "pin_alloc": 0.0, "worker_copy_wait": 0.0, "worker_sum": 0.0,
                    "parts_wait": 0.0, "parts_sum": 0.0}
-        #: set by the trainer before each backward (``engine.backward``): this micro-batch ends the accumulation
-        #: window, so ``host_parts`` sums a host-held expert's parts in the worker as soon as its last one is out
-        self.last_micro_batch = False
 
     def __bool__(self) -> bool:
         return bool(self.g)
@@ -196,18 +193,15 @@ class ExpertGrads:
 
     def _add_part(self, uid: int, grad: Tensor) -> None:
         """``uid``'s sum waits on the host (``host_parts``): copy ``grad`` out as it is and keep it beside the sum;
-        the first reader of ``uid`` adds every part to it in one CPU pass (:meth:`_settle`). In the micro-batch
-        that ends the accumulation window (:attr:`last_micro_batch`) no more parts will come, so the worker adds
-        them at once, as the copy lands, while the backward goes on."""
+        the first reader of ``uid`` adds every part to it in one CPU pass (:meth:`_settle`). (Adding the last
+        micro-batch's parts in the worker as they landed, during the backward, measured slower on the H200: the
+        sums compete with the backward's loads for host memory; docs/bench/moe_training.md, session 20.)"""
         if grad.is_cuda:
             part = self._copy_out(grad)
         else:  # a CPU run: grad may be a view of a round's gradient buffer, which the next round reuses
             part = (grad.clone(), None)
+        self._parts.setdefault(uid, []).append(part)
         self.parts_added += 1
-        parts = self._parts.setdefault(uid, [])
-        parts.append(part)
-        if self.last_micro_batch:
-            self._submit_sum(uid, self._parts.pop(uid))
 
     def _sum_parts(self, uid: int, parts: List[Tuple[Tensor, object]]) -> None:
         """``uid``'s host sum (its pending factor applied) plus its parts in micro-batch order, in fp32: the bits

@@ -337,11 +337,6 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
             return torch.device("cpu")
         return self.compute_device
 
-    def begin_backward(self, boundary: bool) -> None:
-        """Called by the engine's ``backward`` hook: ``boundary`` when this micro-batch ends the accumulation
-        window (``moe.host_grad_parts`` then sums host-held experts' parts as the backward makes the last ones)."""
-        self.grads.last_micro_batch = bool(boundary)
-
     def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
         """Step every expert with gradient (AdamW on the compute device by default), refresh its copies."""
         from ds_maximus.moe.training.step import step_in_place, step_split, step_staged
