@@ -59,6 +59,7 @@ PEERS = {  # in run order: the baseline and ours first, so a short budget still 
     "ours (experts in CPU tier, AdamW on CPU)": "ours_cpu",
     "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu, no cap": "zero3_offload_nocap",
 }
+UNCAPPED = {"gpu", "zero3_offload_nocap"}  # the peers that run without --cap-gib (the ceiling, and where ZeRO-3 fits)
 BASELINE = "DeepSpeed ZeRO-3 + offload_param/offload_optimizer cpu"
 BASELINE_NOCAP = BASELINE + ", no cap"
 
@@ -146,7 +147,7 @@ def run_peer(a, kind) -> dict:
     import ds_maximus
     _log_to_stdout()
     cuda = torch.cuda.is_available()
-    if cuda and kind not in ("gpu", "zero3_offload_nocap") and a.cap_gib:  # the same cap for every offloading peer
+    if cuda and kind not in UNCAPPED and a.cap_gib:  # the same cap for every offloading peer
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total))
         print(f"GPU cap {a.cap_gib} GiB of {total / 2**30:.1f}", flush=True)
@@ -373,7 +374,7 @@ def main(argv=None):
     bench = Bench("moe_training", dtype="bf16" if torch.cuda.is_available() else "fp32",
                   sizes={"layers": a.layers, "H": a.hidden, "F": a.ffn, "E": a.experts, "top_k": a.top_k,
                          "tokens/step": a.micro_batch * a.seq * a.gas, "expert GiB (bf16)": round(expert_gib, 2),
-                         "cap GiB": a.cap_gib, "slots/layer": a.slots,
+                         "cap GiB": a.cap_gib if set(keys) - UNCAPPED else "none", "slots/layer": a.slots,
                          **({"state experts": a.state_experts} if a.state_experts else {}),
                          **({"host grad accumulate": True} if a.host_grad_accumulate else {}),
                          **({"host grad parts": True} if a.host_grad_parts else {})},
