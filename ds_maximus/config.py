@@ -219,8 +219,10 @@ class MoEConfig(_Section):
     CPU pass (the ops' ``grad_sum_parts``: the same fp32 additions in micro-batch order, so the same bits) when the
     step first reads its gradient (the clip norm). A bf16 part crosses the link once (2 bytes a parameter) and is
     read once by the CPU, where the default round trip moves the fp32 sum both ways each micro-batch and
-    ``host_grad_accumulate`` makes a CPU pass of ~10 bytes a parameter each micro-batch. Experimental: CPU-tested,
-    not yet run on a GPU (docs/bench/moe_training.md, session 19). Not with ``host_grad_accumulate``."""
+    ``host_grad_accumulate`` makes a CPU pass of ~10 bytes a parameter each micro-batch. Experimental: the same bits
+    on the H200 too, but slower there than the round trip (4194 against 3425 ms a step at 16K tokens a step: the
+    one pass, ~2 s, waits on the step's path; docs/bench/moe_training.md, session 20). Not with
+    ``host_grad_accumulate``."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
     gpu_state_experts: int = Field(0, ge=0)
