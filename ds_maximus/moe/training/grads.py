@@ -19,18 +19,13 @@ clipping factor (:meth:`scale_`) is only recorded for it and applied where it is
 second micro-batch counts as two, so gradient accumulation keeps the device bytes of a single micro-batch.
 
 By default a later micro-batch's gradient of an expert whose sum waits on the host brings the sum back to the
-device (fp32), is added there, and the sum goes out again (fp32). ``host_accumulate`` instead copies the gradient
-out once in its own dtype and a worker thread adds it to the host sum (the ops' ``grad_sum``: the same fp32
-additions, so the same bits; tested on the H200). It moves a third of the bytes over the link, but every addition
-is a CPU pass of ~10 bytes a parameter (the fine-grained shape at 16K tokens a step: 492 additions, ~108 GB a step),
-and host memory is what the split step is short of. On the H200 it took 5.9-6.5 s a step against ~3.5 s for the
-round trip (docs/bench/moe_training.md, session 19; ~22 s in session 17, when ``grad_sum`` ran on one thread), so
-it stays off. ``host_parts`` copies such a gradient out once too, but keeps it beside the sum as a part: the first
-reader of the expert (the clip norm, at the step) adds every part in one CPU pass (``grad_sum_parts``, the same
-additions in the same order), ~4 + 2k bytes a parameter for k bf16 parts instead of ~10 per part. Its bits are
-the same on the H200 too, but it is slower there: that pass (~2 s a step on the fine-grained shape at 16K tokens)
-sits on the step's critical path, 4194 against 3425 ms a step for the round trip in one call (session 20), so it
-stays off as well.
+device (fp32), is added there, and the sum goes out again (fp32). Two options copy the gradient out once in its own
+dtype instead, with the same fp32 additions in the same order (the same bits, on the H200 too): ``host_accumulate``
+has a worker add each one to the host sum (``grad_sum``: a CPU pass of ~10 bytes a parameter each), and
+``host_parts`` keeps them as parts that the expert's first reader (the clip norm) adds in one pass
+(``grad_sum_parts``: ~4 + 2k bytes a parameter for k bf16 parts). Both are slower than the round trip on the
+H200, where host memory is what the split step is short of: 5.9-6.5 s and 4.2 s a step against 3.4-3.5 s on the
+fine-grained shape at 16K tokens (docs/bench/moe_training.md, sessions 19-20), so both stay off.
 
     >>> import torch
     >>> g = ExpertGrads(torch.device("cpu"), max_on_device=2)
