@@ -69,7 +69,7 @@ class ExpertGrads:
         self._flying: "collections.deque" = collections.deque()  # (device gradient, copy event) still leaving
         self._pool: Optional[ThreadPoolExecutor] = None
         self.added_on_host = 0
-        # host accumulation's seconds, cumulative (see timings()): where its slow steps on the H200 went is open
+        # the host paths' seconds, cumulative (see timings(); the bench prints them as HOST GRADS)
         self._t = {"settle_wait": 0.0, "pin_alloc": 0.0, "worker_copy_wait": 0.0, "worker_sum": 0.0,
                    "parts_wait": 0.0, "parts_sum": 0.0}
 
