@@ -148,18 +148,15 @@ class ExpertGrads:
 
     def _add_on_host(self, uid: int, grad: Tensor) -> None:
         """``uid``'s sum waits on the host: copy ``grad`` out as it is and add it there in the worker."""
-        self._submit_sum(uid, [self._copy_out(grad)])
-        self.added_on_host += 1
-
-    def _submit_sum(self, uid: int, parts: List[Tuple[Tensor, object]]) -> None:
-        """Add ``parts`` to ``uid``'s host sum in the worker (after the addition already running for it, if any)."""
-        self._settle(uid)
+        self._settle(uid)  # the previous micro-batch's addition (long done: a micro-batch ago)
         cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
         wide = self._wide(cur)  # made here: a pinned allocation in the worker could make a context on another device
+        part = self._copy_out(grad)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-grad-add")
-        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, parts, wide, self._t,
+        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, [part], wide, self._t,
                                            "worker_copy_wait", "worker_sum")
+        self.added_on_host += 1
 
     def _wide(self, cur: Tensor) -> Optional[Tensor]:
         """The fp32 buffer a host sum of a bf16 ``cur`` is written to (``None``: fp32, summed in place)."""
