@@ -26,6 +26,7 @@ setup(
         "matplotlib",  # benchmarks.plot draws the README charts
         "ninja",
         "pytest",
+        "peft",  # the conformance suite and PEFT models (LoRA adapters beside maximus rows)
     ],
     entry_points={
         "console_scripts": [

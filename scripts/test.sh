@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The README's test command: install (idempotent, about a minute on a fresh machine), then the CPU suite.
+# The README's test command (and what .ci/run calls): set up the Python (scripts/env.sh: the active venv,
+# else ./.venv; installs once), then the CPU suite.
 set -eu
 cd "$(dirname "$0")/.."
-pip install -q torch==2.13.0
-pip install -q -e .
+source scripts/env.sh
 export DS_ACCELERATOR=cpu
-export TORCH_EXTENSIONS_DIR="$PWD/build/torch_extensions"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
-exec python -m pytest -q -x --durations=15 tests "$@"
+exec "$MAXIMUS_PY" -m pytest -q -x --durations=15 tests "$@"
