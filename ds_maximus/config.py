@@ -33,6 +33,17 @@ class CachePolicy(str, enum.Enum):
     LFU = "lfu"
 
 
+class OverflowPolicy(str, enum.Enum):
+    """What a row cache does with a batch that needs more distinct rows than it can hold.
+
+    ``serve``: the rows that do not fit are read from and written back to the tier directly (results equal
+    a cache large enough for the batch; a one-time warning names the size that would hold it); ``error``:
+    raise ``CapacityError``."""
+
+    SERVE = "serve"
+    ERROR = "error"
+
+
 class OptimizerType(str, enum.Enum):
     ADAMW = "adamw"
     ADAGRAD = "adagrad"
@@ -118,6 +129,9 @@ class EmbeddingConfig(_Section):
     """Rows (with optimizer state) the GPU row cache holds."""
     cache_policy: CachePolicy = CachePolicy.LFU
     """Eviction policy of the row cache."""
+    on_overflow: OverflowPolicy = OverflowPolicy.SERVE
+    """A batch with more distinct rows than the cache can hold: ``serve`` reads and steps the extra rows in the
+    tier directly (same results, slower), ``error`` raises ``CapacityError``."""
     rows_per_shard: int = Field(32768, ge=1)
     """Rows per shard file (the unit of NVMe I/O and of the CPU tier)."""
     prefetch: bool = True
@@ -324,11 +338,21 @@ class MaximusConfig(_Section):
                 raise ConfigError(f"ds_config must be a dict or a JSON path, got {type(ds_config).__name__}")
             ds_config = raw
         if SECTION not in ds_config:
+            _refuse_near_miss(ds_config)
             return cls(enabled=False)
         return cls.from_dict(ds_config[SECTION])
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
+
+
+def _refuse_near_miss(ds_config: Mapping[str, Any]) -> None:
+    """A ds_config without a ``"maximus"`` section but with a top-level key that is a misspelling of it
+    (``"maximsu"``, ``"Maximus"``, ``"maximus_"``) would silently run without maximus: refuse it."""
+    for key in ds_config:
+        if isinstance(key, str) and difflib.get_close_matches(key.lower(), [SECTION], n=1, cutoff=0.8):
+            raise ConfigError(f"ds_config has a top-level key \"{key}\" and no \"{SECTION}\" section; did you mean "
+                              f"'{SECTION}'? Rename the key to \"{SECTION}\" (or drop it to run plain DeepSpeed)", key)
 
 
 def _allowed_keys(model: type, loc: tuple) -> List[str]:

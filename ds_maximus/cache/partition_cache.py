@@ -30,6 +30,7 @@ import dataclasses
 import time
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,6 +50,8 @@ class TrafficCounters:
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     stall_ms: float = 0.0
+    overflow_rows: int = 0      # entries a batch needed beyond the cache's room, served from the tier directly
+    overflow_batches: int = 0   # acquires that overflowed
 
 
 class PartitionCache:
@@ -130,6 +133,50 @@ class PartitionCache:
             self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
         self._finish_write_backs(block=False)
         return a.slots
+
+    def fits(self, ids: Tensor) -> Tensor:
+        """Mask of unique ``ids`` that one :meth:`acquire` can hold: all resident ones, and the first misses
+        (smallest ids: the hot rows of a frequency-ordered vocabulary) up to the slots neither pinned nor
+        holding this batch. All True when the whole batch fits.
+
+        >>> from ds_maximus.cache.tier import TensorTier
+        >>> cache = PartitionCache(2, TensorTier({"w": torch.zeros(5, 1)}))
+        >>> cache.fits(torch.tensor([0, 3, 4])).tolist()
+        [True, True, False]
+        """
+        ids = ids.to("cpu", torch.long)
+        slots = self.map.slots_of(ids).numpy()
+        hit = slots >= 0
+        pinned = self.map.pin_count.numpy() > 0
+        room = self.num_slots - int(pinned.sum()) - int((~pinned[slots[hit]]).sum())
+        miss = np.flatnonzero(~hit)
+        if miss.size <= room:
+            return torch.ones(ids.numel(), dtype=torch.bool)
+        mask = hit.copy()
+        mask[miss[:max(0, room)]] = True
+        return torch.from_numpy(mask)
+
+    def count_overflow(self, n: int) -> None:
+        """Count ``n`` entries of one batch served from the tier directly (lookups and misses too)."""
+        self.traffic.overflow_rows += int(n)
+        self.traffic.overflow_batches += 1
+        c = self.map.counters
+        c.lookups, c.misses = c.lookups + int(n), c.misses + int(n)
+
+    def read_direct(self, ids: Tensor) -> Dict[str, Tensor]:
+        """Entries ``ids`` read straight from the tier into host buffers (pinned on a GPU), bypassing the slots,
+        after every write-back in flight has landed (so the tier is current). FBGEMM's cache serves the rows
+        of a batch that do not fit this way."""
+        ids = ids.to("cpu", torch.long)
+        self._finish_write_backs(block=True)
+        buf = self._staging(int(ids.numel()))
+        self.tier.read(ids, buf)
+        return buf
+
+    def write_direct(self, ids: Tensor, src: Dict[str, Tensor]) -> None:
+        """Store ``src[name][i]`` (host tensors) as entry ``ids[i]`` of the tier, bypassing the slots; the
+        entries must not be resident (their slots would hold a stale copy)."""
+        self.tier.write(ids.to("cpu", torch.long), src)
 
     def wait_fills(self, slots: Optional[Tensor] = None) -> None:
         """Order the compute stream after the fills of ``slots`` (CPU LongTensor; all fills when None).

@@ -138,7 +138,9 @@ def lookup(module, input: Tensor, pin: bool):
 
     The ids come to the host (one sync on a GPU), where a prefetched batch with the same ids gives its plan
     (made and uploaded by ``prefetch``); otherwise the host plans them now. The range is checked on the host,
-    so no kernel ever sees a bad id, and the cache decides residency there.
+    so no kernel ever sees a bad id, and the cache decides residency there. A batch with more distinct rows
+    than the cache can hold is gathered from a ``[U, d]`` table of its own rows (cached ones copied, the rest
+    read from the tier), which holds the same values.
     """
     from ds_maximus.ops import sharded_embedding as ops
     dev = module.compute_device
@@ -147,6 +149,12 @@ def lookup(module, input: Tensor, pin: bool):
     if plan is None:
         plan = module._planner.plan(host, dev)
     slots = module._resident(plan.uniq, pin=pin)
+    s = index_array(slots)
+    if s.size and s.min() < 0:  # more rows than the cache holds (on_overflow: serve): gather from the batch's own
+        module._release_prefetch(torch.from_numpy(s[s >= 0]))
+        table = module._overflow_table(plan.uniq, slots)
+        out = ops.gather(table, torch.arange(s.size, device=dev), plan.inverse, module.out_dtype)
+        return out, plan.uniq, (plan.inverse, plan.order, plan.offsets)
     module._release_prefetch(slots)
     w = module.cache.storage["weight"]
     out = ops.gather(w, to_device(slots, dev), plan.inverse, module.out_dtype)

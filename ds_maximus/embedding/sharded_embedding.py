@@ -82,6 +82,7 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         self._step_pins: list = []
         self._prefetched: collections.deque = collections.deque()
         self._planner = BatchPlanner(self.num_embeddings)
+        self._overflow_warned = False  # the one-time warning of a batch too large for the cache
         self._anchor = torch.zeros((), requires_grad=True)  # not a Parameter: autograd reaches backward through it
         self._anchor_fn = None  # set by the engine integration (ds_maximus/zero/norm_carrier.py)
 
@@ -169,22 +170,97 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         return out.view(*input.shape, self.embedding_dim)
 
     def _resident(self, uniq_cpu: Tensor, pin: bool, wait: bool = True) -> Tensor:
-        """Make rows ``uniq_cpu`` resident and current (exact-mode catch-up); returns their slots."""
+        """Make rows ``uniq_cpu`` resident and current (exact-mode catch-up); returns their slots.
+
+        A batch with more distinct rows than the cache can hold beside its pinned rows overflows: with
+        ``on_overflow: serve`` the rows that do not fit get slot -1 (the lookup reads them from the tier,
+        :meth:`_overflow_table`, and the step updates them there); with ``error`` it raises ``CapacityError``.
+        """
         from ds_maximus.errors import CapacityError
         slots = self._adopt_prefetch(uniq_cpu, wait) if pin else None
+        fit = None
         if slots is None:
             try:
                 slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
             except CapacityError:
-                if not self._prefetched:
-                    raise
                 while self._prefetched:  # prefetched rows are a hint: give their slots up and retry
                     self.cache.unpin(self._prefetched.popleft().slots)
-                slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
-        if pin:
-            self._step_pins.append(slots)
-        self._replay(uniq_cpu, slots)
+                fit = self.cache.fits(uniq_cpu)
+                if bool(fit.all()):
+                    fit = None
+                    slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
+                else:
+                    slots = self._acquire_fitting(uniq_cpu, fit, pin, wait)
+        ids, live = (uniq_cpu, slots) if fit is None else (_masked(uniq_cpu, fit), _masked(slots, fit))
+        if pin and live.numel():
+            self._step_pins.append(live)
+        self._replay(ids, live)
         return slots
+
+    def _acquire_fitting(self, uniq_cpu: Tensor, fit: Tensor, pin: bool, wait: bool) -> Tensor:
+        """Overflow: acquire the rows of ``uniq_cpu`` that ``fit``; the others get slot -1 (served from the tier).
+        Counted in the stats; warns once (or raises ``CapacityError`` with ``on_overflow: error``), naming the
+        ``gpu_cache_rows`` that would hold such a batch."""
+        from ds_maximus.config import OverflowPolicy
+        from ds_maximus.errors import CapacityError
+        n, n_over = int(uniq_cpu.numel()), int((~fit).sum())
+        pinned = self.cache.map.pin_count.numpy() > 0
+        held = self.cache.slots_of(uniq_cpu).numpy()
+        others = int(pinned.sum()) - int(pinned[held[held >= 0]].sum())  # pinned by earlier micro-batches
+        what = (f"a batch needs {n} distinct embedding rows but the row cache of {self.cache.num_slots} rows can "
+                f"take only {n - n_over} of them now ({others} rows are pinned by earlier micro-batches of this "
+                f"step); a maximus.embedding.gpu_cache_rows of at least {n + others} would hold it")
+        if self.config.on_overflow == OverflowPolicy.ERROR:
+            raise CapacityError(f"{what}; raise gpu_cache_rows, use smaller batches, or set "
+                                "maximus.embedding.on_overflow to 'serve' (the extra rows are then read and "
+                                "stepped in the tier directly)")
+        if not self._overflow_warned:
+            self._overflow_warned = True
+            logger.warning("%s; the %d rows that do not fit are read from and stepped in the %s tier directly "
+                           "(same results, slower; counted in stats()['overflow_rows']). Warned once.",
+                           what, n_over, self.config.offload.device.value)
+        self.cache.count_overflow(n_over)
+        slots = torch.full((n,), -1, dtype=torch.long)
+        part = _masked(uniq_cpu, fit)
+        if part.numel():
+            slots.numpy()[fit.numpy()] = self.cache.acquire(part, pin=pin, wait=wait).numpy()
+        return slots
+
+    def _overflow_table(self, uniq_cpu: Tensor, slots: Tensor) -> Tensor:
+        """The rows of an overflowing batch as one ``[U, d]`` fp32 table on the compute device (row i holds
+        ``uniq_cpu[i]``): cached rows copied from their slots, the rest read from the tier
+        (:meth:`_direct_rows`). Copies only, so a gather from it equals one from a cache that held them all."""
+        from ds_maximus.ops import to_device
+        dev = self.compute_device
+        s = slots.numpy()
+        over = s < 0
+        table = torch.empty(uniq_cpu.numel(), self.embedding_dim, device=dev)
+        pos = np.flatnonzero(~over)
+        if pos.size:
+            w = self.cache.storage["weight"]
+            rows = w.index_select(0, to_device(torch.from_numpy(s[pos]), dev))
+            table.index_copy_(0, to_device(torch.from_numpy(pos), dev), rows)
+        pos = np.flatnonzero(over)
+        rows = self._direct_rows(torch.from_numpy(uniq_cpu.numpy()[pos]))
+        table.index_copy_(0, to_device(torch.from_numpy(pos), dev), rows)
+        return table
+
+    def _direct_rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (not resident) read from the tier for one lookup, without taking cache slots; in exact
+        mode made current on the compute device (the same kernel as a cached row's catch-up) and written back;
+        fp32 on the compute device."""
+        dev = self.compute_device
+        buf = self.cache.read_direct(ids)
+        work = {k: v.to(dev, non_blocking=True) for k, v in buf.items()}  # on a CPU: the same tensors
+        changed = self.optimizer.catch_up(work["weight"], [work[k] for k in self.optimizer.state_names],
+                                          torch.arange(ids.numel()), ids)
+        if changed.numpy().any():
+            if dev.type == "cuda":
+                for k, v in buf.items():
+                    v.copy_(work[k], non_blocking=True)
+                torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
+            self.cache.write_direct(ids, buf)
+        return work["weight"]
 
     def prefetch(self, ids: Tensor) -> None:
         """Stage the rows of an upcoming batch asynchronously (pinned until the next forward uses them).

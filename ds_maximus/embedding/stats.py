@@ -2,7 +2,9 @@
 
 Hit rate: of the unique rows each batch asks for, those already in the GPU cache when first asked for
 (by ``prefetch`` when the batch was prefetched, else by the lookup). Traffic counts rows and bytes moved
-between the cache and its tier; stall is the time the compute stream waited for fills.
+between the cache and its tier; stall is the time the compute stream waited for fills. Overflow counts the
+rows of batches too large for the cache that were served from the tier directly (``overflow_rows``) and the
+lookups that did so (``overflow_batches``).
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import dataclasses
 from typing import Dict
 
 FIELDS = ("lookups", "hits", "rows_fetched", "rows_evicted", "bytes_h2d", "bytes_d2h", "stall_ms",
-          "touched_rows")
+          "touched_rows", "overflow_rows", "overflow_batches")
 
 
 @dataclasses.dataclass
@@ -28,7 +30,7 @@ class EmbeddingStats:
         c, t = cache.counters, cache.traffic
         return {"lookups": c.lookups, "hits": c.hits, "rows_fetched": t.rows_fetched,
                 "rows_evicted": t.rows_evicted, "bytes_h2d": t.bytes_h2d, "bytes_d2h": t.bytes_d2h,
-                "stall_ms": t.stall_ms}
+                "stall_ms": t.stall_ms, "overflow_rows": t.overflow_rows, "overflow_batches": t.overflow_batches}
 
     def end_step(self, cache, touched_rows: int) -> None:
         cache.resolve_stalls()
@@ -55,6 +57,7 @@ def _rates(d: Dict[str, float], touched: float, num_rows: int) -> dict:
             "rows_fetched": int(d.get("rows_fetched", 0)), "rows_evicted": int(d.get("rows_evicted", 0)),
             "bytes_h2d": int(d.get("bytes_h2d", 0)), "bytes_d2h": int(d.get("bytes_d2h", 0)),
             "stall_ms": float(d.get("stall_ms", 0.0)),
+            "overflow_rows": int(d.get("overflow_rows", 0)), "overflow_batches": int(d.get("overflow_batches", 0)),
             "row_sparsity": touched / num_rows if num_rows else 0.0}
 
 
@@ -63,4 +66,5 @@ def format_line(name: str, step: int, s: dict) -> str:
     return (f"{name} step {step}: hit {last['hit_rate']:.1%} (cum {s['hit_rate']:.1%}), fetched "
             f"{last['rows_fetched']} evicted {last['rows_evicted']} rows, H2D {last['bytes_h2d'] / 2**20:.1f} MiB "
             f"D2H {last['bytes_d2h'] / 2**20:.1f} MiB, stall {last['stall_ms']:.2f} ms, touched "
-            f"{last['row_sparsity']:.2%} of rows")
+            f"{last['row_sparsity']:.2%} of rows" + (f", overflow {last['overflow_rows']} rows served from the tier"
+                                                     if last.get("overflow_rows") else ""))
