@@ -52,6 +52,18 @@ class ShardStoreError(MaximusError, OSError):
         return self.args[0] if self.args else ""
 
 
+class UntrustedCheckpointError(ShardStoreError):
+    """A checkpoint file would run code or build objects outside the allow-list when loaded.
+
+    ``globals`` names the refused types; a checkpoint the user wrote loads with ``trust_checkpoint=True``
+    (``maximus-export --trust-checkpoint``).
+    """
+
+    def __init__(self, message: str, path: Optional[str] = None, globals_: tuple = ()):
+        super().__init__(message, path)
+        self.globals = tuple(globals_)
+
+
 class TokenMapError(MaximusError, ValueError):
     """A token map, its corpus, its tokenizer or a checkpoint it is applied to is wrong or inconsistent."""
 

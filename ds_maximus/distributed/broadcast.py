@@ -55,13 +55,15 @@ def broadcast_embedding(old: nn.Embedding, cfg: MaximusConfig):
     return mod
 
 
-def load_broadcast_state(path: str, cfg: MaximusConfig, group=None) -> dict:
-    """The master reads the checkpoint state file at ``path`` and sends it to every rank."""
+def load_broadcast_state(path: str, cfg: MaximusConfig, group=None, trust: bool = False) -> dict:
+    """The master reads the checkpoint state file at ``path`` (``weights_only``; see :mod:`ds_maximus.safe_load`
+    for ``trust``) and sends it to every rank."""
+    from ds_maximus.safe_load import safe_torch_load
     comm = Collectives(group, cfg.distributed.timeout_s)
     master = _master(cfg, comm)
     box = [None]
     if comm.rank == master:
-        box = [torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None]
+        box = [safe_torch_load(path, trust=trust) if os.path.exists(path) else None]
     src = dist.get_global_rank(comm.group, master) if comm.group is not dist.group.WORLD else master
     dist.broadcast_object_list(box, src=src, group=comm.group)
     if box[0] is None:

@@ -7,7 +7,7 @@ A replicated checkpoint (one file with the whole table, no ``partition`` key) lo
 
 Example::
 
-    states = (torch.load(p) ["modules"]["model.embed_tokens"] for p in rank_files)
+    states = (safe_torch_load(p)["modules"]["model.embed_tokens"] for p in rank_files)
     emb.load_maximus_state_dicts(states)
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ds_maximus.distributed.partition import RowPartition
 from ds_maximus.errors import DistributedError, ShardStoreError
+from ds_maximus.safe_load import safe_torch_load
 
 RANK_FILE = "maximus_states_rank{rank:05d}.pt"
 
@@ -34,10 +35,11 @@ def rank_files(folder: str) -> List[str]:
     return files
 
 
-def iter_module_states(files: List[str], name: str) -> Iterator[dict]:
-    """Module ``name``'s state from each file, loading one file at a time."""
+def iter_module_states(files: List[str], name: str, trust: bool = False) -> Iterator[dict]:
+    """Module ``name``'s state from each file, loading one file at a time (``weights_only``; see
+    :mod:`ds_maximus.safe_load` for ``trust``)."""
     for f in files:
-        st = torch.load(f, map_location="cpu", weights_only=False)
+        st = safe_torch_load(f, trust=trust)
         if name not in st["modules"]:
             raise ShardStoreError(f"{f} has no state for module {name} (it has {sorted(st['modules'])})", f)
         yield st["modules"][name]
@@ -101,16 +103,16 @@ def load_partitioned(module, states: Iterable[dict]) -> None:
                                    "tensors": tensors, "optimizer": {**opt, "last_step": last_step}})
 
 
-def load_partitioned_checkpoint(folder: str, modules: dict):
+def load_partitioned_checkpoint(folder: str, modules: dict, trust: bool = False):
     """Load every module of a runtime from a checkpoint folder; returns ``(steps, skipped_steps)``.
 
     Partitioned modules re-partition the per-rank files; other modules take rank 0's copy.
     """
     files = rank_files(folder)
-    head = torch.load(files[0], map_location="cpu", weights_only=False)
+    head = safe_torch_load(files[0], trust=trust)
     for name, m in modules.items():
         if hasattr(m, "load_maximus_state_dicts"):
-            m.load_maximus_state_dicts(iter_module_states(files, name))
+            m.load_maximus_state_dicts(iter_module_states(files, name, trust))
         else:
             m.load_maximus_state_dict(head["modules"][name])
     return head["steps"], head["skipped_steps"]

@@ -119,17 +119,22 @@ def _tags(ckpt_dir: str):
     return [d for d in os.listdir(ckpt_dir) if os.path.isdir(os.path.join(ckpt_dir, d))]
 
 
-def _dense_from_checkpoint(ckpt_dir: str, tag: str) -> Dict[str, torch.Tensor]:
-    """Dense parameters (fp32) and buffers of a DeepSpeed checkpoint, any ZeRO stage."""
+def _dense_from_checkpoint(ckpt_dir: str, tag: str, trust: bool = False) -> Dict[str, torch.Tensor]:
+    """Dense parameters (fp32) and buffers of a DeepSpeed checkpoint, any ZeRO stage.
+
+    DeepSpeed's files are read with ``weights_only=True`` and DeepSpeed's allow-list; ``zero_to_fp32``
+    loads them itself, so each is checked that way first (see :mod:`ds_maximus.safe_load`)."""
+    from ds_maximus.safe_load import check_deepspeed_folder, safe_torch_load
     folder = os.path.join(ckpt_dir, tag)
     if any(f.endswith("optim_states.pt") for f in os.listdir(folder)):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        check_deepspeed_folder(folder, trust=trust)
         sd = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag)
     else:  # ZeRO stage 0: the module state dict is stored whole
         files = sorted(f for f in os.listdir(folder) if f.endswith("model_states.pt"))
         if not files:
             raise ConfigError(f"{folder} holds no *model_states.pt: it is not a DeepSpeed checkpoint folder")
-        sd = torch.load(os.path.join(folder, files[0]), map_location="cpu", weights_only=False)["module"]
+        sd = safe_torch_load(os.path.join(folder, files[0]), trust=trust, allow_deepspeed=True)["module"]
     return {k: v for k, v in sd.items() if k.split(".")[-1] != CARRIER_NAME}
 
 
@@ -145,15 +150,20 @@ def _table(d: dict, module_name: str, path: str) -> Dict[str, torch.Tensor]:
     return out
 
 
-def checkpoint_state_dict(ckpt_dir: str, tag: Optional[str] = None) -> Dict[str, torch.Tensor]:
+def checkpoint_state_dict(ckpt_dir: str, tag: Optional[str] = None,
+                          trust_checkpoint: bool = False) -> Dict[str, torch.Tensor]:
     """The plain fp32 state dict of a maximus DeepSpeed checkpoint: dense params from DeepSpeed's files
-    (``zero_to_fp32``), sharded tables from ``<ckpt_dir>/<tag>/maximus_states.pt``."""
+    (``zero_to_fp32``), sharded tables from ``<ckpt_dir>/<tag>/maximus_states.pt``.
+
+    Every file is read with ``weights_only=True``; one that needs other types raises
+    ``UntrustedCheckpointError`` unless ``trust_checkpoint=True`` (for checkpoints you wrote)."""
     from ds_maximus.errors import ShardStoreError
+    from ds_maximus.safe_load import safe_torch_load
     tag = _resolve_tag(ckpt_dir, tag)
     folder = os.path.join(ckpt_dir, tag)
     if not os.path.isdir(folder):
         raise ConfigError(f"checkpoint tag {tag!r} not found in {ckpt_dir}; tags there: {sorted(_tags(ckpt_dir))}")
-    sd = _dense_from_checkpoint(ckpt_dir, tag)
+    sd = _dense_from_checkpoint(ckpt_dir, tag, trust_checkpoint)
     path = os.path.join(folder, "maximus_states.pt")
     if not os.path.isfile(path):
         ranks = [f for f in os.listdir(folder) if f.startswith("maximus_states_rank")]
@@ -163,7 +173,7 @@ def checkpoint_state_dict(ckpt_dir: str, tag: Optional[str] = None) -> Dict[str,
                                   "engine with ds_maximus.export_hf instead", folder)
         raise ShardStoreError(f"{folder} has no maximus_states.pt: it was not saved by a maximus engine (a plain "
                               "DeepSpeed checkpoint needs DeepSpeed's zero_to_fp32.py, not maximus-export)", path)
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = safe_torch_load(path, trust=trust_checkpoint)
     for name, d in state["modules"].items():
         for k, t in _table(d, name, path).items():
             sd[f"{name}.{k}"] = t.detach().float()

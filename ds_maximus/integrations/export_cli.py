@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="dtype of the written weights (default fp32, as zero_to_fp32)")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load checkpoint files that need types outside the safe allow-list (pickled code in them "
+                        "can run): only for checkpoints you wrote yourself")
     return p
 
 
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
     try:
         tag = _resolve_tag(args.checkpoint_dir, args.tag)
         config = find_model_config(args.checkpoint_dir, tag, args.model_config)
-        sd = checkpoint_state_dict(args.checkpoint_dir, tag)
+        sd = checkpoint_state_dict(args.checkpoint_dir, tag, trust_checkpoint=args.trust_checkpoint)
         out = write_hf_folder(sd, config, args.out_dir, tokenizer=args.tokenizer, token_map=args.token_map,
                               original_order=args.original_order, dtype=DTYPES[args.dtype],
                               max_shard_size=args.max_shard_size)

@@ -204,7 +204,15 @@ class MaximusRuntime:
             torch.distributed.barrier()
         return out
 
-    def _load_checkpoint(self, load_dir, tag=None, **kwargs):
+    def _load_checkpoint(self, load_dir, tag=None, trust_checkpoint: bool = False, **kwargs):
+        """DeepSpeed's ``load_checkpoint`` plus the maximus state. Every file is first read with
+        ``weights_only=True`` (DeepSpeed's own, which it then loads itself, included); ``trust_checkpoint=True``
+        loads a checkpoint the user wrote whose files need other types (see :mod:`ds_maximus.safe_load`)."""
+        from ds_maximus.safe_load import check_deepspeed_folder
+        latest = os.path.join(load_dir, "latest")
+        ds_tag = tag if tag is not None else (open(latest).read().strip() if os.path.isfile(latest) else None)
+        if ds_tag is not None:
+            check_deepspeed_folder(os.path.join(load_dir, str(ds_tag)), trust=trust_checkpoint)
         load_path, client_state = self._orig["load_checkpoint"](load_dir, tag=tag, **kwargs)
         if load_path is None:
             return load_path, client_state
@@ -214,18 +222,19 @@ class MaximusRuntime:
         if self.cfg.distributed.shard_mode == ShardMode.PARTITIONED:
             from ds_maximus.distributed.repartition import load_partitioned_checkpoint
             self.steps, self.skipped_steps = load_partitioned_checkpoint(os.path.join(load_dir, str(tag)),
-                                                                         self.modules)
+                                                                         self.modules, trust=trust_checkpoint)
             return load_path, client_state
         path = os.path.join(load_dir, str(tag), STATE_FILE)
         if self.cfg.distributed.shard_mode == ShardMode.BROADCAST:  # the master reads, the others receive
             from ds_maximus.distributed.broadcast import load_broadcast_state
-            state = load_broadcast_state(path, self.cfg, self._dp_group())
+            state = load_broadcast_state(path, self.cfg, self._dp_group(), trust=trust_checkpoint)
         elif not os.path.exists(path):
             from ds_maximus.errors import ShardStoreError
             raise ShardStoreError(f"checkpoint {os.path.join(load_dir, str(tag))} has no {STATE_FILE}: it was not "
                                   "saved by a maximus engine, or the file was removed", path)
         else:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            from ds_maximus.safe_load import safe_torch_load
+            state = safe_torch_load(path, trust=trust_checkpoint)
         for n, m in self.modules.items():
             m.load_maximus_state_dict(state["modules"][n])
         self.steps = state["steps"]
