@@ -66,7 +66,7 @@ def main(argv=None):
                            lambda: TokenMap.build(os.path.join(d, "tokenizer.json"), [path], progress=False),
                            warmup=1, repeat=a.repeat))
         rate(bench.measure("TokenMap.build (list of strings)",
-                           lambda: TokenMap.build(tok, texts, progress=False), warmup=0, repeat=a.repeat))
+                           lambda: TokenMap.build(tok, texts=texts, progress=False), warmup=0, repeat=a.repeat))
         bench.report(baseline="encode_batch (tokenizer alone)")
 
 

@@ -1,9 +1,15 @@
 """``maximus-tokenizer``: build, extend, convert and inspect token maps.
 
     maximus-tokenizer build   --tokenizer TOK_DIR --corpus a.txt b.jsonl --out tokenmap/
+    maximus-tokenizer build   --corpus a.txt --vocab-size 32000 [--model bpe|unigram] --out tokenmap/
     maximus-tokenizer convert --model hf_ckpt/ --token-map tokenmap/ --out ckpt_mapped/ [--optimizer-state]
     maximus-tokenizer extend  --token-map tokenmap/ --tokens aspirin ibuprofen --store ckpt_mapped/embedding_store
     maximus-tokenizer inspect --token-map tokenmap/ [--store DIR] [--corpus held_out.txt] [--k 1024 4096] [--json]
+
+Without ``--tokenizer``, ``build`` first trains a new tokenizer on the corpus
+(:mod:`ds_maximus.tokenmap.train`) and keeps it, with its original ids, in ``OUT/source_tokenizer/``.
+``extend`` also rewrites the tokenizer of every checkpoint ``convert`` wrote from the token map, so no
+``tokenizer.json`` is left at the old vocabulary size.
 
 Errors are reported as one ``error:`` line (exit status 2), never as a traceback.
 """
@@ -16,15 +22,25 @@ import time
 from typing import List, Optional
 
 from ds_maximus.errors import MaximusError
+from ds_maximus.tokenmap.train import TokenizerModel
+
+DEFAULT_VOCAB_SIZE = 32000
+SOURCE_TOKENIZER_DIR = "source_tokenizer"  # the trained tokenizer (original ids) inside the token map folder
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maximus-tokenizer", description="Frequency-ordered token maps for ds_maximus.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    b = sub.add_parser("build", help="count a corpus and write a token map with its rewritten tokenizer")
-    b.add_argument("--tokenizer", required=True, help="folder with tokenizer.json (or the file itself)")
+    b = sub.add_parser("build", help="count a corpus and write a token map with its rewritten tokenizer "
+                                     "(training a new tokenizer on the corpus when --tokenizer is not given)")
+    b.add_argument("--tokenizer", help="folder with tokenizer.json (or the file itself); without it a new "
+                                       "tokenizer is trained on the corpus (--model, --vocab-size)")
     b.add_argument("--corpus", required=True, nargs="+", help="text files (.txt lines, .jsonl) or folders of them")
+    b.add_argument("--model", choices=[m.value for m in TokenizerModel], default=None,
+                   help="tokenizer model to train without --tokenizer (default bpe: byte-level BPE)")
+    b.add_argument("--vocab-size", type=int, default=None,
+                   help=f"vocabulary size of the trained tokenizer without --tokenizer (default {DEFAULT_VOCAB_SIZE})")
     b.add_argument("--out", required=True, help="token map folder to write")
     b.add_argument("--batch-size", type=int, default=1024, help="texts per encode_batch call")
     b.add_argument("--text-key", default="text", help="field of .jsonl records holding the text")
@@ -64,9 +80,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(a) -> dict:
+    import os
+
+    from ds_maximus.errors import TokenMapError
+    from ds_maximus.tokenmap.corpus import corpus_files
     from ds_maximus.tokenmap.token_map import TokenMap
+    corpus_files(a.corpus)  # a missing path fails here, before any training or counting
+    tokenizer = a.tokenizer
+    if tokenizer is None:
+        from ds_maximus.tokenmap.train import save_tokenizer, train_tokenizer
+        model, vocab = a.model or TokenizerModel.BPE.value, a.vocab_size or DEFAULT_VOCAB_SIZE
+        t0 = time.perf_counter()
+        tok = train_tokenizer(a.corpus, vocab, model, text_key=a.text_key, sample_by=a.sample_by,
+                              progress=not a.no_progress)
+        tokenizer = save_tokenizer(tok, os.path.join(a.out, SOURCE_TOKENIZER_DIR))
+        print(f"trained a {model} tokenizer of {tok.get_vocab_size()} tokens in {time.perf_counter() - t0:.2f} s "
+              f"-> {tokenizer}")
+    elif a.model is not None or a.vocab_size is not None:
+        raise TokenMapError("--model and --vocab-size train a new tokenizer, which --tokenizer replaces; "
+                            "pass either --tokenizer or --model/--vocab-size")
     t0 = time.perf_counter()
-    tm = TokenMap.build(a.tokenizer, a.corpus, batch_size=a.batch_size, progress=not a.no_progress,
+    tm = TokenMap.build(tokenizer, a.corpus, batch_size=a.batch_size, progress=not a.no_progress,
                         text_key=a.text_key, sample_by=a.sample_by)
     dt = time.perf_counter() - t0
     tm.save(a.out)
@@ -89,6 +123,9 @@ def _extend(a) -> dict:
     ids = tm.extend(tokens, stores=stores, progress=not a.no_progress, single_word=a.single_word)
     print(f"added {len(ids)} tokens as ids [{ids[0]}, {ids[-1]}]; vocabulary now {tm.vocab_size}"
           + (f"; grew {len(stores)} store(s)" if stores else ""))
+    for d in tm.meta.get("converted_checkpoints", []):
+        print(f"rewrote the tokenizer of the converted checkpoint {d} ({tm.vocab_size} tokens; its weights keep "
+              f"their rows until the model is resized: model.resize_token_embeddings({tm.vocab_size}))")
     return {"ids": ids}
 
 

@@ -4,7 +4,9 @@
 an index of several), permutes every vocabulary-sized tensor (input embedding, LM head, its bias)
 so that row ``new`` holds what row ``new_to_old[new]`` held, remaps the special-token ids of
 ``config.json``/``generation_config.json``, writes the rewritten tokenizer beside the weights and
-creates the shard store of the input embedding (fp32, optionally with zeroed AdamW state).
+creates the shard store of the input embedding (fp32, optionally with zeroed AdamW state). A saved
+token map records the checkpoint folders converted from it (meta ``converted_checkpoints``), so that
+:func:`ds_maximus.tokenmap.extend.extend_token_map` keeps their tokenizers in step with it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from ds_maximus.tokenmap.rewrite import write_tokenizer_folder
 from ds_maximus.tokenmap.token_map import TokenMap
 
 ADAMW_STATE_NAMES = ("exp_avg", "exp_avg_sq")
+CONVERT_FILE = "maximus_convert.json"  # the summary written beside a converted checkpoint
+CHECKPOINTS_KEY = "converted_checkpoints"  # token map meta: folders convert_checkpoint wrote from it
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id",
                   "unk_token_id", "cls_token_id", "mask_token_id")
 _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
@@ -166,6 +170,10 @@ def convert_checkpoint(model_dir: str, token_map, out_dir: str, store_dir: Optio
                "token_map": tm.path, "store": store.path, "vocab_size": vocab, "dim": int(w.shape[1]),
                "permuted_tensors": names, "embedding_tensor": emb_name, "state_names": list(state_names),
                "num_shards": store.num_shards}
-    with open(os.path.join(out_dir, "maximus_convert.json"), "w") as f:
+    with open(os.path.join(out_dir, CONVERT_FILE), "w") as f:
         json.dump(summary, f, indent=1)
+    if tm.path is not None:  # so that extending the token map later rewrites this checkpoint's tokenizer too
+        tm.meta[CHECKPOINTS_KEY] = [d for d in tm.meta.get(CHECKPOINTS_KEY, []) if d != summary["out_dir"]] \
+            + [summary["out_dir"]]
+        tm.save(tm.path)
     return summary

@@ -3,16 +3,23 @@
 New tokens get the ids after the current vocabulary, in the order given, as added tokens of the
 rewritten tokenizer. Each shard store passed along grows by new shards whose rows start as the mean
 of the rows of the pieces the tokenizer split the word into before the extension; existing shard
-files stay byte-identical.
+files stay byte-identical. Every tokenizer written from the token map is rewritten with it: its own
+``tokenizer/`` folder and that of each checkpoint converted from it (recorded by
+:func:`ds_maximus.tokenmap.convert.convert_checkpoint`, or found beside a store passed here), so no
+``tokenizer.json`` keeps the old vocabulary size. A converted checkpoint's weights keep their rows:
+the model grows with ``resize_token_embeddings`` (or reads the grown store).
 """
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Sequence
 
 import torch
 
 from ds_maximus.errors import TokenMapError
+from ds_maximus.tokenmap.convert import CHECKPOINTS_KEY, CONVERT_FILE
+from ds_maximus.tokenmap.rewrite import write_tokenizer_folder
 
 
 def _as_list(stores) -> list:
@@ -84,6 +91,28 @@ def extend_token_map(tm, tokens: Sequence[str], stores=(), progress: bool = True
     tm._tokenizer = tok
     tm.meta["vocab_size"] = V + n
     tm.meta["extended_tokens"] = list(tm.meta.get("extended_tokens", [])) + tokens
+    ckpts = _checkpoint_dirs(tm, stores)
+    tm.meta[CHECKPOINTS_KEY] = ckpts
     if tm.path is not None:
         tm.save(tm.path)
+    for d in ckpts:
+        write_tokenizer_folder(tm.tokenizer_dir or "", d, tm.tokenizer_json, list(range(tm.vocab_size)))
     return new_ids
+
+
+def _checkpoint_dirs(tm, stores) -> List[str]:
+    """Folders of the checkpoints converted from ``tm`` that still exist: those its meta records and
+    those whose embedding store is one of ``stores``."""
+    dirs = list(tm.meta.get(CHECKPOINTS_KEY, []))
+    for s in stores:
+        parent = os.path.dirname(os.path.abspath(s.path))
+        summary = os.path.join(parent, CONVERT_FILE)
+        if os.path.isfile(summary):
+            with open(summary) as f:
+                if os.path.abspath(json.load(f).get("store", "")) == os.path.abspath(s.path):
+                    dirs.append(parent)
+    out: List[str] = []
+    for d in dirs:
+        if d not in out and os.path.isfile(os.path.join(d, CONVERT_FILE)):
+            out.append(d)
+    return out

@@ -14,7 +14,6 @@ A saved token map is a folder::
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -26,7 +25,7 @@ from safetensors.torch import save as st_save
 
 from ds_maximus.errors import TokenMapError
 from ds_maximus.store.format import atomic_write
-from ds_maximus.tokenmap.corpus import corpus_bytes, count_tokens, encode_ids, iter_texts
+from ds_maximus.tokenmap.corpus import corpus_stream, count_tokens, encode_ids
 from ds_maximus.tokenmap.rewrite import (load_tokenizer_json, model_vocab_ids, permute_tokenizer_json,
                                          write_tokenizer_folder)
 
@@ -91,12 +90,13 @@ class TokenMap:
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
-    def build(cls, tokenizer, corpus, batch_size: int = 1024, progress: bool = True,
-              text_key: str = "text", sample_by: str = "line") -> "TokenMap":
-        """Count ``corpus`` with ``tokenizer`` and order its vocabulary by frequency.
+    def build(cls, tokenizer, corpus=None, batch_size: int = 1024, progress: bool = True,
+              text_key: str = "text", sample_by: str = "line", *, texts=None) -> "TokenMap":
+        """Count a corpus with ``tokenizer`` and order its vocabulary by frequency.
 
-        ``corpus``: text files / folders (see :mod:`ds_maximus.tokenmap.corpus` for ``text_key`` and
-        ``sample_by``) or an iterable of strings.
+        ``corpus``: text files or folders of them (see :mod:`ds_maximus.tokenmap.corpus` for
+        ``text_key`` and ``sample_by``); ``texts``: strings taken as literal text. Give either or
+        both; a path that does not exist is a ``FileNotFoundError``.
         """
         src, source_dir = _load_source(tokenizer)
         vocab = model_vocab_ids(src)
@@ -105,6 +105,7 @@ class TokenMap:
             raise TokenMapError(f"the tokenizer's ids are not 0..{V - 1} without gaps; a token map needs a dense "
                                 "vocabulary (remove the holes or re-train the tokenizer)")
         old = _from_json(src)
+        stream, total_bytes = corpus_stream(corpus, texts, text_key, sample_by)
         sample: List[str] = []
 
         def keep(texts):
@@ -112,12 +113,8 @@ class TokenMap:
                 if len(sample) < _SELF_CHECK_TEXTS:
                     sample.append(t)
                 yield t
-        rereadable = corpus_bytes(corpus) is not None  # files: counted with a byte progress bar, re-read
-        texts = corpus if rereadable else keep(iter_texts(corpus, text_key))
-        counts = count_tokens(old, texts, V, batch_size=batch_size, progress=progress, text_key=text_key,
-                              sample_by=sample_by)
-        if rereadable:
-            sample = list(itertools.islice(iter_texts(corpus, text_key, sample_by), _SELF_CHECK_TEXTS))
+        counts = count_tokens(old, keep(stream), V, batch_size=batch_size, progress=progress,
+                              total_bytes=total_bytes)
 
         special = sorted(a["id"] for a in src.get("added_tokens") or [] if a.get("special"))
         is_special = np.zeros(V, dtype=bool)
@@ -238,11 +235,12 @@ class TokenMap:
         total = int(self.counts.sum())
         return float(self.counts[:k].sum()) / total if total else 0.0
 
-    def corpus_coverage(self, corpus, ks: Sequence[int], text_key: str = "text", progress: bool = False,
-                        sample_by: str = "line") -> Dict[int, float]:
-        """Share of ``corpus``'s tokens (encoded with the rewritten tokenizer) whose id is below each k."""
-        counts = count_tokens(self.tokenizer, corpus, self.vocab_size, progress=progress, text_key=text_key,
-                              sample_by=sample_by)
+    def corpus_coverage(self, corpus=None, ks: Sequence[int] = (1024,), text_key: str = "text",
+                        progress: bool = False, sample_by: str = "line", *, texts=None) -> Dict[int, float]:
+        """Share of a corpus's tokens (files ``corpus`` and/or literal ``texts``, encoded with the
+        rewritten tokenizer) whose id is below each k."""
+        stream, total_bytes = corpus_stream(corpus, texts, text_key, sample_by)
+        counts = count_tokens(self.tokenizer, stream, self.vocab_size, progress=progress, total_bytes=total_bytes)
         cum = np.cumsum(counts)
         return {k: float(cum[min(k, len(cum)) - 1]) / float(cum[-1]) if k > 0 else 0.0 for k in ks}
 

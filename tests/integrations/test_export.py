@@ -83,7 +83,7 @@ def token_map(tmp_path_factory):
                                                        show_progress=False))
     base = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     base.save_pretrained(root / "base")
-    tm = TokenMap.build(str(root / "base"), texts, progress=False).save(str(root / "tokenmap"))
+    tm = TokenMap.build(str(root / "base"), texts=texts, progress=False).save(str(root / "tokenmap"))
     assert not torch.equal(tm.new_to_old, torch.arange(tm.vocab_size))
     return tm, str(root / "base"), texts
 

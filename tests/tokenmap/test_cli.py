@@ -56,6 +56,14 @@ def test_build_convert_extend_inspect(tmp_path, capsys, tiny_tokenizer_dir, corp
     assert grown.vocab_size == 3003 and grown.num_shards == 4
     assert [hashlib.sha256(open(grown.shard_path(i), "rb").read()).digest() for i in range(3)] == digests
     assert TokenMap.load(tm_dir).encode("zolpidemix") == [3001]
+    # every tokenizer written from the token map follows it: the converted checkpoint's too
+    assert f"rewrote the tokenizer of the converted checkpoint {os.path.abspath(out)}" in text
+    from transformers import AutoTokenizer
+    for d in (os.path.join(tm_dir, "tokenizer"), out):
+        with open(os.path.join(d, "tokenizer.json"), encoding="utf-8") as f:
+            assert len(json.load(f)["added_tokens"]) == 4 + 3, d
+        hf = AutoTokenizer.from_pretrained(d)
+        assert len(hf) == 3003 and hf("zolpidemix", add_special_tokens=False)["input_ids"] == [3001], d
 
     # bad input: one "error:" line and exit status 2
     rc, _, err = _run(capsys, "extend", "--token-map", tm_dir, "--tokens", "zolpidemix", "--store", store_dir)
@@ -75,3 +83,21 @@ def test_build_convert_extend_inspect(tmp_path, capsys, tiny_tokenizer_dir, corp
         grown.verify()
     assert torch.is_tensor(grown.read_shard(0)["weight"])
 
+
+
+def test_extend_finds_a_checkpoint_by_its_store(tmp_path, token_map_dir, llama_dir):
+    """A checkpoint converted from an unsaved TokenMap is not in the map's record; passing its store
+    to extend is enough for its tokenizer to be rewritten."""
+    from ds_maximus.tokenmap import convert_checkpoint
+    tm = TokenMap.load(token_map_dir)
+    tm.path = None  # as built in memory: convert cannot record the checkpoint in it
+    out = str(tmp_path / "conv")
+    convert_checkpoint(llama_dir, tm, out, rows_per_shard=1024, progress=False)
+    tm.save(str(tmp_path / "tm"))
+    assert TokenMap.load(str(tmp_path / "tm")).meta.get("converted_checkpoints", []) == []
+    store = ShardStore.open(os.path.join(out, "embedding_store"), loader=False)
+    tm.extend(["zolpidemix"], stores=[store], progress=False)
+    with open(os.path.join(out, "tokenizer.json"), encoding="utf-8") as f:
+        tok = json.load(f)
+    assert {a["content"]: a["id"] for a in tok["added_tokens"]}["zolpidemix"] == 3000
+    assert TokenMap.load(str(tmp_path / "tm")).meta["converted_checkpoints"] == [os.path.abspath(out)]

@@ -87,7 +87,7 @@ def test_extend_refuses_foreign_store(tm_and_store, tmp_path):
 def test_multi_token_map(tm_and_store, tmp_path, tiny_tokenizer_dir):
     tm, store = tm_and_store
     texts = [f"line {i}: import os, sys; os.path.join(a, b)\n" for i in range(200)]
-    code = TokenMap.build(tiny_tokenizer_dir, texts, progress=False).save(str(tmp_path / "code_tm"))
+    code = TokenMap.build(tiny_tokenizer_dir, texts=texts, progress=False).save(str(tmp_path / "code_tm"))
     code_store = ShardStore.create(str(tmp_path / "code_store"), code.vocab_size, 8, rows_per_shard=2048,
                                    loader=False)
     multi = MultiTokenMap()
