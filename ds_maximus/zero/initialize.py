@@ -14,7 +14,6 @@ included) go through here.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from typing import Any, Optional
@@ -23,31 +22,76 @@ import deepspeed
 import torch
 
 from ds_maximus.config import ExpertOptimizerDevice, MaximusConfig, SECTION
+from ds_maximus.distributed import shm_buffers as _shm_buffers
+from ds_maximus.errors import ConfigError
 from ds_maximus.zero.swap import remove_params_from_optimizer, swap_embeddings
 
 logger = logging.getLogger("ds_maximus")
 _DEEPSPEED_INITIALIZE = deepspeed.initialize
 
 
-def _load_config(args, config, config_params):
+def _resolve_config(args, config, config_params):
+    """The ds_config as ``deepspeed.initialize`` finds it, loaded into a dict (``None`` where none is given).
+
+    DeepSpeed's rules: ``config`` (else ``config_params``) or ``args.deepspeed_config`` (else the deprecated
+    ``args.deepscale_config``), exactly one of them; a path (JSON/hjson) or a base64 string is loaded. Where
+    DeepSpeed would stop with an ``AssertionError``, this stops with a ``ConfigError`` that says which to drop.
+    """
     if config is None and config_params is not None:
         config = config_params
-    if config is None and getattr(args, "deepspeed_config", None) is not None:
-        config = args.deepspeed_config
-    if isinstance(config, str):
-        with open(config) as f:
-            config = json.load(f)
-    return config
+    from_args = getattr(args, "deepspeed_config", None)
+    scale = getattr(args, "deepscale_config", None)
+    if scale is not None:
+        if from_args is not None:
+            raise ConfigError("args has both deepscale_config and deepspeed_config; deepscale_config is the deprecated "
+                              "name of deepspeed_config: pass only --deepspeed_config")
+        from_args = scale
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError("a ds_config was given twice: in args.deepspeed_config (--deepspeed_config) and in the "
+                              "config= argument of initialize; DeepSpeed accepts one of them: drop config= or set "
+                              "args.deepspeed_config = None")
+        config = from_args
+    if config is None or isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+        try:
+            return load_ds_config(os.fspath(config))
+        except ValueError as e:
+            what = "is not valid JSON" if os.path.exists(config) else "is no file and no base64-encoded JSON string"
+            raise ConfigError(f"ds_config {os.fspath(config)!r} {what} ({e}); pass the path of a JSON file or a "
+                              "dict") from None
+    return config  # a DeepSpeedConfig-like object: MaximusConfig reads its raw dict
+
+
+def _without_config_args(args):
+    """``args`` with its ds_config fields cleared: the resolved dict goes to DeepSpeed as ``config``."""
+    if args is None or (getattr(args, "deepspeed_config", None) is None
+                        and getattr(args, "deepscale_config", None) is None):
+        return args
+    args = copy.copy(args)
+    for name in ("deepspeed_config", "deepscale_config"):
+        if hasattr(args, name):
+            setattr(args, name, None)
+    return args
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
                config=None, config_params=None, **kwargs):
-    """Same arguments and return tuple as ``deepspeed.initialize``."""
-    ds_config = _load_config(args, config, config_params)
+    """Same arguments, rules and return tuple as ``deepspeed.initialize``; without a ``"maximus"`` section (or
+    with ``"enabled": false``) it is ``deepspeed.initialize``."""
+    ds_config = _resolve_config(args, config, config_params)
     cfg = MaximusConfig.from_ds_config(ds_config)
+    _shm_buffers.remove_at_exit()
     if not cfg.enabled or model is None:
-        return _DEEPSPEED_INITIALIZE(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                     config=ds_config, **kwargs)
+        if not isinstance(ds_config, dict) or SECTION not in ds_config:  # untouched: DeepSpeed sees what it was given
+            return _DEEPSPEED_INITIALIZE(args=args, model=model, optimizer=optimizer,
+                                         model_parameters=model_parameters, config=config,
+                                         config_params=config_params, **kwargs)
+        return _DEEPSPEED_INITIALIZE(args=_without_config_args(args), model=model, optimizer=optimizer,
+                                     model_parameters=model_parameters,
+                                     config={k: v for k, v in ds_config.items() if k != SECTION}, **kwargs)
     from ds_maximus.distributed.cores import share_host_cores
     share_host_cores()
     _init_distributed(cfg, kwargs)
@@ -86,8 +130,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
             optimizer.add_param_group({**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
                                        "params": [carrier]})
     ds_config = _unsynchronized_throughput_timer({k: v for k, v in ds_config.items() if k != SECTION}, cfg)
-    engine, opt, loader, sched = _DEEPSPEED_INITIALIZE(args=_strip_args(args), model=model, optimizer=optimizer,
-                                                       model_parameters=model_parameters, config=ds_config, **kwargs)
+    engine, opt, loader, sched = _DEEPSPEED_INITIALIZE(args=_without_config_args(args), model=model,
+                                                       optimizer=optimizer, model_parameters=model_parameters,
+                                                       config=ds_config, **kwargs)
     if runtime is not None:
         from ds_maximus.zero.lookahead import wrap_loader
         loader = wrap_loader(loader, plan.swapped.values())
@@ -97,6 +142,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         if "moe" in modules:
             modules["moe"].configure_from_engine(engine)
         runtime.install()
+    from ds_maximus.zero.wiring_report import log_wiring
+    log_wiring(model, modules, plan.tied_heads, cfg)
     return engine, opt, loader, sched
 
 
@@ -132,13 +179,6 @@ def _init_distributed(cfg: MaximusConfig, kwargs: dict) -> None:
     if not comm.is_initialized():
         deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
                                    distributed_port=kwargs.get("distributed_port", 29500))
-
-
-def _strip_args(args):
-    if args is not None and getattr(args, "deepspeed_config", None) is not None:
-        args = copy.copy(args)
-        args.deepspeed_config = None
-    return args
 
 
 def _filter_params(params, gone):
