@@ -21,6 +21,7 @@ import torch
 
 from ds_maximus.errors import ConfigError, NVMeIOError
 from ds_maximus.moe.layout import ExpertLayout
+from ds_maximus.partition.host_memory import HostMemoryPlan, HostTier, PiecedHostTable, TierDemand
 
 FILE_ALIGN_BYTES = 4096  # O_DIRECT alignment of every expert record in the file tier
 
@@ -59,21 +60,36 @@ def _can_pin() -> bool:
 
 
 class CpuExpertStore(ExpertStore):
-    """Every expert in one page-locked CPU allocation ``[num_uids, numel]``; row ``uid`` is its buffer."""
+    """Every expert in page-locked CPU memory, one flat buffer each (``host_view(uid)``).
+
+    The table is planned before anything is allocated (:class:`HostMemoryPlan`: a table larger than the
+    host's free memory is a :class:`CapacityError` with the numbers and the fix) and mapped in pieces of
+    whole experts (:class:`PiecedHostTable`, about ``piece_bytes`` each, pinned one by one as they are first
+    written). ``reclaimable_bytes``: CPU memory that filling the store frees (the model's own CPU expert
+    weights, dropped layer by layer as ``offload_experts`` copies them in).
+    """
 
     tier = "cpu"
 
-    def __init__(self, layout: ExpertLayout, num_uids: int, pin_memory: bool = True):
+    def __init__(self, layout: ExpertLayout, num_uids: int, pin_memory: bool = True,
+                 reclaimable_bytes: int = 0, piece_bytes: Optional[int] = None):
         self.layout = layout
         self.num_uids = int(num_uids)
         self.pinned = bool(pin_memory and _can_pin())
-        self.buffer = torch.empty((self.num_uids, layout.numel), dtype=layout.dtype, pin_memory=self.pinned)
+        self.plan = HostMemoryPlan([TierDemand(
+            HostTier.CPU, self.num_uids * layout.nbytes,
+            f"{self.num_uids} experts of {layout.nbytes / 2**20:.1f} MiB ({layout.dtype})",
+            fix="put the experts on NVMe (moe.offload.device = 'nvme' with an nvme_path), offload a model with "
+                "fewer experts or layers, or run where more host memory is free",
+            reclaimable_bytes=int(reclaimable_bytes))]).check()
+        self.table = PiecedHostTable(self.num_uids, layout.numel, layout.dtype, pin=self.pinned,
+                                     piece_bytes=piece_bytes)
 
     def host_view(self, uid: int) -> torch.Tensor:
-        return self.buffer[uid]
+        return self.table.row(uid)
 
     def write(self, uid: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.layout.pack_(self.buffer[uid], tensors)
+        self.layout.pack_(self.table.row(uid), tensors)
 
 
 class FileExpertStore(ExpertStore):

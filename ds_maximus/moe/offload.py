@@ -26,16 +26,16 @@ import time
 from typing import List, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ds_maximus.config import MaximusConfig, MoEConfig, OffloadDevice
 from ds_maximus.errors import ConfigError
 from ds_maximus.moe import compute
-from ds_maximus.moe.adapters import MoEBlockInfo, find_moe_blocks
+from ds_maximus.moe.adapters import FusedExpertsForm, MoEBlockInfo, find_moe_blocks
 from ds_maximus.moe.expert_cache import ExpertCache
-from ds_maximus.moe.expert_store import CpuExpertStore, FileExpertStore, make_loader
+from ds_maximus.moe.expert_store import FILE_ALIGN_BYTES, CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.moe.layout import ExpertLayout
+from ds_maximus.partition.host_memory import HostMemoryPlan, HostTier, TierDemand
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,12 @@ def _resolve(config: ConfigLike):
 class OffloadedExperts(nn.Module):
     """Drop-in for a fused HF experts module; computes on experts from the cache."""
 
-    def __init__(self, handle: "MoEOffload", group: int, original: nn.Module, num_experts: int):
+    def __init__(self, handle: "MoEOffload", group: int, original: nn.Module, num_experts: int,
+                 form: FusedExpertsForm = FusedExpertsForm()):
         super().__init__()
         self.group = group
         self.num_experts = num_experts
+        self.form = form  # how the original stored its projections (GPT-OSS: transposed, with biases)
         self.act_fn = getattr(original, "act_fn", None)
         self.__dict__["_handle"] = handle          # not a submodule: no recursion into the handle
         self.__dict__["_original"] = original      # keeps config, _apply_gate; its weights were dropped
@@ -112,7 +114,7 @@ class MoEOffload:
         nxt = self.blocks[group + 1]
         K = min(nxt.top_k, nxt.num_experts)
         k = min(self.cfg.prefetch_top_k or K, K)
-        picks = torch.topk(F.linear(hidden, nxt.router.weight), K, dim=-1).indices  # best first
+        picks = torch.topk(nxt.router_logits(hidden), K, dim=-1).indices  # best first
         return torch.cat([torch.bincount(picks[:, :k].flatten(), minlength=nxt.num_experts),
                           torch.bincount(picks.flatten(), minlength=nxt.num_experts)])
 
@@ -136,7 +138,7 @@ class MoEOffload:
         n_pairs = top_k_index.numel()
         counts, pairs, votes = host[:E], host[E:E + n_pairs], host[E + n_pairs:]
         used = [e for e in range(E) if counts[e] > 0]
-        ctx = compute.ExpertComputeContext(self.cache, group, mod._original._apply_gate, E)
+        ctx = compute.ExpertComputeContext(self.cache, group, mod._original._apply_gate, E, mod.form)
         ctx.needed = used
         if votes:
             ctx.on_first_acquire = lambda: self._issue_prefetch(group + 1, votes)
@@ -206,28 +208,38 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     if cfg.gpu_expert_bytes is not None:
         slots = max(1, cfg.gpu_expert_bytes // layout.nbytes)
     n = len(blocks) * E
+    # the model's own CPU expert weights are freed layer by layer below as they are copied in: the CPU tier's
+    # plan counts them as memory it gets back (on the GPU they free device memory instead)
+    on_cpu = sum(t.numel() * t.element_size() for b in blocks for t in b.expert_tensors().values()
+                 if t.device.type == "cpu")
     if cfg.offload.device == OffloadDevice.NVME:
         os.makedirs(cfg.offload.nvme_path, exist_ok=True)
-        store = FileExpertStore(layout, n, os.path.join(cfg.offload.nvme_path, "experts.bin"),
-                                loader=make_loader(io_cfg))
+        path = os.path.join(cfg.offload.nvme_path, "experts.bin")
+        record = -(-layout.nbytes // FILE_ALIGN_BYTES) * FILE_ALIGN_BYTES
+        HostMemoryPlan([TierDemand(HostTier.NVME, n * record, f"{n} experts of {layout.nbytes / 2**20:.1f} MiB "
+                                   f"in {path}", path=cfg.offload.nvme_path,
+                                   reclaimable_bytes=os.path.getsize(path) if os.path.isfile(path) else 0,
+                                   fix="point moe.offload.nvme_path at a disk with more free space, or free "
+                                       "space there")]).check()
+        store = FileExpertStore(layout, n, path, loader=make_loader(io_cfg))
     else:
-        store = CpuExpertStore(layout, n, pin_memory=cfg.offload.pin_memory)
+        store = CpuExpertStore(layout, n, pin_memory=cfg.offload.pin_memory, reclaimable_bytes=on_cpu)
+    cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
+                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=True)
+    handle = MoEOffload(blocks, cache, cfg)
     with torch.no_grad():
         for gi, b in enumerate(blocks):
             tensors = b.expert_tensors()
             for e in range(E):
                 store.write(gi * E + e, {name: t[e] for name, t in tensors.items()})
-    cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
-                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=True)
-    handle = MoEOffload(blocks, cache, cfg)
-    for gi, b in enumerate(blocks):
-        original = b.experts
-        for name in b.expert_tensors():
-            delattr(original, name)  # frees the device copy (the store has them now)
-        mod = OffloadedExperts(handle, gi, original, E)
-        b.block.experts = mod
-        b.experts = mod
-        handle.modules.append(mod)
+            del tensors
+            original = b.experts
+            for name in b.expert_tensors():
+                delattr(original, name)  # frees this layer's copy (the store has it now) before the next is copied
+            mod = OffloadedExperts(handle, gi, original, E, b.form)
+            b.block.experts = mod
+            b.experts = mod
+            handle.modules.append(mod)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return handle
