@@ -15,7 +15,7 @@ can be built, so a pickle whose ``__reduce__`` calls a function is refused befor
   no tensor data is copied) and refuses it if it needs anything else.
 
 A file that needs another type raises :class:`~ds_maximus.errors.UntrustedCheckpointError` naming
-the type. ``trust=True`` (``maximus-export --trust-checkpoint``, ``export_hf(...,
+the type. ``trust=True`` (``maximus-export --trust-checkpoint``, ``checkpoint_state_dict(...,
 trust_checkpoint=True)``, ``engine.load_checkpoint(..., trust_checkpoint=True)``) loads a file the
 user wrote with plain ``torch.load`` after a one-time warning.
 
@@ -100,11 +100,12 @@ def _load(path: str, map_location, allow_deepspeed: bool, mmap: bool):
             raise UntrustedCheckpointError(
                 f"{path} needs {', '.join(bad)} to load, which ds_maximus does not allow (loading it could run "
                 "code from the file); if you wrote this checkpoint yourself, pass --trust-checkpoint "
-                "(maximus-export) or trust_checkpoint=True (export_hf, engine.load_checkpoint)", path, bad) from None
+                "(maximus-export) or trust_checkpoint=True (checkpoint_state_dict, engine.load_checkpoint)",
+                path, bad) from None
         raise UntrustedCheckpointError(
             f"{path} was refused by the safe loader ({str(e).splitlines()[0]}); if you wrote this checkpoint "
-            "yourself, pass --trust-checkpoint (maximus-export) or trust_checkpoint=True (export_hf, "
-            "engine.load_checkpoint)", path) from None
+            "yourself, pass --trust-checkpoint (maximus-export) or trust_checkpoint=True "
+            "(checkpoint_state_dict, engine.load_checkpoint)", path) from None
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile, KeyError, IndexError, TypeError) as e:
         raise ShardStoreError(f"{path} is not a readable torch checkpoint ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); restore it or save it again", path) from None
