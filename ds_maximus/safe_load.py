@@ -107,8 +107,9 @@ def _load(path: str, map_location, allow_deepspeed: bool, mmap: bool):
             "yourself, pass --trust-checkpoint (maximus-export) or trust_checkpoint=True "
             "(checkpoint_state_dict, engine.load_checkpoint)", path) from None
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile, KeyError, IndexError, TypeError) as e:
-        raise ShardStoreError(f"{path} is not a readable torch checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); restore it or save it again", path) from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ShardStoreError(f"{path} is not a readable torch checkpoint ({type(e).__name__}: {first}); restore it "
+                              "or save it again", path) from None
 
 
 def safe_torch_load(path: str, map_location="cpu", trust: bool = False, allow_deepspeed: bool = False):
