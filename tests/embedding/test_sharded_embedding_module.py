@@ -117,7 +117,8 @@ def test_out_of_range_id_raises_index_error(bad):
 
 
 def test_batch_larger_than_cache_raises_capacity_error():
-    emb = ShardedEmbedding(50, 4, config=make_config(cache_rows=4))
+    """With ``on_overflow: error`` (the default serves it: tests/embedding/test_overflow.py)."""
+    emb = ShardedEmbedding(50, 4, config=make_config(cache_rows=4, on_overflow="error"))
     with pytest.raises(CapacityError, match="gpu_cache_rows"):
         emb(torch.arange(10))
 
