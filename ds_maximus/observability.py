@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Dict
 
 logger = logging.getLogger("ds_maximus")
@@ -20,6 +21,17 @@ logger = logging.getLogger("ds_maximus")
 # figures written to DeepSpeed's monitors (tensorboard / csv_monitor / wandb), per module
 MONITOR_KEYS = ("hit_rate", "bytes_h2d", "bytes_d2h", "stall_ms", "row_sparsity", "rows_fetched",
                 "rows_evicted", "expert_hit_rate", "experts_moved", "expert_bytes")
+
+# (tag, format) of the figures the stats line and the Trainer's logs carry, per module (cumulative values)
+LINE_KEYS = (("hit_rate", "{:.3f}"), ("row_sparsity", "{:.4f}"), ("bytes_h2d", "{:.3g}B"), ("stall_ms", "{:.1f}ms"),
+             ("expert_hit_rate", "{:.3f}"))
+
+# runtimes whose figures reach the user through a host's own logging (HF Trainer's on_log), not printed lines
+_REPORTED_ELSEWHERE: "weakref.WeakSet" = weakref.WeakSet()
+# runtime -> the global step its line was last printed at (a line is printed once per step)
+_LAST_PRINTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# model (the module the engine wraps) -> weak reference to its runtime, for hosts that see only the model
+_RUNTIMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -34,6 +46,8 @@ class MaximusStats:
     """Clip coefficient applied to the last step (1.0 = not clipped)."""
     modules: Dict[str, Dict[str, float]]
     """Per module: its ``.stats()`` dict (cumulative and ``last_*`` per-step figures)."""
+    global_step: int = 0
+    """The engine's ``global_steps`` (optimizer steps taken, skipped ones included): the step a log names."""
 
 
 def stats(engine_or_module) -> MaximusStats:
@@ -45,7 +59,8 @@ def stats(engine_or_module) -> MaximusStats:
         raise TypeError(f"{type(engine_or_module).__name__} is neither a maximus engine nor a maximus module; "
                         "create the engine with ds_maximus.initialize")
     return MaximusStats(rt.steps, rt.skipped_steps, rt.last_clip_coef,
-                        {n: dict(m.stats()) for n, m in rt.modules.items()})
+                        {n: dict(m.stats()) for n, m in rt.modules.items()},
+                        int(getattr(engine_or_module, "global_steps", rt.steps)))
 
 
 def _short(name: str) -> str:
@@ -53,13 +68,9 @@ def _short(name: str) -> str:
 
 
 def format_line(s: MaximusStats) -> str:
-    parts = [f"maximus step={s.steps}"]
+    parts = [f"maximus step={s.global_step}"]
     for name, st in s.modules.items():
-        bits = []
-        for key, fmt in (("hit_rate", "{:.3f}"), ("row_sparsity", "{:.4f}"), ("bytes_h2d", "{:.3g}B"),
-                         ("stall_ms", "{:.1f}ms"), ("expert_hit_rate", "{:.3f}")):
-            if key in st:
-                bits.append(f"{key}=" + fmt.format(float(st[key])))
+        bits = [f"{key}=" + fmt.format(float(st[key])) for key, fmt in LINE_KEYS if key in st]
         parts.append(f"{_short(name)}[{' '.join(bits)}]")
     if s.skipped_steps:
         parts.append(f"skipped={s.skipped_steps}")
@@ -82,17 +93,52 @@ def monitor_events(s: MaximusStats, sample: int):
     return events
 
 
-def log_stats(runtime) -> None:
-    """Every ``logging.interval_steps`` optimizer steps: monitor events and a log line on rank 0."""
-    interval = runtime.cfg.logging.interval_steps
-    if runtime.steps == 0 or runtime.steps % interval:
-        return
+def register(model, runtime) -> None:
+    """Remember which runtime drives ``model`` (``ds_maximus.initialize`` calls this)."""
+    _RUNTIMES[model] = weakref.ref(runtime)
+
+
+def runtime_of(model):
+    """The runtime that drives ``model`` (the module a maximus engine wraps), or ``None``."""
+    ref = _RUNTIMES.get(model) if model is not None else None
+    return ref() if ref is not None else None
+
+
+def report_elsewhere(runtime) -> None:
+    """Stop printing ``runtime``'s stats lines: a host (HF Trainer's callback) logs the figures itself.
+    Monitor events (csv_monitor, tensorboard, wandb of the ds_config) are written as before."""
+    _REPORTED_ELSEWHERE.add(runtime)
+
+
+def log_fields(s: MaximusStats, prefix: str = "maximus/") -> Dict[str, float]:
+    """The stats line's figures as a flat dict for a host's logs (``maximus/embed_tokens/hit_rate``: 0.97)."""
+    out: Dict[str, float] = {}
+    for name, st in s.modules.items():
+        for key, _ in LINE_KEYS:
+            if key in st:
+                v = float(st[key])
+                out[f"{prefix}{_short(name)}/{key}"] = int(v) if key == "bytes_h2d" else round(v, 4)
+    if s.skipped_steps:
+        out[f"{prefix}skipped_steps"] = s.skipped_steps
+    if s.clip_coef != 1.0:
+        out[f"{prefix}clip_coef"] = round(s.clip_coef, 4)
+    return out
+
+
+def log_stats(runtime, final: bool = False) -> None:
+    """At every ``logging.interval_steps``-th global step of the engine (or, with ``final``, at the end of a
+    run): monitor events and one stats line on rank 0, never twice for the same step."""
     engine = runtime.engine
-    if getattr(engine, "global_rank", 0) != 0:
+    step = int(getattr(engine, "global_steps", runtime.steps))
+    if step == 0 or (not final and step % runtime.cfg.logging.interval_steps):
         return
+    if getattr(engine, "global_rank", 0) != 0 or _LAST_PRINTED.get(runtime) == step:
+        return
+    _LAST_PRINTED[runtime] = step
     s = stats(engine)
-    # printed (not logged) so it shows beside DeepSpeed's own step lines whatever logging is configured
-    print(format_line(s), flush=True)
+    if runtime not in _REPORTED_ELSEWHERE:
+        # printed (not logged) so it shows beside DeepSpeed's own step lines whatever logging is configured
+        print(format_line(s), flush=True)
     monitor = getattr(engine, "monitor", None)
     if monitor is not None and getattr(monitor, "enabled", False):
         monitor.write_events(monitor_events(s, engine.global_samples))

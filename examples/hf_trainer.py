@@ -1,12 +1,13 @@
 """Hugging Face Trainer with DeepSpeed and maximus: ``ds_maximus.enable()`` and a ds_config, nothing else.
 
-    python examples/hf_trainer.py --steps 6                       # one process
+    python examples/hf_trainer.py --steps 6                       # one process (sets RANK etc. itself)
     deepspeed --num_gpus 2 examples/hf_trainer.py --steps 6       # two ranks (CPU ranks on a CPU machine)
     python examples/hf_trainer.py --steps 6 --moe                 # a tiny Mixtral, experts trained as partitions
 
 The Trainer reaches ``deepspeed.initialize`` through accelerate; after ``ds_maximus.enable()`` that call
 swaps the large embedding for ``ShardedEmbedding`` and drives its sparse update at every optimizer step.
 ``MaximusDataCollator`` prefetches each batch's rows as accelerate's loader fetches it one batch ahead.
+The maximus figures appear in the Trainer's own log lines (``maximus/embed_tokens/hit_rate`` beside ``loss``).
 """
 import argparse
 import json
@@ -27,6 +28,9 @@ def main(argv=None):
                     "(maximus.moe.train) instead of a Llama with a sharded embedding")
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args(argv)
+    # started as one plain process: the one-rank environment the deepspeed launcher would give it
+    from ds_maximus.integrations.launch_env import single_process_env
+    single_process_env()
 
     from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Trainer,
                               TrainingArguments)

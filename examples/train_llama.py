@@ -225,8 +225,9 @@ def train(args):
             tokens += ids.numel() * world
         losses.append(float(loss.detach().float()))
         steps_done = step + 1
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"step {step:4d} loss {losses[-1]:.4f} ({time.perf_counter() - t_train:.1f} s)", flush=True)
+        if rank == 0 and (step == 0 or steps_done % args.log_every == 0 or step == args.steps - 1):
+            # numbered as the engine's global step (and the maximus stats line): 1 after the first step
+            print(f"step {steps_done:4d} loss {losses[-1]:.4f} ({time.perf_counter() - t_train:.1f} s)", flush=True)
     if prof is not None:
         _write_profile(prof, args.profile, rank)
     if torch.cuda.is_available():
@@ -246,8 +247,8 @@ def train(args):
         print(f"done: {steps_done} steps, {tps:,.0f} tokens/s, peak GPU memory {peak_txt}, "
               f"{'plain DeepSpeed' if args.plain else 'maximus'}", flush=True)
         if not args.plain and getattr(engine, "maximus", None) is not None:
-            from ds_maximus.observability import format_line
-            print(format_line(ds_maximus.stats(engine)), flush=True)
+            from ds_maximus.observability import log_stats
+            log_stats(engine.maximus, final=True)  # unless the last interval's line was this step's
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump({"losses": losses, "tokens_per_s": tps, "peak_gib": peak, "steps": steps_done,

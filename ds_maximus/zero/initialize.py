@@ -14,6 +14,7 @@ included) go through here.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import os
 from typing import Any, Optional
@@ -142,6 +143,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         if "moe" in modules:
             modules["moe"].configure_from_engine(engine)
         runtime.install()
+        from ds_maximus.observability import register
+        register(model, runtime)
     from ds_maximus.zero.wiring_report import log_wiring
     log_wiring(model, modules, plan.tied_heads, cfg)
     return engine, opt, loader, sched
@@ -211,9 +214,17 @@ def _configure_from_engine(module, engine, cfg: MaximusConfig) -> None:
 
 
 def enable() -> None:
-    """Route every later ``deepspeed.initialize`` through ``ds_maximus.initialize`` (HF Trainer, accelerate)."""
+    """Route every later ``deepspeed.initialize`` through ``ds_maximus.initialize`` (HF Trainer, accelerate).
+    With transformers installed, every later ``Trainer`` also logs the maximus figures with its own logs
+    (:class:`ds_maximus.integrations.trainer_callback.MaximusTrainerCallback`)."""
     deepspeed.initialize = initialize
+    if importlib.util.find_spec("transformers") is not None:
+        from ds_maximus.integrations.trainer_callback import install_default_callback
+        install_default_callback()
 
 
 def disable() -> None:
     deepspeed.initialize = _DEEPSPEED_INITIALIZE
+    if importlib.util.find_spec("transformers") is not None:
+        from ds_maximus.integrations.trainer_callback import remove_default_callback
+        remove_default_callback()

@@ -1,0 +1,55 @@
+"""HF Trainer: the maximus figures go into the Trainer's own logs instead of lines printed into its tqdm bars.
+
+``ds_maximus.enable()`` adds :class:`MaximusTrainerCallback` to every later ``Trainer`` (through
+``transformers.trainer.DEFAULT_CALLBACKS``). At each of the Trainer's log events it adds the figures of the
+stats line (``maximus/embed_tokens/hit_rate``, ``maximus/moe/expert_hit_rate``, ...) to ``logs``, so they
+appear beside ``loss`` in the console, in ``trainer.state.log_history`` and in every ``report_to``
+integration (TensorBoard, W&B, ...); the engine stops printing its own stats lines. DeepSpeed monitors set
+in the ds_config keep their ``Maximus/...`` events. A model that is not a maximus engine's is left alone.
+
+Example::
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[MaximusTrainerCallback()])   # or ds_maximus.enable() before building it
+"""
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+from ds_maximus import observability
+
+
+class MaximusTrainerCallback(TrainerCallback):
+    """Adds the maximus stats of the engine that trains ``model`` to the Trainer's logs."""
+
+    def _runtime(self, model):
+        runtime = observability.runtime_of(model)
+        if runtime is not None:
+            observability.report_elsewhere(runtime)
+        return runtime
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._runtime(model)
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        runtime = self._runtime(model)
+        if runtime is None or logs is None or runtime.engine is None:
+            return
+        fields = observability.log_fields(observability.stats(runtime.engine))
+        logs.update(fields)
+        # the Trainer appended its record of these logs before calling back: it gets the figures too
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(fields)
+
+
+def install_default_callback() -> None:
+    """Make every ``Trainer`` built from now on carry a :class:`MaximusTrainerCallback` (idempotent)."""
+    from transformers import trainer
+    if MaximusTrainerCallback not in trainer.DEFAULT_CALLBACKS:
+        trainer.DEFAULT_CALLBACKS.append(MaximusTrainerCallback)
+
+
+def remove_default_callback() -> None:
+    from transformers import trainer
+    while MaximusTrainerCallback in trainer.DEFAULT_CALLBACKS:
+        trainer.DEFAULT_CALLBACKS.remove(MaximusTrainerCallback)
