@@ -24,7 +24,7 @@ import torch
 from ds_maximus.errors import ShardStoreError
 
 ALIGN_BYTES = 4096  # data offset alignment of shard files (bytes); O_DIRECT needs the block size
-_MAX_HEADER_BYTES = 100 << 20  # a header longer than this is corrupt, not real
+MAX_HEADER_BYTES = 100 << 20  # a header longer than this is corrupt, not real
 
 DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -83,7 +83,7 @@ def parse_header(raw: bytes, path: str, file_bytes: int) -> ShardHeader:
         raise ShardStoreError(f"shard file {path} is torn: {len(raw)} bytes, shorter than the 8-byte header "
                               "length; rewrite the shard or restore it from a backup", path)
     (n,) = struct.unpack("<Q", raw[:8])
-    if n > _MAX_HEADER_BYTES or 8 + n > file_bytes:
+    if n > MAX_HEADER_BYTES or 8 + n > file_bytes:
         raise ShardStoreError(f"shard file {path} is torn or corrupt: header length {n} does not fit in "
                               f"{file_bytes} bytes; rewrite the shard or restore it from a backup", path)
     if len(raw) < 8 + n:
@@ -95,18 +95,41 @@ def parse_header(raw: bytes, path: str, file_bytes: int) -> ShardHeader:
     if not isinstance(entries, dict):
         raise ShardStoreError(f"shard file {path} has a corrupt header (not a JSON object)", path)
     metadata = entries.pop("__metadata__", {}) or {}
-    tensors = {}
-    try:
-        for name, e in entries.items():
-            tensors[name] = (ST_TO_DTYPE[e["dtype"]], [int(s) for s in e["shape"]],
-                             int(e["data_offsets"][0]), int(e["data_offsets"][1]))
-    except (KeyError, TypeError, IndexError, ValueError) as e:
-        raise ShardStoreError(f"shard file {path} has a corrupt header entry ({type(e).__name__}: {e})", path) from None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ShardStoreError(f"shard file {path} has a corrupt header: __metadata__ must map names to strings", path)
+    tensors = {name: _tensor_entry(name, e, path, file_bytes) for name, e in entries.items()}
     head = ShardHeader(tensors, 8 + n, metadata)
     if head.data_offset + head.data_bytes != file_bytes:
         raise ShardStoreError(f"shard file {path} is torn: header promises {head.data_offset + head.data_bytes} "
                               f"bytes, the file has {file_bytes}; rewrite the shard or restore it", path)
     return head
+
+
+def _tensor_entry(name: str, e, path: str, file_bytes: int) -> Tuple[torch.dtype, List[int], int, int]:
+    """One tensor of a header, each number checked for type and range: a known dtype, a shape of at most 8
+    non-negative ints, and data offsets inside the file whose span is exactly the shape's bytes."""
+    def bad(why: str):
+        return ShardStoreError(f"shard file {path} has a corrupt header entry {name!r:.80}: {why}; restore the "
+                               "shard or rewrite it", path)
+
+    if not isinstance(e, dict):
+        raise bad(f"expected an object, got {type(e).__name__}")
+    dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in ST_TO_DTYPE:
+        raise bad(f"dtype {dtype!r:.40} is not one of {sorted(ST_TO_DTYPE)}")
+    if (not isinstance(shape, list) or len(shape) > 8
+            or not all(type(x) is int and 0 <= x <= file_bytes for x in shape)):
+        raise bad(f"shape {shape!r:.80} is not a list of at most 8 non-negative integers")
+    if (not isinstance(offs, list) or len(offs) != 2 or not all(type(x) is int for x in offs)
+            or not 0 <= offs[0] <= offs[1] <= file_bytes):
+        raise bad(f"data_offsets {offs!r:.80} is not [start, end] with 0 <= start <= end <= {file_bytes}")
+    numel = 1
+    for x in shape:
+        numel *= x
+    if numel * ST_TO_DTYPE[dtype].itemsize != offs[1] - offs[0]:
+        raise bad(f"shape {shape} of {dtype} needs {numel * ST_TO_DTYPE[dtype].itemsize} bytes, data_offsets span "
+                  f"{offs[1] - offs[0]}")
+    return ST_TO_DTYPE[dtype], shape, offs[0], offs[1]
 
 
 def checksum(chunks: Iterable) -> str:

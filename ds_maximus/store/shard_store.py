@@ -20,7 +20,7 @@ import torch
 
 from ds_maximus.errors import NVMeIOError, ShardStoreError
 from ds_maximus.store.format import checksum, dtype_from_name, dtype_name, parse_header, write_shard_file
-from ds_maximus.store.index import INDEX_NAME, ShardInfo, StoreIndex
+from ds_maximus.store.index import INDEX_NAME, ShardInfo, StoreIndex, shard_file_path
 
 InitFn = Callable[[int, int], Dict[str, torch.Tensor]]
 LoaderArg = Union[None, bool, object]
@@ -156,7 +156,7 @@ class ShardStore:
         return s.lo, s.hi
 
     def shard_path(self, i: int) -> str:
-        return os.path.join(self.path, self.shard_info(i).file)
+        return self._file_path(self.shard_info(i))
 
     def tensor_location(self, i: int, name: str = "weight") -> Tuple[str, int, int]:
         """``(path, file offset, nbytes)`` of one tensor of shard ``i``, for direct (O_DIRECT/GPU) reads."""
@@ -165,7 +165,7 @@ class ShardStore:
         if name not in names:
             raise KeyError(f"tensor {name!r} is not in the store; it holds {names}")
         nb = s.rows * self.dim * self.dtype.itemsize
-        return os.path.join(self.path, s.file), s.data_offset + names.index(name) * nb, nb
+        return self._file_path(s), s.data_offset + names.index(name) * nb, nb
 
     def shard_of(self, rows: torch.Tensor) -> torch.Tensor:
         """Shard id of each row id (LongTensor in, LongTensor out)."""
@@ -185,7 +185,7 @@ class ShardStore:
         ``verify`` (default: the store's ``verify_checksums``) checks the data checksum.
         """
         info = self.shard_info(i)
-        path = os.path.join(self.path, info.file)
+        path = self._file_path(info)
         data_offset = self._check_file(info, path)
         nbytes = info.bytes - data_offset
         buf = _read_buffer(nbytes, self._loader is not None)
@@ -316,6 +316,10 @@ class ShardStore:
 
     def _refresh(self) -> None:
         self._his = torch.tensor([s.hi for s in self._index.shards], dtype=torch.long)
+
+    def _file_path(self, info: ShardInfo) -> str:
+        """The shard's file, checked again at use: a plain store file name that resolves inside the store."""
+        return shard_file_path(self.path, info.file, os.path.join(self.path, INDEX_NAME))
 
     def _check_file(self, info: ShardInfo, path: str) -> int:
         """Check existence, size and header of a shard file; returns its data offset."""

@@ -173,10 +173,10 @@ def test_corrupt_data_checksum(store):
 def test_index_points_to_missing_file(store):
     p = os.path.join(store.path, INDEX_NAME)
     d = json.load(open(p))
-    d["shards"][2]["file"] = "shard_nope.safetensors"
+    d["shards"][2]["file"] = "shard_000002-0badf11e.safetensors"
     json.dump(d, open(p, "w"))
     s = ShardStore.open(store.path, loader=False)
-    with pytest.raises(ShardStoreError, match="shard_nope.safetensors.*missing"):
+    with pytest.raises(ShardStoreError, match="shard_000002-0badf11e.safetensors.*missing"):
         s.read_shard(2)
 
 
@@ -205,11 +205,15 @@ def test_header_dtype_mismatch_with_index(store, tmp_path):
     p = os.path.join(store.path, INDEX_NAME)
     d = json.load(open(p))
     import shutil
-    shutil.copy(other.shard_path(0), os.path.join(store.path, "foreign.safetensors"))
-    d["shards"][0].update(file="foreign.safetensors", bytes=other.shard_info(0).bytes,
+    shutil.copy(other.shard_path(0), os.path.join(store.path, "shard_000000-f0e1d2c3.safetensors"))
+    d["shards"][0].update(file="shard_000000-f0e1d2c3.safetensors", bytes=other.shard_info(0).bytes,
                           data_offset=other.shard_info(0).data_offset)
     json.dump(d, open(p, "w"))
-    with pytest.raises(ShardStoreError, match="does not match"):
+    with pytest.raises(ShardStoreError, match="'bytes'"):  # the index's own sizes disagree with its dtype
+        ShardStore.open(store.path, loader=False)
+    d["shards"][0]["bytes"] = store.shard_info(0).bytes  # the index consistent, the file not
+    json.dump(d, open(p, "w"))
+    with pytest.raises(ShardStoreError, match="torn|does not match"):
         ShardStore.open(store.path, loader=False).read_shard(0)
 
 
