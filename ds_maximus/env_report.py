@@ -7,12 +7,17 @@ NVMe path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
+import io
 import os
+import re
 import shutil
 import sys
 import tempfile
+from typing import List, Tuple
+
 
 def builders():
     """One instance of every maximus op builder (every builder class in ``op_builder/``)."""
@@ -32,7 +37,24 @@ def builders():
     return found
 
 
-def _op_rows(build: bool):
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _captured_lines(text: str) -> List[str]:
+    """Printed lines without terminal colours (DeepSpeed's builders print a yellow `` [WARNING] ``)."""
+    return [ln for ln in (_ANSI.sub("", raw).strip() for raw in text.splitlines()) if ln]
+
+
+def _op_rows(build: bool) -> Tuple[List[tuple], List[str]]:
+    """(op name, status, reason) per maximus op, and what the builders printed meanwhile (their warnings,
+    which would otherwise land inside the table)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rows = _op_rows_quiet(build)
+    return rows, list(dict.fromkeys(_captured_lines(printed.getvalue())))
+
+
+def _op_rows_quiet(build: bool) -> List[tuple]:
     rows = []
     for b in builders():
         compatible = b.is_compatible(verbose=False)
@@ -102,8 +124,14 @@ def main(argv=None) -> int:
     print(f"JIT cache ......... {os.environ.get('TORCH_EXTENSIONS_DIR', DEFAULT_EXTENSIONS_DIR)}")
     print("-" * 60)
     print(f"{'op':36s} {'status':30s} reason")
-    for name, status, reason in _op_rows(args.build):
+    rows, warnings = _op_rows(args.build)
+    for name, status, reason in rows:
         print(f"{name:36s} {status:30s} {reason}")
+    if warnings:
+        print("-" * 60)
+        print("warnings:")
+        for line in warnings:
+            print(f"  {line}")
     if args.nvme_path:
         print("-" * 60)
         p = args.nvme_path
