@@ -11,7 +11,12 @@ Three ways to hold the weight:
   AdamW step itself runs on the GPU (``update_device="auto"``), the state streamed through it in
   blocks of ``update_rows`` rows (:mod:`~ds_maximus.embedding.lm_head_update`).
 * ``tied_to=emb`` (a ``ShardedEmbedding``): rows come from ``emb.rows_for_compute`` and gradients go
-  to ``emb.add_dense_row_grad_``, so one store holds the table and it receives both gradients.
+  to the embedding's sparse gradient, so one store holds the table and it receives both gradients.
+
+Called without labels, a streamed or tied head returns logits that autograd differentiates (the model
+computes its own loss from them, as Hugging Face models do): the backward streams the rows again and
+hands their gradient to the tier or the tied embedding. ``bias=`` (a tied decoder's bias, BERT-style
+MLM heads) is an ordinary parameter added to the logits and trained by DeepSpeed.
 
 ``chunk_rows`` is the vocabulary width of every tile of the streamed softmax and, for streamed
 heads, the unit of transfer, gradient hand-off and optimizer update.
@@ -38,7 +43,7 @@ from torch import nn
 
 from ds_maximus.config import EmbeddingOptimizerConfig, HeadPlacement, LMHeadConfig, MaximusConfig
 from ds_maximus.embedding.linear_cross_entropy import MIB, LCEOptions, linear_cross_entropy
-from ds_maximus.embedding.lm_head_stream import streamed_linear_cross_entropy
+from ds_maximus.embedding.lm_head_stream import streamed_linear_cross_entropy, streamed_logits
 from ds_maximus.embedding.lm_head_tier import HeadTier, TiedSource
 from ds_maximus.errors import ConfigError
 
@@ -59,16 +64,19 @@ def _configs(config) -> tuple:
 class ShardedLMHead(nn.Module):
     """An LM head computing ``cross_entropy(hidden @ W.T, labels)`` by streaming vocab chunks (see module doc).
 
-    ``forward(hidden, labels)`` returns the fp32 loss; ``forward(hidden)`` returns logits (for generation;
-    a streamed head computes them chunk by chunk without autograd).
+    ``forward(hidden, labels)`` returns the fp32 loss; ``forward(hidden)`` returns logits (a streamed head
+    computes them chunk by chunk; with grad enabled they are differentiable).
     """
 
     def __init__(self, vocab_size: Optional[int] = None, hidden_size: Optional[int] = None, *,
                  config: Union[LMHeadConfig, MaximusConfig, dict, None] = None, tied_to=None,
                  weight: Optional[torch.Tensor] = None, device=None, dtype=None,
                  optimizer: Optional[EmbeddingOptimizerConfig] = None, block_bytes: int = 512 * MIB,
-                 fp32_weight_grad: bool = False, update_device="auto", update_rows: int = 4096):
+                 fp32_weight_grad: bool = False, update_device="auto", update_rows: int = 4096,
+                 bias: Optional[nn.Parameter] = None):
         super().__init__()
+        # the given Parameter itself, so a bias HF ties elsewhere (``cls.predictions.bias``) stays one tensor
+        self.bias = bias
         cfg, opt_cfg = _configs(config)
         self.config = cfg
         self.chunk_rows = int(cfg.chunk_rows)
@@ -109,8 +117,7 @@ class ShardedLMHead(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, config=None, **kwargs) -> "ShardedLMHead":
         """A head holding ``linear``'s weight (copied; fp32 master in the CPU tier for ``placement: cpu``)."""
-        if getattr(linear, "bias", None) is not None:
-            raise ValueError("ShardedLMHead has no bias; the given lm_head has one (a bias-free head is needed)")
+        kwargs.setdefault("bias", getattr(linear, "bias", None))
         return cls(config=config, weight=linear.weight.detach(), device=linear.weight.device, **kwargs)
 
     @property
@@ -135,7 +142,11 @@ class ShardedLMHead(nn.Module):
                 reduction: str = "mean", label_smoothing: float = 0.0,
                 logit_softcap: Optional[float] = None) -> torch.Tensor:
         if labels is None:
-            return self.logits(hidden)
+            logits = self.logits(hidden)
+            return logits if self.bias is None else logits + self.bias
+        if self.bias is not None:
+            raise ValueError("this ShardedLMHead has a bias, which the streamed loss does not add; call it without "
+                             "labels (logits) and compute the loss from them")
         if self.placement == "gpu":
             return linear_cross_entropy(hidden, self.weight, labels, ignore_index, reduction, label_smoothing,
                                         logit_softcap, chunk_rows=self.chunk_rows, block_bytes=self.block_bytes,
@@ -147,20 +158,13 @@ class ShardedLMHead(nn.Module):
         return streamed_linear_cross_entropy(hidden, self.source, labels, opts, anchor)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden @ W.T`` (for a few positions: generation); streamed heads run it chunk by chunk."""
+        """``hidden @ W.T`` (no bias); streamed heads run it chunk by chunk, differentiable under grad mode."""
         if self.placement == "gpu":
             return F.linear(hidden, self.weight)
-        dev = hidden.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
-        h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
-        out = torch.empty(h.shape[0], self.vocab_size, dtype=dtype, device=hidden.device)
-        with torch.no_grad():
-            for lo in range(0, self.vocab_size, self.chunk_rows):
-                hi = min(self.vocab_size, lo + self.chunk_rows)
-                if hi < self.vocab_size:
-                    self.source.prefetch(hi, min(self.vocab_size, hi + self.chunk_rows), hidden.device, dtype)
-                out[:, lo:hi] = h @ self.source.fetch(lo, hi, hidden.device, dtype).t()
-        return out.view(*hidden.shape[:-1], self.vocab_size)
+        anchor = self._anchor
+        if torch.is_grad_enabled() and self._anchor_fn is not None:
+            anchor = self._anchor_fn()
+        return streamed_logits(hidden, self.source, self.chunk_rows, anchor)
 
     # -- maximus module protocol (CPU-placed heads) ---------------------------------------------
     def _tier(self) -> HeadTier:

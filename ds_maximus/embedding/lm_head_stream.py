@@ -173,3 +173,64 @@ def streamed_linear_cross_entropy(hidden: torch.Tensor, source: ChunkSource, lab
         dev = hidden.device.type
         cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
     return _StreamedLinearCrossEntropy.apply(hidden, anchor, labels, source, opts.validate(), cdtype)
+
+
+class _StreamedLogits(torch.autograd.Function):
+    """``hidden @ W.T`` with ``W`` streamed from a source, differentiable: the model computes its own loss.
+
+    Forward writes the logits chunk by chunk; backward fetches every chunk again, adds ``g_c @ W_c`` to the
+    hidden gradient and hands ``g_c.T @ h`` to ``source.add_grad_``. The memory is the logits' own (the caller
+    asked for them) plus one chunk of rows.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, anchor, source, chunk_rows, cdtype):
+        h = hidden.reshape(-1, hidden.shape[-1]).to(cdtype)
+        vocab = source.vocab_size
+        out = torch.empty(h.shape[0], vocab, dtype=cdtype, device=hidden.device)
+        chunks = _chunks(vocab, min(chunk_rows, vocab))
+        for i, (lo, hi) in enumerate(chunks):
+            if i + 1 < len(chunks):
+                source.prefetch(*chunks[i + 1], hidden.device, cdtype)
+            torch.mm(h, source.fetch(lo, hi, hidden.device, cdtype).t(), out=out[:, lo:hi])
+        ctx.source, ctx.chunk_rows, ctx.cdtype = source, chunk_rows, cdtype
+        ctx.anchor = (anchor.device, anchor.dtype)
+        ctx.save_for_backward(hidden)
+        return out.view(*hidden.shape[:-1], vocab)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (hidden,) = ctx.saved_tensors
+        source, cdtype = ctx.source, ctx.cdtype
+        vocab, d = source.vocab_size, hidden.shape[-1]
+        adev, adtype = ctx.anchor
+        anchor_grad = torch.zeros((), dtype=adtype, device=adev) if ctx.needs_input_grad[1] else None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            h = hidden.reshape(-1, d).to(cdtype)
+            g = grad_out.reshape(-1, vocab).to(cdtype)
+            gh = torch.zeros(h.shape[0], d, dtype=stat_dtype(cdtype), device=h.device) \
+                if ctx.needs_input_grad[0] else None
+            chunks = _chunks(vocab, min(ctx.chunk_rows, vocab))
+            for i, (lo, hi) in enumerate(chunks):
+                if i + 1 < len(chunks):
+                    source.prefetch(*chunks[i + 1], h.device, cdtype)
+                g_c = g[:, lo:hi]
+                if gh is not None:
+                    gh += mm_f32(g_c, source.fetch(lo, hi, h.device, cdtype))
+                source.add_grad_(lo, hi, mm_f32(g_c.t(), h))
+        grad_h = gh.view(hidden.shape).to(hidden.dtype) if gh is not None else None
+        return grad_h, anchor_grad, None, None, None
+
+
+def streamed_logits(hidden: torch.Tensor, source: ChunkSource, chunk_rows: int, anchor: torch.Tensor,
+                    cdtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Differentiable logits ``hidden @ W.T`` with ``W`` from ``source`` (gradients to ``source.add_grad_``).
+
+    ``anchor`` is a requires-grad scalar that makes backward run even when ``hidden`` needs no gradient.
+    """
+    if hidden.shape[-1] != source.dim:
+        raise ValueError(f"hidden size {hidden.shape[-1]} does not match the head's dim {source.dim}")
+    if cdtype is None:
+        dev = hidden.device.type
+        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    return _StreamedLogits.apply(hidden, anchor, source, int(chunk_rows), cdtype)

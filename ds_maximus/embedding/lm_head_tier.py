@@ -293,7 +293,7 @@ class HeadTier(HeadGradients):
 
 
 class TiedSource:
-    """Rows of a ``ShardedEmbedding`` as a ChunkSource (``rows_for_compute`` / ``add_dense_row_grad_``)."""
+    """Rows of a ``ShardedEmbedding`` as a ChunkSource (``rows_for_compute`` in, its sparse gradient out)."""
 
     def __init__(self, emb):
         self.emb = emb
@@ -307,4 +307,8 @@ class TiedSource:
         return None
 
     def add_grad_(self, lo, hi, grad):
-        self.emb.add_dense_row_grad_(lo, hi, grad)
+        """Every row's gradient, the padding row's included: ``padding_idx`` stops only the lookup's gradient,
+        and in the unswapped model a tied head's gradient reaches that row too."""
+        if tuple(grad.shape) != (hi - lo, self.dim):
+            raise ValueError(f"grad has shape {tuple(grad.shape)}, expected ({hi - lo}, {self.dim})")
+        self.emb.grad.add(torch.arange(lo, hi), grad.detach().to(self.emb.compute_device, torch.float32))

@@ -16,6 +16,10 @@ ranks, so every rank sends the same total and DeepSpeed's averaging keeps it.
 
 The norm is spread over ``CARRIER_ELEMENTS`` elements (each ``norm / sqrt(n)``) so that a
 loss-scaled fp16 norm does not overflow a single fp16 element.
+
+The carrier is engine plumbing, not part of the model: its value is never read, so it is kept out of
+the module's ``state_dict`` (a saved model has the model's own keys only) and its absence from a
+loaded state dict is not a missing key.
 """
 from __future__ import annotations
 
@@ -48,9 +52,20 @@ def attach_carrier(module: nn.Module, runtime) -> nn.Parameter:
     """Register the carrier on ``module`` (a sharded module) and route its grad anchor through it."""
     param = nn.Parameter(torch.zeros(CARRIER_ELEMENTS))
     module.register_parameter(CARRIER_NAME, param)
+    module.register_state_dict_post_hook(_drop_carrier)
+    module.register_load_state_dict_post_hook(_carrier_not_missing)
 
     def anchor():
         return _Carrier.apply(getattr(module, CARRIER_NAME), runtime)
 
     module.set_grad_anchor(anchor)
     return param
+
+
+def _drop_carrier(module, state_dict, prefix, local_metadata) -> None:
+    state_dict.pop(prefix + CARRIER_NAME, None)
+
+
+def _carrier_not_missing(module, incompatible_keys) -> None:
+    missing = incompatible_keys.missing_keys
+    missing[:] = [k for k in missing if k.rsplit(".", 1)[-1] != CARRIER_NAME]

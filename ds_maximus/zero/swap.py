@@ -14,6 +14,7 @@ from torch import nn
 
 from ds_maximus.config import MaximusConfig
 from ds_maximus.errors import ConfigError
+from ds_maximus.zero.fidelity import embedding_scale
 
 logger = logging.getLogger("ds_maximus")
 
@@ -58,30 +59,52 @@ def select_embeddings(model: nn.Module, cfg: MaximusConfig) -> List[str]:
 
 
 def swap_embeddings(model: nn.Module, cfg: MaximusConfig) -> SwapPlan:
-    """Replace the selected embeddings in place; a tied LM head is re-pointed at the sharded table."""
+    """Replace the selected embeddings in place; a tied LM head is re-pointed at the sharded table.
+
+    Every module holding the same weight (T5's ``shared``, ``encoder.embed_tokens`` and
+    ``decoder.embed_tokens``) becomes the same sharded module, listed once in ``plan.swapped``. An embedding
+    subclass's own forward is reproduced or refused (:mod:`ds_maximus.zero.fidelity`).
+    """
     from ds_maximus.embedding import ShardedEmbedding
 
     plan = SwapPlan({}, [], {})
     if not (cfg.enabled and cfg.embedding.enabled):
         return plan
-    names = select_embeddings(model, cfg)
-    for name in names:
-        old = dict(model.named_modules())[name]
-        if isinstance(old, ShardedEmbedding):  # already maximized (maximize() before initialize)
-            plan.swapped[name] = old
+    for name in select_embeddings(model, cfg):
+        old = dict(model.named_modules(remove_duplicate=False))[name]
+        if isinstance(old, ShardedEmbedding) or not isinstance(old, nn.Embedding):
+            # already maximized (maximize() before initialize), or an alias of a table swapped above
+            if all(m is not old for m in plan.swapped.values()):
+                plan.swapped[name] = old
             continue
-        heads = [hn for hn, hm in model.named_modules()
-                 if isinstance(hm, nn.Linear) and hm.weight is old.weight]
+        scale = embedding_scale(old, name)
+        holders = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
+                   if getattr(m, "weight", None) is old.weight]
+        aliases = [n for n, m in holders if n != name and isinstance(m, nn.Embedding)]
+        for n in aliases:
+            if type(dict(holders)[n]) is not type(old):
+                raise ConfigError(f"{n} shares {name}'s weight but is a {type(dict(holders)[n]).__name__}, not a "
+                                  f"{type(old).__name__}; maximus swaps a shared table as one module of one "
+                                  "forward, so leave it unswapped", "maximus.embedding.modules")
+        heads = [n for n, m in holders if isinstance(m, nn.Linear)]
+        others = [n for n, m in holders if n != name and n not in aliases and n not in heads]
+        if others:
+            raise ConfigError(f"{name}'s weight is also held by {others} ({[type(dict(holders)[n]).__name__ for n in others]}),"
+                              " which maximus cannot re-point at a sharded table; leave it unswapped",
+                              "maximus.embedding.modules")
         new = _make_sharded(old, cfg)
-        parent, attr = _parent(model, name)
-        setattr(parent, attr, new)
+        if scale is not None:
+            scale.attach(new, old)
+        for n in (name, *aliases):
+            parent, attr = _parent(model, n)
+            setattr(parent, attr, new)
         plan.swapped[name] = new
         plan.removed_params.append(old.weight)
         for hn in heads:
             plan.tied_heads[hn] = name
-        logger.info("ds_maximus: %s (%d x %d) -> ShardedEmbedding with %d GPU cache rows%s", name,
-                    old.num_embeddings, old.embedding_dim, cfg.embedding.gpu_cache_rows,
-                    f", tied to {heads}" if heads else "")
+        logger.debug("ds_maximus: %s (%d x %d)%s -> %s%s%s", name, old.num_embeddings, old.embedding_dim,
+                     f" and {aliases}" if aliases else "", type(new).__name__, f", {scale}" if scale else "",
+                     f", tied to {heads}" if heads else "")
     if plan.tied_heads:
         _retie_heads(model, plan, cfg)
     return plan
@@ -102,22 +125,22 @@ def _make_sharded(old: nn.Embedding, cfg: MaximusConfig) -> nn.Module:
 
 
 def _retie_heads(model: nn.Module, plan: SwapPlan, cfg: MaximusConfig) -> None:
-    """A head tied to a swapped embedding becomes a ShardedLMHead on the same table."""
-    try:
-        from ds_maximus.embedding import ShardedLMHead
-    except ImportError as e:  # pragma: no cover - the LM head ships with the package
-        raise ConfigError("a tied LM head needs ShardedLMHead, which failed to import") from e
+    """A head tied to a swapped embedding becomes a ShardedLMHead on the same table (its bias, if any, kept:
+    an ordinary parameter DeepSpeed trains). ``tie_word_embeddings`` stays as it is: saving writes the tied
+    checkpoint (see :mod:`ds_maximus.zero.tied_save`)."""
+    from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
     for head_name, emb_name in plan.tied_heads.items():
         parent, attr = _parent(model, head_name)
         old = getattr(parent, attr)
-        if old.bias is not None:
-            raise ConfigError(f"{head_name} is tied to {emb_name} but has a bias; maximus cannot tie it")
+        if type(old).forward is not nn.Linear.forward:
+            raise ConfigError(f"{head_name} ({type(old).__module__}.{type(old).__name__}) is tied to {emb_name} "
+                              "but overrides nn.Linear.forward, which maximus does not reproduce; leave the "
+                              "embedding unswapped (maximus.embedding.modules)", "maximus.embedding.modules")
         emb = plan.swapped[emb_name]
-        setattr(parent, attr, ShardedLMHead.from_linear(old, cfg.lm_head, tied_to=emb)
-                if hasattr(ShardedLMHead, "from_linear") else ShardedLMHead(tied_to=emb, config=cfg.lm_head))
-        if hasattr(model, "config") and hasattr(model.config, "tie_word_embeddings"):
-            # the HF tying machinery must not try to re-tie a weight that no longer exists
-            model.config.tie_word_embeddings = False
+        setattr(parent, attr, ShardedLMHead(tied_to=emb, config=cfg.lm_head, bias=old.bias))
+        if isinstance(emb, ShardedEmbedding):
+            # the head's gradient reaches the padding row (only the lookup's stops there), so it trains
+            emb.optimizer.frozen_row = None
 
 
 def remove_params_from_optimizer(optimizer: torch.optim.Optimizer, params: List[nn.Parameter]) -> int:
