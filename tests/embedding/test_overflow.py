@@ -181,3 +181,27 @@ def test_gpu_overflow_equals_a_cache_that_holds_the_batch(mode, micro, prefetch)
         every = torch.arange(VOCAB, device="cuda")
         assert torch.equal(small(every), big(every))
     assert small.stats()["overflow_batches"] >= 6
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("mode", ["exact", "lazy"])
+def test_deepspeed_engine_with_overflowing_batches_equals_a_large_cache(mode, tie):
+    """Through ``ds_maximus.initialize`` (ZeRO 2, gradient accumulation 2, clipping, a scheduler): a 16-row cache
+    under batches of ~40 distinct ids gives the losses and table of a vocabulary-sized cache, bit for bit; with
+    ``tie`` a tied ShardedLMHead shares the table."""
+    from tests.zero.llama_utils import VOCAB as V, build, embedding_weight, maximus_section, train, zipf_batches
+    batches = zipf_batches(12, batch=2, seqlen=32)
+    runs = []
+    for rows in (16, V):
+        sec = maximus_section(cache_rows=rows, mode=mode)
+        if tie:
+            sec["lm_head"] = {"enabled": True, "chunk_rows": 128}
+        engine = build(2, "fp32", gas=2, clip=0.5, maximus=sec, tie=tie)
+        losses = train(engine, batches, 2)
+        emb = engine.module.model.embed_tokens
+        assert not tie or getattr(engine.module.lm_head, "placement", None) == "tied"
+        runs.append((losses, embedding_weight(engine), emb.stats()))
+    (la, wa, sa), (lb, wb, sb) = runs
+    assert la == lb
+    assert torch.equal(wa, wb)
+    assert sa["overflow_batches"] >= 6 and sb["overflow_rows"] == 0
