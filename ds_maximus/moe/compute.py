@@ -1,7 +1,7 @@
 """Expert math on cached slots, op for op the same as the HF experts implementations.
 
-``transformers`` 5.x computes fused experts (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F])
-with one of ``eager`` (a loop over hit experts, ``index_add_``), ``grouped_mm`` (rows sorted by
+``transformers`` 5.x computes fused experts (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F], or
+GPT-OSS's transposed form with biases: :mod:`ds_maximus.moe.adapters.projection`) with one of ``eager`` (a loop over hit experts, ``index_add_``), ``grouped_mm`` (rows sorted by
 expert, one grouped GEMM per projection, a reshape-sum over top-k) or ``batched_mm`` (one bmm over
 per-pair gathered weights). Each function below repeats the same ops in the same order on the
 slot buffers of :class:`ExpertCache`, so logits equal the un-offloaded model's: the only change is
@@ -21,20 +21,9 @@ from __future__ import annotations
 from typing import Callable, List, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from ds_maximus.moe.adapters.projection import FusedExpertsForm, batched_linear, eager_linear, grouped_linear
 from ds_maximus.ops import to_device
-
-try:  # the same dispatch (native grouped_mm or its fallback) as the original forward
-    from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
-except ImportError:  # pragma: no cover - older/newer transformers
-    _hf_grouped_linear = None
-
-
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if _hf_grouped_linear is not None:
-        return _hf_grouped_linear(x, w, offs)
-    return F.grouped_mm(x.to(w.dtype), w.transpose(-2, -1), offs=offs)
 
 
 def rounds(experts: Sequence[int], size: int) -> List[List[int]]:
@@ -45,12 +34,14 @@ def rounds(experts: Sequence[int], size: int) -> List[List[int]]:
 class ExpertComputeContext:
     """What the compute functions need: the cache, the layer's group, the layout and the gate fn."""
 
-    def __init__(self, cache, group: int, apply_gate: Callable[[torch.Tensor], torch.Tensor], num_experts: int):
+    def __init__(self, cache, group: int, apply_gate: Callable[[torch.Tensor], torch.Tensor], num_experts: int,
+                 form: FusedExpertsForm = FusedExpertsForm()):
         self.cache = cache
         self.group = group
         self.layout = cache.layout
         self.apply_gate = apply_gate
         self.num_experts = num_experts
+        self.form = form
 
     on_first_acquire: Callable[[], None] | None = None
     needed: Sequence[int] | None = None  # every expert of the layer's rounds (guesses for others are dropped)
@@ -65,6 +56,10 @@ class ExpertComputeContext:
 
     def stacked(self, name: str) -> torch.Tensor:
         return self.layout.stacked_view(self.cache.slot_buffer(self.group), name)
+
+    def stacked_bias(self, name: str):
+        """The slots' ``<name>_bias`` [S, out], or None for experts without biases."""
+        return self.stacked(name + "_bias") if self.form.has_bias else None
 
     def flat(self, slot: int) -> torch.Tensor:
         return self.cache.slot(self.group, slot)
@@ -98,8 +93,9 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
                 top_k_pos, token_idx = to_device(torch.tensor(where[e], dtype=torch.long), hidden.device)
                 cur = hidden[token_idx]
                 flat = ctx.flat(s)
-                h = ctx.apply_gate(F.linear(cur, lay.view(flat, "gate_up_proj")))
-                h = F.linear(h, lay.view(flat, "down_proj"))
+                b = {n: lay.view(flat, n + "_bias") if ctx.form.has_bias else None for n in ("gate_up_proj", "down_proj")}
+                h = ctx.apply_gate(eager_linear(cur, lay.view(flat, "gate_up_proj"), b["gate_up_proj"], ctx.form))
+                h = eager_linear(h, lay.view(flat, "down_proj"), b["down_proj"], ctx.form)
                 h = h * top_k_weights[token_idx, top_k_pos, None]
                 final.index_add_(0, token_idx, h.to(final.dtype))
         finally:
@@ -123,6 +119,8 @@ def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
         starts[e + 1] = starts[e] + counts[e]
     n_slots = ctx.cache.slots_per_group
     gate_up, down = ctx.stacked("gate_up_proj"), ctx.stacked("down_proj")
+    gate_up_b, down_b = ctx.stacked_bias("gate_up_proj"), ctx.stacked_bias("down_proj")
+    tr = ctx.form.is_transposed
     proj_out = None
     for chunk in rounds(used, n_slots):
         slots = ctx.acquire(chunk)
@@ -138,9 +136,12 @@ def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
             else:
                 rows = to_device(torch.cat([torch.arange(starts[e], starts[e + 1]) for _, e in by_slot]), device)
             offs = to_device(torch.tensor(per_slot, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
-            h = _grouped_linear(x_g[rows], gate_up, offs)
+            row_slot = None  # each row's slot: its bias row, as the module gathers bias[expert_ids]
+            if gate_up_b is not None:
+                row_slot = to_device(torch.repeat_interleave(torch.arange(n_slots), torch.tensor(per_slot)), device)
+            h = grouped_linear(x_g[rows], gate_up, offs, gate_up_b[row_slot] if row_slot is not None else None, tr)
             h = ctx.apply_gate(h)
-            h = _grouped_linear(h, down, offs)
+            h = grouped_linear(h, down, offs, down_b[row_slot] if row_slot is not None else None, tr)
             if proj_out is None:
                 proj_out = h.new_empty((x_g.shape[0], h.shape[1]))
             proj_out[rows] = h
@@ -162,6 +163,8 @@ def batched_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
     x = hidden.repeat_interleave(num_top_k, dim=0)
     sample_weights = top_k_weights.reshape(-1)
     gate_up, down = ctx.stacked("gate_up_proj"), ctx.stacked("down_proj")
+    gate_up_b, down_b = ctx.stacked_bias("gate_up_proj"), ctx.stacked_bias("down_proj")
+    tr = ctx.form.is_transposed
     proj_out = None
     for chunk in rounds(used, ctx.cache.slots_per_group):
         slots = ctx.acquire(chunk)
@@ -169,9 +172,9 @@ def batched_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
             slot_of = dict(zip(chunk, slots))
             hit = [(i, slot_of[e]) for i, e in enumerate(pairs) if e in slot_of]  # the pairs of this round
             rows, sel = to_device(torch.tensor(hit, dtype=torch.long).t().contiguous(), hidden.device)  # one copy
-            h = torch.bmm(gate_up[sel], x[rows].unsqueeze(-1)).squeeze(-1)
+            h = batched_linear(x[rows], gate_up[sel], gate_up_b[sel] if gate_up_b is not None else None, tr)
             h = ctx.apply_gate(h)
-            h = torch.bmm(down[sel], h.unsqueeze(-1)).squeeze(-1)
+            h = batched_linear(h, down[sel], down_b[sel] if down_b is not None else None, tr)
             if proj_out is None:
                 proj_out = h.new_empty((x.shape[0], h.shape[1]))
             proj_out[rows] = h

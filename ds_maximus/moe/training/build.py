@@ -49,7 +49,7 @@ def attach_expert_training(model: nn.Module, cfg: MaximusConfig) -> ExpertTraine
         for b in hf:
             original = b.experts
             specs.append(_stacked_spec(b.name, {n: t.detach() for n, t in b.expert_tensors().items()},
-                                       lambda lay, o=original: FusedExpertsKind(lay, o._apply_gate),
+                                       lambda lay, o=original, f=b.form: FusedExpertsKind(lay, o._apply_gate, f),
                                        b.num_experts, b.top_k, lambda r=b.router: r.weight))
         first = hf[0].experts.gate_up_proj
     else:

@@ -9,7 +9,7 @@ price of never pinning an expert from forward to backward (activation checkpoint
 
 An *expert kind* computes a round on slot buffers, op for op as the original module does:
 
-* :class:`FusedExpertsKind`: transformers 5.x fused experts (Mixtral, Qwen-MoE), the ``grouped_mm``
+* :class:`FusedExpertsKind`: transformers 5.x fused experts (Mixtral, Qwen-MoE, GPT-OSS), the ``grouped_mm``
   path (rows sorted by expert, grouped GEMMs over the slot stack).
 * :class:`ModuleExpertsKind`: any per-expert ``nn.Module`` (DeepSpeed-MoE's ``Experts``), called with
   ``torch.func.functional_call`` on views of the slot.
@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 from torch import nn
 
-from ds_maximus.moe.compute import _grouped_linear
+from ds_maximus.moe.adapters.projection import FusedExpertsForm, grouped_linear
 from ds_maximus.moe.layout import ExpertLayout
 from ds_maximus.ops import to_device
 
@@ -42,9 +42,11 @@ class ExpertKind:
 class FusedExpertsKind(ExpertKind):
     """HF fused experts: ``x`` holds the round's rows sorted by expert (``counts[i]`` rows of expert i)."""
 
-    def __init__(self, layout: ExpertLayout, apply_gate: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, layout: ExpertLayout, apply_gate: Callable[[torch.Tensor], torch.Tensor],
+                 form: FusedExpertsForm = FusedExpertsForm()):
         self.layout = layout
         self.apply_gate = apply_gate
+        self.form = form  # GPT-OSS: transposed weights with biases
 
     def compute(self, buf, slots, counts, x):
         n_slots = buf.shape[0]
@@ -61,10 +63,14 @@ class FusedExpertsKind(ExpertKind):
             idx = to_device(torch.cat([torch.arange(starts[i], starts[i + 1]) for i in order]), device)
             x = x.index_select(0, idx)
         offs = to_device(torch.tensor(per_slot, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
-        lay = self.layout
-        h = _grouped_linear(x, lay.stacked_view(buf, "gate_up_proj"), offs)
+        lay, form = self.layout, self.form
+        bias = {n: None for n in ("gate_up_proj", "down_proj")}
+        if form.has_bias:  # each row's bias is its slot's row, as the module gathers bias[expert_ids]
+            row_slot = to_device(torch.repeat_interleave(torch.arange(n_slots), torch.tensor(per_slot)), device)
+            bias = {n: lay.stacked_view(buf, n + "_bias")[row_slot] for n in bias}
+        h = grouped_linear(x, lay.stacked_view(buf, "gate_up_proj"), offs, bias["gate_up_proj"], form.is_transposed)
         h = self.apply_gate(h)
-        h = _grouped_linear(h, lay.stacked_view(buf, "down_proj"), offs)
+        h = grouped_linear(h, lay.stacked_view(buf, "down_proj"), offs, bias["down_proj"], form.is_transposed)
         if not in_order:
             inv = torch.empty_like(idx)
             inv[idx] = torch.arange(idx.numel(), device=device)
