@@ -41,17 +41,44 @@ class ShardStoreTier(Tier):
     def for_table(cls, path: str, num_ids: int, dim: int, state_names: Sequence[str], rows_per_shard: int,
                   cpu_cache_shards: int, init: Callable[[int, int], Tensor], pin_memory: bool = False,
                   overwrite: bool = False) -> "ShardStoreTier":
-        """Open the store at ``path`` when it exists (and ``overwrite`` is False), else create it from ``init``."""
+        """The store at ``path`` for a ``num_ids x dim`` float32 table, so that repeated runs keep disk use flat.
+
+        * ``overwrite=False`` (the table comes from the store): an existing store is reused as it is; one of
+          another shape is a ConfigError. With no store there, one is created from ``init``.
+        * ``overwrite=True`` (the run gives the table, ``init``): a store of the same layout (shape, dtype,
+          rows per shard, state names, format) is reused and rewritten shard by shard; any other store,
+          or an unreadable one, is replaced: the new shards are written under new names, the index is
+          switched to them atomically, then the old files are removed.
+
+        Either way, files of earlier runs that no index names (a crash between those steps) are removed at
+        open. Checkpoints hold their tables in full (``maximus_states*.pt``), never references to shard files,
+        so replacing a store never breaks a checkpoint.
+        """
+        from ds_maximus.errors import ShardStoreError
         from ds_maximus.store import INDEX_NAME, ShardStore
-        if os.path.exists(os.path.join(path, INDEX_NAME)) and not overwrite:
-            store = ShardStore.open(path)
-            if (store.vocab_size, store.dim, tuple(store.state_names)) != (num_ids, dim, tuple(state_names)):
+        store = None
+        if os.path.exists(os.path.join(path, INDEX_NAME)):
+            try:
+                store = ShardStore.open(path)
+            except ShardStoreError:
+                if not overwrite:
+                    raise
+        if store is not None:
+            shape = (store.vocab_size, store.dim, tuple(store.state_names))
+            if not overwrite and shape != (num_ids, dim, tuple(state_names)):
                 raise ConfigError(
                     f"shard store {path} holds a {store.vocab_size}x{store.dim} table with state "
                     f"{tuple(store.state_names)}, but this embedding is {num_ids}x{dim} with state "
                     f"{tuple(state_names)}; point maximus.embedding.offload.nvme_path at another folder or delete it",
                     "maximus.embedding.offload.nvme_path")
-        else:
+            store.remove_orphans()
+            same = shape == (num_ids, dim, tuple(state_names)) and store.dtype == torch.float32 \
+                and store.rows_per_shard == rows_per_shard
+            if overwrite and same:
+                store.rewrite(lambda lo, hi: {"weight": init(lo, hi)})
+            elif overwrite:
+                store = None
+        if store is None:
             store = ShardStore.create(path, num_ids, dim, torch.float32, rows_per_shard=rows_per_shard,
                                       state_names=tuple(state_names), init=lambda lo, hi: {"weight": init(lo, hi)},
                                       overwrite=True)

@@ -12,6 +12,7 @@ whose every file is whole; at worst an orphan file remains (:meth:`ShardStore.ve
 from __future__ import annotations
 
 import os
+import re
 import threading
 import uuid
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -20,7 +21,7 @@ import torch
 
 from ds_maximus.errors import NVMeIOError, ShardStoreError
 from ds_maximus.store.format import checksum, dtype_from_name, dtype_name, parse_header, write_shard_file
-from ds_maximus.store.index import INDEX_NAME, ShardInfo, StoreIndex, shard_file_path
+from ds_maximus.store.index import INDEX_NAME, SHARD_FILE_RE, ShardInfo, StoreIndex, shard_file_path
 
 InitFn = Callable[[int, int], Dict[str, torch.Tensor]]
 LoaderArg = Union[None, bool, object]
@@ -40,6 +41,20 @@ def default_loader():
             except Exception:  # op missing or not buildable here: plain reads
                 _default_loader = False
         return _default_loader or None
+
+
+# The temporary files of atomic_write in a store folder: ".<target>.tmp-<pid>-<hex>".
+_TMP_FILE_RE = re.compile(r"\.(?:shard_[0-9]{6,12}-[0-9a-f]{8}\.safetensors|shard_index\.json)\.tmp-([0-9]+)-[0-9a-f]+")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _shard_file_name(i: int) -> str:
@@ -107,6 +122,7 @@ class ShardStore:
         index.shards, index.vocab_size = infos, int(vocab_size)
         index.save(store.path)
         store._refresh()
+        store.remove_orphans()  # the files of a store replaced here (overwrite) or left by a crashed create
         return store
 
     @classmethod
@@ -268,6 +284,18 @@ class ShardStore:
             self._commit(news, old_files=[], vocab_size=base + n)
             return ids
 
+    def rewrite(self, init: InitFn) -> None:
+        """Replace every shard's tensors with ``init(lo, hi)`` (tensors left out are zeros), shard by shard.
+
+        Each shard is written to a new file and committed before the next (see :meth:`write_shard`), so disk
+        use peaks at the table plus one shard, and a crash leaves every shard whole (old or new).
+        """
+        for i in range(self.num_shards):
+            lo, hi = self.shard_range(i)
+            given = dict(init(lo, hi))
+            self.write_shard(i, {n: given.get(n, torch.zeros(hi - lo, self.dim, dtype=self.dtype))
+                                 for n in self.tensor_names})
+
     def flush_index(self) -> None:
         """Persist the access counts (they are kept in memory between writes)."""
         with self._lock:
@@ -292,11 +320,14 @@ class ShardStore:
         return {"shards": self.num_shards, "bytes": total, "orphans": self._orphans()}
 
     def remove_orphans(self) -> List[str]:
-        """Delete files left by interrupted writes (call when no other process writes this store)."""
-        orphans = self._orphans()
-        for f in orphans:
-            _unlink_quiet(os.path.join(self.path, f))
-        return orphans
+        """Delete shard files the index does not name and temporary files of writers that are no longer running
+        (left by interrupted writes or by a replaced store); returns their names. Only names of the store's own
+        pattern are touched. Call when no other process writes this store."""
+        with self._lock:
+            orphans = self._orphans(live_tmps=False)
+            for f in orphans:
+                _unlink_quiet(os.path.join(self.path, f))
+            return orphans
 
     def __repr__(self) -> str:
         return (f"ShardStore({self.path!r}, vocab_size={self.vocab_size}, dim={self.dim}, dtype={self._index.dtype}, "
@@ -309,10 +340,19 @@ class ShardStore:
             raise IndexError(f"shard id {i} is out of range; the store has {len(self._index.shards)} shards")
         return i
 
-    def _orphans(self) -> List[str]:
-        known = {s.file for s in self._index.shards} | {INDEX_NAME}
-        return sorted(f for f in os.listdir(self.path)
-                      if f not in known and (f.endswith(".safetensors") or ".tmp-" in f))
+    def _orphans(self, live_tmps: bool = True) -> List[str]:
+        """Store-pattern files the index does not name; temporary files of live writers only if ``live_tmps``."""
+        known = {s.file for s in self._index.shards}
+        out = []
+        for f in os.listdir(self.path):
+            if SHARD_FILE_RE.fullmatch(f):
+                if f not in known:
+                    out.append(f)
+                continue
+            m = _TMP_FILE_RE.fullmatch(f)
+            if m and (live_tmps or not _pid_alive(int(m.group(1)))):
+                out.append(f)
+        return sorted(out)
 
     def _refresh(self) -> None:
         self._his = torch.tensor([s.hi for s in self._index.shards], dtype=torch.long)

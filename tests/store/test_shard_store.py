@@ -239,7 +239,12 @@ def test_disk_full_leaves_store_intact(store, monkeypatch):
 
 
 def test_remove_orphans(store):
-    open(os.path.join(store.path, ".shard_000001-x.safetensors.tmp-1-abc"), "wb").write(b"junk")
-    assert store.verify()["orphans"] == [".shard_000001-x.safetensors.tmp-1-abc"]
-    assert store.remove_orphans() == [".shard_000001-x.safetensors.tmp-1-abc"]
-    assert store.verify()["orphans"] == []
+    dead = ".shard_000001-0123abcd.safetensors.tmp-99999999-abc"  # a pid above any pid_max: no such writer
+    live = f".shard_000001-0123abcd.safetensors.tmp-{os.getpid()}-abc"  # a writer that still runs
+    stale = "shard_000001-89abcdef.safetensors"  # a shard file the index does not name
+    for name in (dead, live, stale, "user_notes.safetensors"):
+        open(os.path.join(store.path, name), "wb").write(b"junk")
+    assert store.verify()["orphans"] == sorted([dead, live, stale])
+    assert store.remove_orphans() == sorted([dead, stale])
+    assert store.verify()["orphans"] == [live]
+    assert os.path.exists(os.path.join(store.path, "user_notes.safetensors"))  # not the store's: kept
