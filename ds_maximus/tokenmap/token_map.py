@@ -20,7 +20,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ds_maximus.errors import TokenMapError
@@ -28,6 +27,7 @@ from ds_maximus.store.format import atomic_write
 from ds_maximus.tokenmap.corpus import corpus_stream, count_tokens, encode_ids
 from ds_maximus.tokenmap.rewrite import (load_tokenizer_json, model_vocab_ids, permute_tokenizer_json,
                                          write_tokenizer_folder)
+from ds_maximus.tokenmap.validate import read_maps, read_meta
 
 META_FILE = "token_map.json"
 MAPS_FILE = "token_map.safetensors"
@@ -172,13 +172,8 @@ class TokenMap:
         if not os.path.isfile(meta_path):
             raise TokenMapError(f"{path} is not a token map: {META_FILE} is missing; build one with "
                                 "`maximus-tokenizer build`")
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
-            raise TokenMapError(f"{meta_path}: format {meta.get('format')} v{meta.get('format_version')}; this "
-                                f"ds_maximus reads {FORMAT_NAME} v{FORMAT_VERSION}")
-        with open(os.path.join(path, MAPS_FILE), "rb") as f:
-            maps = st_load(f.read())
+        meta = read_meta(meta_path, FORMAT_NAME, FORMAT_VERSION)  # every field checked before use
+        maps = read_maps(os.path.join(path, MAPS_FILE), meta["vocab_size"])
         tok_json = load_tokenizer_json(os.path.join(path, TOKENIZER_DIR))
         tm = cls(maps["old_to_new"], maps["new_to_old"], maps["counts"], tok_json, meta, path=os.path.abspath(path))
         if not (len(tm.old_to_new) == len(tm.new_to_old) == len(tm.counts) == meta["vocab_size"]):
