@@ -110,16 +110,32 @@ class FileExpertStore(ExpertStore):
         if not os.path.isdir(folder):
             raise ConfigError(f"moe.offload.nvme_path folder {folder} does not exist; create it or point "
                               "nvme_path at a folder on a local NVMe disk", "maximus.moe.offload.nvme_path")
+        if os.path.islink(path) or (os.path.exists(path) and not os.path.isfile(path)):
+            raise ConfigError(f"{path} is a symlink or not a regular file; the expert tier writes its own file there "
+                              "and follows no links: remove it or point moe.offload.nvme_path at another folder",
+                              "maximus.moe.offload.nvme_path")
         self.path = path
-        with open(path, "wb") as f:
-            f.truncate(self.record_bytes * self.num_uids)
+        # O_NOFOLLOW: a link created in between is refused, never written through
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.ftruncate(fd, self.record_bytes * self.num_uids)
+        finally:
+            os.close(fd)
         self.loader = loader
         self._scratch = torch.empty(layout.numel, dtype=layout.dtype)
 
     def host_view(self, uid: int) -> None:
         return None
 
+    def _offset(self, uid: int) -> int:
+        """Byte offset of ``uid``'s record; a uid outside ``[0, num_uids)`` is an IndexError, never a read or
+        write past the table."""
+        if not 0 <= int(uid) < self.num_uids:
+            raise IndexError(f"expert uid {uid} is out of range; the expert file {self.path} holds {self.num_uids}")
+        return int(uid) * self.record_bytes
+
     def write(self, uid: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._offset(uid)
         self.layout.pack_(self._scratch, tensors)
         data = self._scratch.view(torch.uint8).numpy().tobytes()
         with open(self.path, "r+b") as f:
@@ -128,7 +144,7 @@ class FileExpertStore(ExpertStore):
 
     def read_into(self, uid: int, dst: torch.Tensor) -> None:
         assert dst.numel() == self.layout.numel and dst.is_contiguous() and dst.device.type == "cpu"
-        offset = uid * self.record_bytes
+        offset = self._offset(uid)
         if self.loader is not None:
             self.loader.read_into(self.path, offset, dst).wait()
             return
