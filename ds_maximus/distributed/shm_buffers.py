@@ -55,12 +55,12 @@ def mapped_buffers(maps_path: str = "/proc/self/maps") -> List[str]:
     return sorted(names)
 
 
-def own_buffers(rank: Optional[int] = None) -> List[str]:
+def own_buffers(rank: Optional[int] = None, maps_path: str = "/proc/self/maps") -> List[str]:
     """The buffers among :func:`mapped_buffers` that this process created: the ones named with its rank."""
     rank = _rank() if rank is None else rank
     if rank is None:
         return []
-    return [n for n in mapped_buffers() if n.rsplit("_", 1)[-1] == str(rank)]
+    return [n for n in mapped_buffers(maps_path) if n.rsplit("_", 1)[-1] == str(rank)]
 
 
 def remove_own_buffers() -> List[str]:
