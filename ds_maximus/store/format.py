@@ -90,7 +90,7 @@ def parse_header(raw: bytes, path: str, file_bytes: int) -> ShardHeader:
         raise ShardStoreError(f"shard file {path}: header read short ({len(raw)} of {8 + n} bytes)", path)
     try:
         entries = json.loads(raw[8:8 + n].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, or a number of over 4300 digits
         raise ShardStoreError(f"shard file {path} has a corrupt JSON header ({e}); restore the shard", path) from None
     if not isinstance(entries, dict):
         raise ShardStoreError(f"shard file {path} has a corrupt header (not a JSON object)", path)

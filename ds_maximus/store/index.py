@@ -85,7 +85,7 @@ class StoreIndex:
         except FileNotFoundError:
             raise ShardStoreError(f"{path} is missing: {folder} is not a shard store (or its index was lost); "
                                   "create it with ShardStore.create(...)", path) from None
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, or a number of over 4300 digits
             raise ShardStoreError(f"{path} is corrupt ({type(e).__name__}: {e}); restore it from a backup",
                                   path) from None
         return validate_index(d, folder, path)

@@ -46,7 +46,7 @@ def read_meta(path: str, format_name: str, format_version: int) -> dict:
     try:
         with open(path, "rb") as f:
             meta = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, or a number of over 4300 digits
         raise TokenMapError(f"{path} is not valid JSON ({type(e).__name__}: {e}); rebuild the token map") from None
     if not isinstance(meta, dict):
         raise TokenMapError(f"{path} must hold a JSON object, not {type(meta).__name__}; rebuild the token map")
