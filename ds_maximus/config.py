@@ -307,6 +307,9 @@ class MaximusConfig(_Section):
     io: IOConfig = Field(default_factory=IOConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    trust_checkpoint: bool = False
+    """Resume (``engine.load_checkpoint``) also loads checkpoint files that need types outside the safe allow-list,
+    with plain ``torch.load``: pickled code in them can run. Only for checkpoints you wrote yourself."""
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> "MaximusConfig":

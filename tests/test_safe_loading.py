@@ -119,6 +119,10 @@ def test_trust_checkpoint_loads_a_checkpoint_the_user_wrote(tmp_path, caplog):
     assert sum("trust_checkpoint=True" in r.getMessage() for r in caplog.records) == 1  # warned once
     sd = checkpoint_state_dict(str(tmp_path), "t", trust_checkpoint=True)
     assert "model.embed_tokens.weight" in sd
+    # the ds_config key, for callers that cannot pass the kwarg (HF Trainer's resume)
+    trusting = build(2, "fp32", maximus={**maximus_section(cache_rows=64), "trust_checkpoint": True})
+    path, client = trusting.load_checkpoint(str(tmp_path), tag="t")
+    assert path is not None and client["args"].lr == 0.1
 
 
 def test_corrupt_checkpoint_file_is_a_store_error(tmp_path):

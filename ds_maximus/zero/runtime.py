@@ -207,8 +207,10 @@ class MaximusRuntime:
     def _load_checkpoint(self, load_dir, tag=None, trust_checkpoint: bool = False, **kwargs):
         """DeepSpeed's ``load_checkpoint`` plus the maximus state. Every file is first read with
         ``weights_only=True`` (DeepSpeed's own, which it then loads itself, included); ``trust_checkpoint=True``
-        loads a checkpoint the user wrote whose files need other types (see :mod:`ds_maximus.safe_load`)."""
+        loads a checkpoint the user wrote whose files need other types (see :mod:`ds_maximus.safe_load`); so does
+        ``maximus.trust_checkpoint`` in the ds_config, for callers that cannot pass it (HF Trainer's resume)."""
         from ds_maximus.safe_load import check_deepspeed_folder
+        trust_checkpoint = trust_checkpoint or self.cfg.trust_checkpoint
         latest = os.path.join(load_dir, "latest")
         ds_tag = tag if tag is not None else (open(latest).read().strip() if os.path.isfile(latest) else None)
         if ds_tag is not None:
