@@ -5,8 +5,8 @@ shards only, and fine-tune the new rows with ``ds_maximus.initialize`` (CPU, tin
 
 Steps (each prints what it did):
 
-1. base tokenizer: a small BPE trained on ``pydoc_data.topics`` (examples/build_tokenizer.py), then
-   ``maximus-tokenizer build`` (frequency-ordered token map);
+1. base tokenizer: ``maximus-tokenizer build --corpus --vocab-size`` trains a small BPE on
+   ``pydoc_data.topics`` and writes its frequency-ordered token map;
 2. base model: a tiny random Llama saved as safetensors, ``maximus-tokenizer convert`` writes its
    embedding as a shard store (with zeroed AdamW state);
 3. domain terms: identifiers of the standard library the base tokenizer splits into >= 3 pieces
@@ -31,7 +31,6 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS_PER_SHARD = 256
 
 
@@ -48,22 +47,16 @@ def _hashes(store_dir: str) -> dict:
 
 
 def base_tokenizer(out: str, vocab: int) -> str:
-    sys.path.insert(0, os.path.dirname(HERE))
-    from build_tokenizer import train_bpe
+    """A BPE tokenizer trained on the pydoc topics and its token map, by ``maximus-tokenizer build``."""
     from pydoc_data.topics import topics
-    from transformers import PreTrainedTokenizerFast
     from ds_maximus.tokenmap.cli import main as maximus_tokenizer
     corpus = os.path.join(out, "corpus.txt")
     with open(corpus, "w", encoding="utf-8") as f:
         for key in sorted(topics):
             f.write(topics[key].rstrip("\n") + "\n")
-    with open(corpus, encoding="utf-8") as f:
-        texts = f.readlines()
-    base = os.path.join(out, "base_tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=train_bpe(texts, vocab), unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>", pad_token="<pad>").save_pretrained(base)
     tm = os.path.join(out, "tokenmap")
-    assert maximus_tokenizer(["build", "--tokenizer", base, "--corpus", corpus, "--out", tm, "--no-progress"]) == 0
+    if maximus_tokenizer(["build", "--corpus", corpus, "--vocab-size", str(vocab), "--out", tm, "--no-progress"]):
+        raise SystemExit("maximus-tokenizer build failed")
     return tm
 
 
