@@ -334,9 +334,11 @@ def write_hf_folder(sd: Dict[str, torch.Tensor], config, out_dir: str, *, model_
         tables = [k for k in (in_key, out_key, f"{out_name}.bias" if out_name else None) if k and k in sd]
         _to_original_order(sd, tables, token_map, sd[in_key].shape[0])
     missing, unexpected = plain.load_state_dict(sd, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False) and hasattr(plain, "tie_weights"):
+    if hasattr(plain, "tie_weights"):
+        # HF's own tying fills the keys the model shares (a tied head, T5's encoder/decoder tables): what is
+        # still on the meta device after it is really missing
         plain.tie_weights()
-        missing = [k for k in missing if k != out_key]
+        missing = [k for k, t in plain.state_dict().items() if t.device.type == "meta"]
     if missing or unexpected:
         raise ConfigError(f"the weights do not fit {cls.__name__} built from the model config: missing "
                           f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}; pass the config of the "

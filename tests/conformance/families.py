@@ -1,0 +1,151 @@
+"""Tiny random-weight configs of the dense Hugging Face families with big vocabularies.
+
+Each :class:`Family` builds its model from a config (no download), names the embedding maximus swaps,
+and makes a batch of the inputs its training script would pass (causal LM, masked LM, seq2seq).
+Dropout is off everywhere so plain and maximus runs see the same computation. ``VOCAB`` is a few times
+the row cache of the tests, so a Zipf batch stream evicts rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List
+
+import torch
+
+VOCAB = 320
+HIDDEN = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    build: Callable[[], torch.nn.Module]     # a fresh model (the caller seeds torch first)
+    modules: List[str]                       # maximus.embedding.modules
+    kind: str = "causal"                     # causal | mlm | seq2seq
+    auto: str = "AutoModelForCausalLM"       # the transformers Auto class that reloads a saved folder
+
+    def batch(self, ids: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The forward inputs of one training step for the token ids ``ids`` [batch, seq]."""
+        if self.kind == "mlm":
+            labels = ids.clone()
+            labels[:, ::3] = -100                    # a masked-LM loss covers some positions only
+            return {"input_ids": ids, "labels": labels}
+        return {"input_ids": ids, "labels": ids}
+
+
+def _llama(tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, attn_implementation="eager"))
+
+
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8,
+        final_logit_softcapping=3.0, attn_logit_softcapping=50.0, attn_implementation="eager"))
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=8,
+        final_logit_softcapping=3.0, attn_implementation="eager"))
+
+
+def _qwen(version: int):
+    import transformers
+    name = "Qwen2" if version == 2 else "Qwen3"
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, attn_implementation="eager",
+        **({"head_dim": 8} if version == 3 else {}))
+    return lambda: getattr(transformers, f"{name}ForCausalLM")(cfg)
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager"))
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, attn_implementation="eager"))
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      attn_implementation="eager"))
+
+
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, attn_implementation="eager"))
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+    return OPTForCausalLM(OPTConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, layerdrop=0.0, attn_implementation="eager"))
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+    return BertForMaskedLM(BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation="eager"))
+
+
+def _roberta(xlm: bool):
+    import transformers
+    name = "XLMRoberta" if xlm else "Roberta"
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=80, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation="eager")
+    return lambda: getattr(transformers, f"{name}ForMaskedLM")(cfg)
+
+
+def _t5(mt5: bool):
+    import transformers
+    name = "MT5" if mt5 else "T5"
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=not mt5)
+    return lambda: getattr(transformers, f"{name}ForConditionalGeneration")(cfg)
+
+
+FAMILIES: Dict[str, Family] = {f.name: f for f in [
+    Family("llama", _llama(False), ["model.embed_tokens"]),
+    Family("llama_tied", _llama(True), ["model.embed_tokens"]),
+    Family("gemma2", _gemma2, ["model.embed_tokens"]),
+    Family("gemma3", _gemma3, ["model.embed_tokens"]),
+    Family("qwen2_tied", _qwen(2), ["model.embed_tokens"]),
+    Family("qwen3_tied", _qwen(3), ["model.embed_tokens"]),
+    Family("mistral", _mistral, ["model.embed_tokens"]),
+    Family("phi3", _phi3, ["model.embed_tokens"]),
+    Family("gpt2", _gpt2, ["transformer.wte"]),
+    Family("gpt_neox", _neox, ["gpt_neox.embed_in"]),
+    Family("opt", _opt, ["model.decoder.embed_tokens"]),
+    Family("bert_mlm", _bert, ["bert.embeddings.word_embeddings"], "mlm", "AutoModelForMaskedLM"),
+    Family("roberta_mlm", _roberta(False), ["roberta.embeddings.word_embeddings"], "mlm", "AutoModelForMaskedLM"),
+    Family("xlm_roberta_mlm", _roberta(True), ["roberta.embeddings.word_embeddings"], "mlm",
+           "AutoModelForMaskedLM"),
+    Family("t5_tied", _t5(False), ["shared"], "seq2seq", "AutoModelForSeq2SeqLM"),
+    Family("mt5_untied", _t5(True), ["shared"], "seq2seq", "AutoModelForSeq2SeqLM"),
+]}
