@@ -60,8 +60,8 @@ def _op_rows_quiet(build: bool) -> List[tuple]:
         compatible = b.is_compatible(verbose=False)
         reason = "" if compatible else (b.error_log or "not compatible")
         status = "compatible" if compatible else "incompatible"
-        ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
-        if compatible and ext_dir and os.path.isdir(os.path.join(ext_dir, b.name)):
+        from ds_maximus.op_builder.builder import extensions_dir
+        if compatible and os.path.isdir(extensions_dir() / b.name):
             status += ", built (JIT cache)"
         if compatible and build:
             try:

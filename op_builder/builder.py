@@ -6,7 +6,11 @@ A builder is declarative (``NAME``, ``BUILD_VAR``, ``sources()``, ``include_path
 * absolute source paths (DeepSpeed resolves relative ones against its own package),
 * ``maximus_`` op names and ``DS_BUILD_MAXIMUS_<OP>`` build variables,
 * a sanitised ``TORCH_CUDA_ARCH_LIST`` (``9.0a`` crashes DeepSpeed's parser),
-* a JIT cache folder inside the checkout's ignored ``build/`` unless ``TORCH_EXTENSIONS_DIR`` is set,
+* a JIT cache folder inside the checkout's ignored ``build/`` unless ``TORCH_EXTENSIONS_DIR`` is set, given to
+  our builds only (the variable is set for the duration of our load and restored), so DeepSpeed's own ops
+  (``fused_adam``, ``cpu_adam``) keep DeepSpeed's default cache and are not rebuilt into ours,
+* one line on stderr when a build starts and one when it ends (with its seconds), only when a compile
+  actually runs (not when the op loads from the JIT cache): a first run is not minutes of silence,
 * :class:`ds_maximus.errors.OpBuildError` with the compiler log and the fix when a build fails,
 * recovery from a stale JIT build lock: torch's ``FileBaton`` leaves ``<dir>/lock`` behind when a build
   is killed (Ctrl-C, a ``timeout``), and every later load then waits on it forever. Our loads write
@@ -25,8 +29,11 @@ import io
 import logging
 import os
 import re
+import shutil
 import socket
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -37,6 +44,53 @@ from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CSRC = REPO_ROOT / "csrc"
 DEFAULT_EXTENSIONS_DIR = REPO_ROOT / "build" / "torch_extensions"
+_ENV_LOCK = threading.RLock()  # one load at a time changes TORCH_EXTENSIONS_DIR
+
+
+def extensions_dir() -> Path:
+    """The JIT cache folder of our ops: ``$TORCH_EXTENSIONS_DIR`` when the user set it, else ``build/`` here."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXTENSIONS_DIR)
+
+
+@contextlib.contextmanager
+def scoped_extensions_dir(path):
+    """``TORCH_EXTENSIONS_DIR=path`` for the block only (torch's JIT reads the variable), restored after, so
+    builds outside the block (DeepSpeed's own ops) keep their default folder."""
+    with _ENV_LOCK:
+        before = os.environ.get("TORCH_EXTENSIONS_DIR")
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(path)
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+            else:
+                os.environ["TORCH_EXTENSIONS_DIR"] = before
+
+
+def _library_mtime(build_dir: Path, name: str) -> Optional[float]:
+    """Modification time of the newest built library of op ``name`` in ``build_dir`` (None: none built)."""
+    times = [p.stat().st_mtime for p in build_dir.glob(f"{name}*.so")] if build_dir.is_dir() else []
+    return max(times) if times else None
+
+
+def build_needed(build_dir: Path, name: str) -> bool:
+    """Whether loading op ``name`` from ``build_dir`` compiles: no library yet, or ninja (dry run over the
+    last build file, which tracks sources and headers) has work to do."""
+    if _library_mtime(build_dir, name) is None or not (build_dir / "build.ninja").is_file():
+        return True
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return False  # torch's own check reports the missing ninja
+    try:
+        out = subprocess.run([ninja, "-n", "-C", str(build_dir)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode != 0 or "no work to do" not in out.stdout
+
+
+def _say(text: str) -> None:
+    print(f"ds_maximus: {text}", file=sys.stderr, flush=True)
 
 
 def sanitize_cuda_arch_list(value: str | None) -> str | None:
@@ -118,6 +172,7 @@ class _MaximusBuilderMixin:
 
     NAME = ""
     BUILD_VAR = ""
+    BUILD_ESTIMATE_MIN = 1  # minutes a first build takes (said when it starts)
 
     def __init__(self):
         if not self.NAME:
@@ -140,7 +195,13 @@ class _MaximusBuilderMixin:
         return super().is_compatible(verbose)
 
     def load(self, verbose=False):
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(DEFAULT_EXTENSIONS_DIR))
+        if self.name in OpBuilder._loaded_ops:  # loaded once per process
+            return OpBuilder._loaded_ops[self.name]
+        ext_dir = extensions_dir()
+        with scoped_extensions_dir(ext_dir):
+            return self._load(ext_dir, verbose)
+
+    def _load(self, ext_dir: Path, verbose=False):
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         fixed = sanitize_cuda_arch_list(arch)
         if arch is not None and fixed != arch:
@@ -151,7 +212,6 @@ class _MaximusBuilderMixin:
         if not self.is_compatible(verbose):
             from ds_maximus.errors import OpBuildError
             raise OpBuildError(self.name, "not compatible with this machine", fix=self.error_log or "")
-        ext_dir = os.environ["TORCH_EXTENSIONS_DIR"]
         clear_stale_build_locks(ext_dir, self.name)
         owner = Path(ext_dir) / self.name / "lock.owner"
         mine = None
@@ -163,10 +223,19 @@ class _MaximusBuilderMixin:
                     f.write(note)
                 mine = note
         log = io.StringIO()
+        build_dir = Path(ext_dir) / self.name
+        before = _library_mtime(build_dir, self.name)
+        announced = build_needed(build_dir, self.name)
+        if announced:
+            _say(f"building {self.name} (first run only, ~{self.BUILD_ESTIMATE_MIN} min) in {build_dir}")
+        t0 = time.perf_counter()
         try:
             # torch prints the compiler output on failure; keep it for the error as well
             with contextlib.redirect_stdout(_Tee(sys.stdout, log)):
-                return super().load(verbose=verbose)
+                op = super().load(verbose=verbose)
+            if announced or _library_mtime(build_dir, self.name) != before:
+                _say(f"built {self.name} in {time.perf_counter() - t0:.1f} s")
+            return op
         except Exception as e:  # compiler or linker failure, missing ninja, ...
             from ds_maximus.errors import OpBuildError
             text = f"{log.getvalue()}\n{e}"
@@ -201,7 +270,7 @@ def _fix_for(log: str) -> str:
         return "install the CUDA toolkit matching torch.version.cuda, or set CUDA_HOME"
     if "invalid literal for int()" in log:
         return "set TORCH_CUDA_ARCH_LIST to plain numbers, e.g. 9.0"
-    return (f"read the compiler log above; remove {DEFAULT_EXTENSIONS_DIR} (or $TORCH_EXTENSIONS_DIR) "
+    return (f"read the compiler log above; remove {extensions_dir()} "
             "to force a clean rebuild")
 
 
@@ -217,6 +286,8 @@ class MaximusOpBuilder(_MaximusBuilderMixin, CPUOpBuilder):
 
 class MaximusCUDAOpBuilder(_MaximusBuilderMixin, CUDAOpBuilder):
     """CUDA op builder on DeepSpeed's ``CUDAOpBuilder``."""
+
+    BUILD_ESTIMATE_MIN = 3
 
     def is_compatible(self, verbose=False):
         import torch
