@@ -22,6 +22,9 @@ from torch import nn
 
 from ds_maximus.config import MaximusConfig, ShardMode
 from ds_maximus.distributed.sparse_grads import allreduce_sparse_rows
+from ds_maximus.errors import ShardStoreError
+from ds_maximus.zero.checkpoint_space import (check_free_space, disk_full_reported, engine_bytes, remove_quietly,
+                                              state_bytes)
 
 logger = logging.getLogger("ds_maximus")
 STATE_FILE = "maximus_states.pt"
@@ -29,11 +32,15 @@ STATE_FILE = "maximus_states.pt"
 
 def _atomic_torch_save(obj, path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)  # a failed write (disk full) leaves no partial file behind
+        raise
 
 
 class MaximusRuntime:
@@ -190,19 +197,42 @@ class MaximusRuntime:
             tag = f"global_step{e.global_steps}"
         for m in self.modules.values():
             m.flush()
-        out = self._orig["save_checkpoint"](save_dir, tag=tag, client_state=client_state,
-                                            save_latest=save_latest, **kwargs)
         folder = os.path.join(save_dir, str(tag))
-        os.makedirs(folder, exist_ok=True)
         mode = self.cfg.distributed.shard_mode
         writer = self.cfg.distributed.master_rank if mode == ShardMode.BROADCAST else 0
-        if e.global_rank == writer or mode == ShardMode.PARTITIONED:
-            name = STATE_FILE if self.cfg.distributed.shard_mode != ShardMode.PARTITIONED \
-                else f"maximus_states_rank{e.global_rank:05d}.pt"
-            _atomic_torch_save(self._state(), os.path.join(folder, name))
+        writes = e.global_rank == writer or mode == ShardMode.PARTITIONED
+        state = self._state() if writes else None
+        own, ds = state_bytes(state), engine_bytes(e)
+        need = own + ds
+        what = f"model and optimizer {ds / 2**20:.1f} MiB, maximus state {own / 2**20:.1f} MiB"
+        try:  # every rank learns whether one is short, so none goes on into DeepSpeed's collectives alone
+            check_free_space(save_dir, need, what)
+            short = None
+        except ShardStoreError as err:
+            short = err
+        if self._any_rank(short is not None):
+            raise short or ShardStoreError(f"another rank has too little disk space for its share of the checkpoint "
+                                           f"to {folder}; see its error", folder)
+        # the maximus state first: DeepSpeed moves `latest` last, so a failed save never names a partial checkpoint
+        with disk_full_reported(folder, need, what):
+            if writes:
+                os.makedirs(folder, exist_ok=True)
+                name = STATE_FILE if mode != ShardMode.PARTITIONED else f"maximus_states_rank{e.global_rank:05d}.pt"
+                _atomic_torch_save(state, os.path.join(folder, name))
+            del state
+            out = self._orig["save_checkpoint"](save_dir, tag=tag, client_state=client_state,
+                                                save_latest=save_latest, **kwargs)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         return out
+
+    def _any_rank(self, flag: bool) -> bool:
+        """``flag`` or'ed over every rank (itself where the run has one process)."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.engine.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
 
     def _load_checkpoint(self, load_dir, tag=None, trust_checkpoint: bool = False, **kwargs):
         """DeepSpeed's ``load_checkpoint`` plus the maximus state. Every file is first read with
