@@ -83,7 +83,8 @@ def plot_feature(rows: List[Dict[str, str]], out: Path) -> Path:
                         color="grey")
             else:
                 ax.barh(i, v - left, left=left, color=OURS_COLOR if is_ours(name) else PEER_COLOR)
-                ax.text(v, i, f" {v:,.0f}" if v >= 1000 else f" {v:.3g}", va="center", fontsize=8, fontweight="bold" if is_ours(name) else None)
+                ax.text(v, i, f" {v:,.0f}" if v >= 1000 else f" {v:.3g}", va="center", fontsize=8,
+                        fontweight="bold" if is_ours(name) else None)
         ax.set_yticks(range(len(names)), names, fontsize=8)
         for label, name in zip(ax.get_yticklabels(), names):
             if is_ours(name):

@@ -1,7 +1,7 @@
 """``maximus-tokenizer``: build, extend, convert and inspect token maps.
 
     maximus-tokenizer build   --tokenizer TOK_DIR --corpus a.txt b.jsonl --out tokenmap/
-    maximus-tokenizer build   --corpus a.txt --vocab-size 32000 [--model bpe|unigram] --out tokenmap/
+    maximus-tokenizer build   --corpus a.txt --vocab-size 32000 [--tokenizer-model bpe|unigram] --out tokenmap/
     maximus-tokenizer convert --model hf_ckpt/ --token-map tokenmap/ --out ckpt_mapped/ [--optimizer-state]
     maximus-tokenizer extend  --token-map tokenmap/ --tokens aspirin ibuprofen --store ckpt_mapped/embedding_store
     maximus-tokenizer inspect --token-map tokenmap/ [--store DIR] [--corpus held_out.txt] [--k 1024 4096] [--json]
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import List, Optional
@@ -35,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="count a corpus and write a token map with its rewritten tokenizer "
                                      "(training a new tokenizer on the corpus when --tokenizer is not given)")
     b.add_argument("--tokenizer", help="folder with tokenizer.json (or the file itself); without it a new "
-                                       "tokenizer is trained on the corpus (--model, --vocab-size)")
+                                       "tokenizer is trained on the corpus (--tokenizer-model, --vocab-size)")
     b.add_argument("--corpus", required=True, nargs="+", help="text files (.txt lines, .jsonl) or folders of them")
-    b.add_argument("--model", choices=[m.value for m in TokenizerModel], default=None,
+    b.add_argument("--tokenizer-model", choices=[m.value for m in TokenizerModel], default=None,
                    help="tokenizer model to train without --tokenizer (default bpe: byte-level BPE)")
     b.add_argument("--vocab-size", type=int, default=None,
                    help=f"vocabulary size of the trained tokenizer without --tokenizer (default {DEFAULT_VOCAB_SIZE})")
@@ -80,8 +81,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(a) -> dict:
-    import os
-
     from ds_maximus.errors import TokenMapError
     from ds_maximus.tokenmap.corpus import corpus_files
     from ds_maximus.tokenmap.token_map import TokenMap
@@ -89,16 +88,16 @@ def _build(a) -> dict:
     tokenizer = a.tokenizer
     if tokenizer is None:
         from ds_maximus.tokenmap.train import save_tokenizer, train_tokenizer
-        model, vocab = a.model or TokenizerModel.BPE.value, a.vocab_size or DEFAULT_VOCAB_SIZE
+        model, vocab = a.tokenizer_model or TokenizerModel.BPE.value, a.vocab_size or DEFAULT_VOCAB_SIZE
         t0 = time.perf_counter()
         tok = train_tokenizer(a.corpus, vocab, model, text_key=a.text_key, sample_by=a.sample_by,
                               progress=not a.no_progress)
         tokenizer = save_tokenizer(tok, os.path.join(a.out, SOURCE_TOKENIZER_DIR))
         print(f"trained a {model} tokenizer of {tok.get_vocab_size()} tokens in {time.perf_counter() - t0:.2f} s "
               f"-> {tokenizer}")
-    elif a.model is not None or a.vocab_size is not None:
-        raise TokenMapError("--model and --vocab-size train a new tokenizer, which --tokenizer replaces; "
-                            "pass either --tokenizer or --model/--vocab-size")
+    elif a.tokenizer_model is not None or a.vocab_size is not None:
+        raise TokenMapError("--tokenizer-model and --vocab-size train a new tokenizer, which --tokenizer replaces; "
+                            "pass either --tokenizer or --tokenizer-model/--vocab-size")
     t0 = time.perf_counter()
     tm = TokenMap.build(tokenizer, a.corpus, batch_size=a.batch_size, progress=not a.no_progress,
                         text_key=a.text_key, sample_by=a.sample_by)

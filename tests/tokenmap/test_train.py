@@ -18,8 +18,8 @@ SAMPLES = ["The with statement is used to wrap the execution of a block.", "x = 
 @pytest.mark.parametrize("model,vocab", [("bpe", 2000), ("unigram", 800)])
 def test_build_trains_a_tokenizer_then_its_token_map(tmp_path, capsys, corpus_file, model, vocab):
     out = str(tmp_path / "tm")
-    rc = main(["build", "--corpus", corpus_file, "--model", model, "--vocab-size", str(vocab), "--out", out,
-               "--no-progress"])
+    rc = main(["build", "--corpus", corpus_file, "--tokenizer-model", model, "--vocab-size", str(vocab),
+               "--out", out, "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0 and f"trained a {model} tokenizer of {vocab} tokens" in text
     from transformers import AutoTokenizer
@@ -52,7 +52,7 @@ def test_train_from_texts_and_its_errors(tmp_path, capsys, corpus_file, tiny_tok
     rc = main(["build", "--tokenizer", tiny_tokenizer_dir, "--vocab-size", "500", "--corpus", corpus_file,
                "--out", str(tmp_path / "tm"), "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 2 and "either --tokenizer or --model/--vocab-size" in err
+    assert rc == 2 and "either --tokenizer or --tokenizer-model/--vocab-size" in err
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
     rc = main(["build", "--corpus", str(empty), "--out", str(tmp_path / "tm"), "--no-progress"])
