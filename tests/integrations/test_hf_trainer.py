@@ -18,8 +18,9 @@ def _result(stdout: str) -> dict:
 
 @pytest.mark.slow
 def test_trainer_one_process(tmp_path):
+    """The documented ``python examples/hf_trainer.py``: no launcher, no RANK/MASTER_ADDR (it used to stop at
+    DeepSpeed's MPI discovery: No module named 'mpi4py')."""
     env = clean_env()
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     res = subprocess.run([sys.executable, str(SCRIPT), "--steps", "4", "--out", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -44,4 +45,4 @@ def test_trainer_moe_experts_one_process(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = _result(res.stdout)
     assert out["maximus_steps"] == 4 and out["train_loss"] == out["train_loss"]
-    assert "moe[hit_rate=" in res.stdout + res.stderr  # the expert cache's stats line
+    assert "'maximus/moe/hit_rate'" in res.stdout  # the expert cache's figures, in the Trainer's log lines
