@@ -96,3 +96,38 @@ def test_run_curves_from_a_real_csv_monitor(tmp_path):
     with open(run / "Train_Samples_train_loss.csv", "a", newline="") as f:
         csv.writer(f).writerow(["10"])
     assert main(["--run", str(run), "--out", str(tmp_path / "c.png")]) == 0 and (tmp_path / "c.png").exists()
+
+
+def _numbers(cells):
+    out = []
+    for c in cells:
+        try:
+            out.append(float(str(c).replace(",", "")))
+        except ValueError:
+            pass
+    return out
+
+
+def test_readme_table_and_charts_come_from_the_same_csvs():
+    """Every CSV the README's results table links exists, the first bold figure of each such row is one of the
+    CSV's values (at the README's precision), and every chart the README shows is drawn from a CSV it links."""
+    import re
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = [ln for ln in readme.splitlines() if ln.startswith("|") and "](docs/bench/csv/" in ln]
+    assert len(rows) >= 6
+    linked = set()
+    for row in rows:
+        path = ROOT / re.search(r"\]\((docs/bench/csv/[^)]+\.csv)\)", row).group(1)
+        assert path.is_file(), path
+        linked.add(path.stem)
+        bold = re.search(r"\*\*([0-9][0-9,]*(?:\.[0-9]+)?)", row)
+        if bold is None:
+            continue  # a row of peers only
+        text = bold.group(1)
+        decimals = len(text.split(".")[1]) if "." in text else 0
+        want = float(text.replace(",", ""))
+        values = [v for r in csv.reader(open(path, newline="")) for v in _numbers(r)]
+        assert any(round(v, decimals) == want for v in values), (path.name, text)
+    charts = re.findall(r"!\[[^]]*\]\(docs/bench/([^)]+)\.png\)", readme)
+    assert charts and all((ROOT / "docs/bench" / f"{c}.png").is_file() for c in charts)
+    assert set(charts) <= linked, set(charts) - linked
