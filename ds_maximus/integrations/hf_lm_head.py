@@ -1,9 +1,9 @@
 """Hugging Face causal LMs compute their ``labels=`` loss with the streamed cross-entropy.
 
 ``patch_causal_lm_loss(model)`` works on any ``XForCausalLM`` of transformers 5.x that has
-``.model``, ``.lm_head`` and ``forward(..., labels=None, logits_to_keep=0, **kwargs)`` computing
+``.lm_head`` and ``forward(..., labels=None, logits_to_keep=0, **kwargs)`` computing
 ``logits = self.lm_head(hidden)`` then ``self.loss_function(logits=logits, labels=labels, ...)``
-(Llama, Mistral, Qwen2, Mixtral, Gemma2 ...). How:
+(Llama, Mistral, Qwen2, Mixtral, Gemma2, GPT-2, OPT ...; :func:`check_streamable` says which). How:
 
 * ``model.forward`` is wrapped: a call with ``labels`` (or ``shift_labels``) arms a one-shot loss request
   holding the labels and the loss kwargs (``num_items_in_batch``, ``ignore_index``);
@@ -138,9 +138,10 @@ def patch_causal_lm_loss(model: nn.Module, head=None, config: Union[LMHeadConfig
     ``None`` when the model's own ``lm_head`` weight is used. Calling it again updates the patch.
     """
     cfg = _lm_cfg(config)
-    for attr in ("model", "lm_head"):
-        if not hasattr(model, attr):
-            raise TypeError(f"{type(model).__name__} has no .{attr}; patch_causal_lm_loss needs an HF XForCausalLM")
+    if not hasattr(model, "loss_function"):
+        raise TypeError(f"{type(model).__name__} has no .loss_function; patch_causal_lm_loss needs an HF XForCausalLM")
+    if head is None:
+        check_streamable(model)
     if head is not None:
         model.lm_head = head
     elif cfg.placement in (HeadPlacement.CPU, HeadPlacement.CPU_OPTIMIZER) and not _is_sharded_head(model.lm_head):
@@ -160,6 +161,27 @@ def patch_causal_lm_loss(model: nn.Module, head=None, config: Union[LMHeadConfig
     patch.cfg, patch.head = cfg, head
     _override_head_forward(lm_head, patch)
     return head
+
+
+def check_streamable(model: nn.Module) -> None:
+    """A ``ConfigError`` unless ``model``'s forward computes ``self.loss_function(...)`` from ``self.lm_head(...)``
+    logits with a bias-free head: the pattern the patch relies on (masked LMs and T5 compute their loss
+    otherwise)."""
+    cls = type(model).__name__
+    fix = ("set \"lm_head\": {\"enabled\": false} in the maximus section (a head tied to a swapped embedding "
+           "is swapped with it and trains either way)")
+    try:
+        src = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        src = ""
+    if not isinstance(getattr(model, "lm_head", None), nn.Module) or "self.loss_function(" not in src \
+            or "self.lm_head(" not in src:
+        raise ConfigError(f"maximus.lm_head.enabled streams the labels= loss of Hugging Face causal LMs whose forward "
+                          f"computes self.loss_function(self.lm_head(...)); {cls} does not: {fix}",
+                          "maximus.lm_head.enabled")
+    if getattr(model.lm_head, "bias", None) is not None:
+        raise ConfigError(f"maximus.lm_head.enabled: {cls}.lm_head has a bias, which the streamed loss does not add: "
+                          f"{fix}", "maximus.lm_head.enabled")
 
 
 def _is_sharded_head(m) -> bool:

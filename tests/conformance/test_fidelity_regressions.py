@@ -1,0 +1,193 @@
+"""Regression tests for the fidelity failures of issue 35 (dense models), each against the unswapped model.
+
+* Gemma-3's scaled embedding lost its scale (max |logit diff| 0.21): scaled embedding subclasses are
+  reproduced bit for bit in fp32 and bf16, and any other overridden forward is refused by class name;
+* a tied head crashed the ordinary ``engine(input_ids, labels).loss`` call (logits under no_grad): covered
+  per family by ``test_dense_families``; here the other path, a script's own loss from the logits, and a
+  DeepSpeedExamples (HelloDeepSpeed) style RoBERTa MLM whose tied decoder has a bias;
+* ``lm_head.enabled`` with a tied head saved ``tie_word_embeddings: false`` without ``lm_head.weight``, plus
+  a ``maximus_norm_carrier`` key: the saved folder now has the plain model's keys and reloads to the logits;
+* ``lm_head.enabled`` on a model whose loss the patch cannot stream is a ConfigError, not a crash.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_maximus.config import MaximusConfig
+from ds_maximus.errors import ConfigError
+from ds_maximus.zero.swap import swap_embeddings
+from tests.conformance.families import FAMILIES, VOCAB
+from tests.conformance.helpers import ds_config, initialize, load_in_fresh_process, maximus_section, train, zipf_ids
+
+STEPS = 3
+
+
+def _swap(model: nn.Module, modules):
+    return swap_embeddings(model, MaximusConfig.from_dict({"embedding": {"modules": modules, "gpu_cache_rows": 8}}))
+
+
+def _holder(emb: nn.Module) -> nn.Module:
+    m = nn.Module()
+    m.emb = emb
+    return m
+
+
+@pytest.mark.parametrize("cls_path", ["transformers.models.gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding",
+                                      "transformers.models.gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding",
+                                      "transformers.models.m2m_100.modeling_m2m_100.M2M100ScaledWordEmbedding"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_embeddings_reproduced_exactly(cls_path, dtype):
+    import importlib
+    mod, name = cls_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(mod), name)
+    torch.manual_seed(0)
+    ref = cls(40, 8, 0, embed_scale=8 ** 0.5 + 0.01)   # not exact in bf16: the cast order matters
+    ids = torch.randint(0, 40, (3, 7))
+    ours = _holder(copy.deepcopy(ref))
+    _swap(ours, ["emb"])
+    ref, ours = ref.to(dtype), ours.to(dtype)
+    want = ref(ids)
+    got = ours.emb(ids)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got, want)
+    assert "embed_scale" not in ours.state_dict() and set(ours.state_dict()) == {"emb.weight"}
+
+
+class _Offset(nn.Embedding):
+    def forward(self, input_ids):
+        return super().forward(input_ids + 2)
+
+
+def test_other_embedding_forwards_are_refused_by_name():
+    with pytest.raises(ConfigError, match="_Offset"):
+        _swap(_holder(_Offset(40, 8)), ["emb"])
+    with pytest.raises(ConfigError, match="max_norm"):
+        _swap(_holder(nn.Embedding(40, 8, max_norm=1.0)), ["emb"])
+
+
+def test_gemma3_forward_equal_with_lm_head_disabled():
+    """The reported case: Gemma-3, lm_head off, no soft-capping; 0.21 max |logit diff| before the fix."""
+    torch.manual_seed(0)
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    model = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=8, final_logit_softcapping=None))
+    ids = zipf_ids(1, 2, 12, VOCAB)[0]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        _swap(model, ["model.embed_tokens"])
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _own_loss(engine, batch):
+    """A script's own loss from the logits the model returns (no labels passed to the model)."""
+    logits = engine(input_ids=batch["input_ids"]).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["input_ids"][:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "gemma3"])
+def test_tied_head_logits_feed_a_scripts_own_loss(name):
+    family = FAMILIES[name]
+    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
+    torch.manual_seed(0)
+    model = family.build()
+    plain = initialize(copy.deepcopy(model), ds_config(0))
+    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32)))
+    ref = train(plain, batches, _own_loss)
+    got = train(ours, batches, _own_loss)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+
+
+class RobertaMLMModel(nn.Module):
+    """DeepSpeedExamples' HelloDeepSpeed ``train_bert.py`` model: a RoBERTa encoder, an LM head whose decoder
+    (with its own bias) is tied to the word embeddings by assignment, and its own masked-LM loss over the
+    non-pad target positions."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.roberta.modeling_roberta import RobertaLMHead, RobertaModel
+        self.config = config
+        self.encoder = RobertaModel(config, add_pooling_layer=False)
+        self.lm_head = RobertaLMHead(config)
+        self.lm_head.decoder.weight = self.encoder.embeddings.word_embeddings.weight
+        nn.init.normal_(self.lm_head.decoder.bias, std=0.02)     # a bias that matters to the loss
+
+    def forward(self, src_tokens, attention_mask, tgt_tokens):
+        hidden, *_ = self.encoder(input_ids=src_tokens, attention_mask=attention_mask, return_dict=False)
+        keep = torch.nonzero((tgt_tokens != self.config.pad_token_id).view(-1)).view(-1)
+        hidden = torch.index_select(hidden.reshape(-1, hidden.shape[-1]), 0, keep)
+        scores = self.lm_head(hidden)
+        target = torch.index_select(tgt_tokens.view(-1), 0, keep)
+        return nn.CrossEntropyLoss(ignore_index=-1)(scores.view(-1, self.config.vocab_size), target)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hello_deepspeed_bert_with_tied_biased_decoder(stage):
+    from transformers import RobertaConfig
+    cfg = RobertaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=80, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, pad_token_id=1)
+    torch.manual_seed(0)
+    model = RobertaMLMModel(cfg)
+    twin = copy.deepcopy(model)
+    batches = []
+    for ids in zipf_ids(4, 2, 16, VOCAB, low=3):
+        tgt = torch.full_like(ids, 1)
+        tgt[:, 1::3] = ids[:, 1::3]                   # 1 (pad) except at the masked positions
+        src = ids.clone()
+        src[:, 1::3] = 2                              # a [MASK] id
+        batches.append({"src_tokens": src, "attention_mask": torch.ones_like(ids), "tgt_tokens": tgt})
+    plain = initialize(model, ds_config(stage))
+    ours = initialize(twin, ds_config(stage, maximus_section(["encoder.embeddings.word_embeddings"], 24)))
+    bias = ours.module.lm_head.decoder.bias
+    assert isinstance(bias, nn.Parameter) and any(bias is p for p in ours.module.parameters())
+
+    def step(engine, batch):
+        return engine(**batch)
+
+    ref = train(plain, batches, step)
+    got = train(ours, batches, step)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "gemma3"])
+def test_lm_head_enabled_tied_model_saves_tied(name, tmp_path):
+    """``lm_head.enabled`` (the streamed loss; Gemma-3's soft-capping applied inside it) trains like plain
+    DeepSpeed, and save_pretrained writes the plain model's keys, tied, reloading to the same logits."""
+    family = FAMILIES[name]
+    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
+    torch.manual_seed(0)
+    model = family.build()
+    plain = initialize(copy.deepcopy(model), ds_config(0))
+    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32, lm_head={"enabled": True,
+                                                                                        "chunk_rows": 96})))
+    ref = train(plain, batches)
+    got = train(ours, batches)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+    assert ours.module.config.tie_word_embeddings is True
+    ours.module.save_pretrained(tmp_path / "saved")
+    plain.module.save_pretrained(tmp_path / "plain")
+    from safetensors import safe_open
+    keys = {}
+    for d in ("saved", "plain"):
+        with safe_open(str(tmp_path / d / "model.safetensors"), "pt") as f:
+            keys[d] = set(f.keys())
+    assert keys["saved"] == keys["plain"] and "lm_head.weight" not in keys["saved"]
+    ids = batches[0]["input_ids"]
+    with torch.no_grad():
+        want = ours(input_ids=ids).logits.float()
+    out = load_in_fresh_process(tmp_path, {"m": {"dir": str(tmp_path / "saved"), "kwargs": {"input_ids": ids}}})
+    assert out["m"]["tie"] is True and not out["m"]["info"]["missing_keys"] and not out["m"]["info"]["unexpected_keys"]
+    torch.testing.assert_close(out["m"]["logits"].float(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bert_mlm", "t5_tied"])
+def test_lm_head_enabled_refused_where_the_loss_is_not_streamable(name):
+    torch.manual_seed(0)
+    model = FAMILIES[name].build()
+    with pytest.raises(ConfigError, match="lm_head"):
+        initialize(model, ds_config(0, maximus_section(FAMILIES[name].modules, 32, lm_head={"enabled": True})))
