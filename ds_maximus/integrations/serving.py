@@ -87,7 +87,7 @@ def prepare_inference(model: nn.Module, cfg: MaximusConfig) -> nn.Module:
     """Swap embeddings (and, with ``lm_head.placement: cpu``, the head) for generation; ``model.eval()``."""
     from ds_maximus.zero.swap import swap_embeddings
     cfg = inference_config(cfg)
-    plan = swap_embeddings(model, cfg)
+    plan = swap_embeddings(model, cfg, training=False)
     for emb in plan.swapped.values():
         if not isinstance(emb.forward, ChunkedLookup):
             emb.forward = ChunkedLookup(emb)

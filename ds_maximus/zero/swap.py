@@ -55,15 +55,27 @@ def select_embeddings(model: nn.Module, cfg: MaximusConfig) -> List[str]:
     from ds_maximus.embedding import ShardedEmbedding
     return [n for n, m in named.items()
             if isinstance(m, ShardedEmbedding)
-            or (isinstance(m, nn.Embedding) and m.num_embeddings >= emb_cfg.min_rows)]
+            or (isinstance(m, nn.Embedding) and m.num_embeddings >= emb_cfg.min_rows
+                and not bypassed_original(model, n, m))]
 
 
-def swap_embeddings(model: nn.Module, cfg: MaximusConfig) -> SwapPlan:
+def bypassed_original(model: nn.Module, name: str, m: nn.Module) -> bool:
+    """A table that a wrapper holds beside the copy its ``.weight`` forwards to (PEFT's ``original_module`` in a
+    ModulesToSaveWrapper): the wrapper's forward calls the copy, so the maximus partition is the copy."""
+    if "." not in name:
+        return False
+    parent = model.get_submodule(name.rsplit(".", 1)[0])
+    w = getattr(parent, "weight", None)
+    return isinstance(w, torch.Tensor) and w is not m.weight and "weight" not in parent._parameters
+
+
+def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True) -> SwapPlan:
     """Replace the selected embeddings in place; a tied LM head is re-pointed at the sharded table.
 
     Every module holding the same weight (T5's ``shared``, ``encoder.embed_tokens`` and
     ``decoder.embed_tokens``) becomes the same sharded module, listed once in ``plan.swapped``. An embedding
-    subclass's own forward is reproduced or refused (:mod:`ds_maximus.zero.fidelity`).
+    subclass's own forward is reproduced or refused (:mod:`ds_maximus.zero.fidelity`). For ``training``, a
+    frozen table is refused: maximus would train its rows.
     """
     from ds_maximus.embedding import ShardedEmbedding
 
@@ -77,9 +89,24 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig) -> SwapPlan:
             if all(m is not old for m in plan.swapped.values()):
                 plan.swapped[name] = old
             continue
+        if bypassed_original(model, name, old):
+            parent = model.get_submodule(name.rsplit(".", 1)[0])
+            raise ConfigError(f"maximus.embedding.modules names {name}, which {type(parent).__name__} holds beside the "
+                              "copy its forward uses (PEFT modules_to_save: the frozen original); name the trained "
+                              f"copy instead ('{name.rsplit('.', 1)[0]}.modules_to_save.default')",
+                              "maximus.embedding.modules")
+        if training and not old.weight.requires_grad:
+            raise ConfigError(f"{name} is frozen (requires_grad=False; PEFT freezes the base model's weights) and "
+                              "maximus trains every row of a table it swaps; leave it out of maximus.embedding "
+                              "(embedding.modules, or a min_rows above its rows), or train it (PEFT: "
+                              "modules_to_save=['embed_tokens', ...], maximus then swaps the trained copy)",
+                              "maximus.embedding.modules")
         scale = embedding_scale(old, name)
+        # a wrapper that only forwards ``.weight`` to this module (PEFT's ModulesToSaveWrapper reaches its
+        # trained copy this way) calls it in forward, so it follows the swap and holds nothing of its own
         holders = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
-                   if getattr(m, "weight", None) is old.weight]
+                   if getattr(m, "weight", None) is old.weight
+                   and not (name.startswith(n + ".") and "weight" not in m._parameters)]
         aliases = [n for n, m in holders if n != name and isinstance(m, nn.Embedding)]
         for n in aliases:
             if type(dict(holders)[n]) is not type(old):

@@ -13,6 +13,7 @@ from typing import Dict, List
 from torch import nn
 
 from ds_maximus.config import MaximusConfig, OffloadConfig, OffloadDevice
+from ds_maximus.zero.swap import bypassed_original
 
 # an embedding with at least this many rows that maximus leaves alone gets a line saying why (so does the
 # model's input embedding, whatever its size); smaller ones (position tables, token types) are not news
@@ -71,8 +72,9 @@ def left_alone_lines(model: nn.Module, cfg: MaximusConfig) -> List[str]:
             continue
         if m.num_embeddings < LARGE_ROWS and m is not inputs:
             continue
-        lines.append(f"ds_maximus: left alone: {name} ({m.num_embeddings} rows x {m.embedding_dim}): "
-                     + _why_left_alone(name, m.num_embeddings, cfg))
+        why = ("the frozen original beside the trained copy its wrapper calls (PEFT modules_to_save), which maximus "
+               "swaps instead" if bypassed_original(model, name, m) else _why_left_alone(name, m.num_embeddings, cfg))
+        lines.append(f"ds_maximus: left alone: {name} ({m.num_embeddings} rows x {m.embedding_dim}): " + why)
     return lines
 
 

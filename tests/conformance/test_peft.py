@@ -1,0 +1,108 @@
+"""A PEFT LoRA model whose embedding and head are in ``modules_to_save``, under ``ds_maximus.initialize``.
+
+PEFT wraps ``embed_tokens`` and ``lm_head`` in a ``ModulesToSaveWrapper`` holding the frozen
+``original_module`` and the trained copy ``modules_to_save["default"]`` that its forward calls. maximus
+swaps the trained copy's rows into a ShardedEmbedding and leaves the frozen original alone; LoRA
+weights and the head's trained copy train as ordinary parameters. The run equals plain
+``deepspeed.initialize`` (losses rtol 1e-4, weights under tests/zero's fp32 policy) with a row cache
+smaller than the rows a run touches, ZeRO-0 and ZeRO-3.
+
+What maximus cannot do with PEFT is refused: naming the frozen original, swapping a frozen table (PEFT
+without ``modules_to_save``: maximus would train rows PEFT froze), and the ``lm_head`` section
+(its loss patch needs the causal LM that owns the head; the trained head copy lives in the wrapper).
+"""
+import pytest
+import torch
+
+from ds_maximus.embedding import ShardedEmbedding
+from ds_maximus.errors import ConfigError
+from tests.conformance.helpers import ds_config, initialize, train, zipf_ids
+
+VOCAB = 384
+EMB = "base_model.model.model.embed_tokens"
+
+
+def lora_llama(modules_to_save=("embed_tokens", "lm_head"), seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      modules_to_save=list(modules_to_save) or None, init_lora_weights=False)  # B != 0: LoRA counts
+    return get_peft_model(model, lora)
+
+
+def section(**emb):
+    return {"embedding": {"min_rows": VOCAB, "gpu_cache_rows": 48, "optimizer": {"mode": "exact"}, **emb},
+            "logging": {"interval_steps": 1000}}
+
+
+def _batches(n=10):
+    return [{"input_ids": ids, "labels": ids} for ids in zipf_ids(n, batch=2, seqlen=8, vocab=VOCAB)]
+
+
+def _weights(engine) -> dict:
+    """Every trained weight (fp32 CPU) by name, the sharded table's rows included, plus the frozen original."""
+    import deepspeed
+    out = {}
+    for name, mod in engine.module.named_modules():
+        if isinstance(mod, ShardedEmbedding):
+            out[name + ".weight"] = mod.full_weight().float().cpu()
+    for n, p in engine.module.named_parameters():
+        if "maximus_norm_carrier" in n or not (p.requires_grad or "original_module" in n):
+            continue
+        with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+            out[n] = p.detach().float().cpu().clone()
+    return out
+
+
+def _assert_close(got, ref, lr=1e-2):
+    diff = (got - ref).abs()
+    assert float((diff > 1e-5).float().mean()) < 5e-3, float(diff.max())
+    assert float(diff.max()) < lr
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_lora_with_modules_to_save_equals_deepspeed(stage):
+    data = _batches()
+    init = lora_llama().state_dict()
+    ref = initialize(lora_llama(), ds_config(stage, clip=0.5))
+    l_ref = train(ref, data)
+    got = initialize(lora_llama(), ds_config(stage, clip=0.5, maximus=section()))
+    wrapper = got.module.get_submodule(EMB)
+    assert type(wrapper).__name__ == "ModulesToSaveWrapper"
+    assert isinstance(wrapper.modules_to_save["default"], ShardedEmbedding)  # the trained copy is the partition
+    assert type(wrapper.original_module) is torch.nn.Embedding                # the frozen original is left alone
+    l_got = train(got, data)
+    assert l_got == pytest.approx(l_ref, rel=1e-4)
+    wr, wg = _weights(ref), _weights(got)
+    copy_key = EMB + ".modules_to_save.default.weight"
+    assert set(wr) == set(wg) and copy_key in wr
+    assert any("lora_B" in n for n in wr) and any("lm_head.modules_to_save" in n for n in wr)
+    for n in wr:
+        _assert_close(wg[n], wr[n])
+    assert not torch.equal(wr[copy_key], init[copy_key]), "the embedding copy did not train"
+    assert torch.equal(wg[EMB + ".original_module.weight"], init[EMB + ".original_module.weight"])
+    st = wrapper.modules_to_save["default"].stats()
+    assert st["rows_evicted"] > 0, st
+
+
+def test_naming_the_frozen_original_is_refused():
+    cfg = ds_config(0, maximus=section(modules=[EMB + ".original_module"]))
+    with pytest.raises(ConfigError, match=r"ModulesToSaveWrapper.*modules_to_save\.default"):
+        initialize(lora_llama(), cfg)
+
+
+def test_frozen_table_is_refused():
+    """LoRA without modules_to_save: PEFT froze the embedding, and maximus would train its rows."""
+    with pytest.raises(ConfigError, match=r"embed_tokens is frozen.*modules_to_save"):
+        initialize(lora_llama(modules_to_save=()), ds_config(0, maximus=section()))
+
+
+def test_lm_head_section_is_refused():
+    cfg = ds_config(0, maximus={**section(), "lm_head": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"ModulesToSaveWrapper.*\"enabled\": false"):
+        initialize(lora_llama(), cfg)
