@@ -6,7 +6,8 @@ shard cache, a checkpoint is saved every 100 steps. The second run is killed wit
 and resumed from its latest checkpoint. Then:
 
 * every run ends with the weights (embedding table and dense layers) of the first, bit for bit;
-* the store's files and bytes are the same after each run (no leak across runs on one path);
+* the store's files are the same after each run and its bytes within ``INDEX_SLACK`` (no leak across runs on
+  one path);
 * RSS is flat after warm-up (the last tenth of each uninterrupted run's samples is within ``RSS_SLACK`` of
   the samples just after warm-up).
 
@@ -33,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CKPT_EVERY = 100
+INDEX_SLACK = 4096       # bytes the store may differ by between runs (its index's text), far below one table
 RSS_SLACK = 24 * 2**20   # bytes: allocator noise, not a per-step leak (2000 steps x 12 KiB would exceed it)
 
 
@@ -148,6 +150,8 @@ def test_soak(tmp_path):
         Path(os.environ["SOAK_REPORT"]).write_text(json.dumps(figures, indent=1))
 
     assert first["overflow_steps"] > steps // 3 and third["overflow_steps"] == first["overflow_steps"]
-    assert len(set(figures["store_files"])) == 1 and len(set(figures["store_bytes"])) == 1, figures
+    # the same files; bytes within a page (shard_index.json's counters change length), where a leak adds a table
+    assert len(set(figures["store_files"])) == 1, figures
+    assert max(figures["store_bytes"]) - min(figures["store_bytes"]) <= INDEX_SLACK, figures
     for r in (first, third):
         assert _rss_growth(r) < RSS_SLACK, figures
