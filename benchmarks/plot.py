@@ -63,7 +63,7 @@ def plot_feature(rows: List[Dict[str, str]], out: Path) -> Path:
     panels = [(k, t) for k, t in PANELS if any(_num(r.get(k)) is not None for r in rows)]
     if not panels:
         raise ValueError(f"no drawable figure ({', '.join(k for k, _ in PANELS)}) in the rows for {out.name}")
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.0 * len(panels), 0.55 * len(rows) + 2.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 0.55 * len(rows) + 2.2), squeeze=False)
     names = [r["provider"] for r in rows]
     for ax, (key, title) in zip(axes[0], panels):
         vals = [_num(r.get(key)) for r in rows]
@@ -91,7 +91,7 @@ def plot_feature(rows: List[Dict[str, str]], out: Path) -> Path:
                 label.set_fontweight("bold")
                 label.set_color(OURS_COLOR)
         ax.invert_yaxis()
-        ax.set_title(title + (", log scale" if log else ""), fontsize=9)
+        ax.set_title(title + ("\nlog scale" if log else ""), fontsize=9)
         ax.set_xlim(left, right)
     first = rows[0]
     commit = first.get("commit", "")
