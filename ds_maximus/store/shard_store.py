@@ -7,7 +7,12 @@ store dtype, with the data on a 4096-byte boundary (see :mod:`ds_maximus.store.f
 
 Crash safety: a rewritten shard goes to a *new* file name; only when it is on disk is the index
 switched to it (atomically), and then the old file is deleted. A crash at any point leaves an index
-whose every file is whole; at worst an orphan file remains (:meth:`ShardStore.verify` lists it).
+whose every file is whole; at worst an orphan file remains (:meth:`ShardStore.verify` lists it,
+:meth:`ShardStore.remove_orphans` deletes it; a run's NVMe tier does so when it opens the store).
+
+Trust: ``shard_index.json`` is validated field by field when the store is opened (see
+:func:`ds_maximus.store.index.validate_index`) and every shard file's header before its data is read, so a
+tampered or corrupt store is a ShardStoreError naming the field, never a read or write outside the folder.
 """
 from __future__ import annotations
 
