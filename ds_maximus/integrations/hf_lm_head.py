@@ -210,7 +210,9 @@ def _wrap_loss_function(model: nn.Module, patch: _Patch) -> None:
     orig = getattr(model, "loss_function", None)
 
     def loss_function(logits, labels=None, vocab_size=None, **kwargs):
-        if patch.last_loss is not None and logits is patch.last_loss:
+        # the head's loss, possibly re-wrapped on the way out of the head (ZeRO-3's module hooks return a new
+        # tensor object of the same scalar)
+        if patch.last_loss is not None and torch.is_tensor(logits) and logits.dim() == 0:
             patch.last_loss = None
             return logits
         if orig is None:

@@ -143,6 +143,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         if "moe" in modules:
             modules["moe"].configure_from_engine(engine)
         runtime.install()
+        from ds_maximus.zero.consolidated_state import own_keys_consolidated_state_dict
+        own_keys_consolidated_state_dict(engine)
         from ds_maximus.observability import register
         register(model, runtime)
     from ds_maximus.zero.wiring_report import log_wiring
