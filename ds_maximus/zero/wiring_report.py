@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+import torch
 from torch import nn
 
 from ds_maximus.config import MaximusConfig, OffloadConfig, OffloadDevice
@@ -45,6 +46,19 @@ def swapped_lines(modules: Dict[str, nn.Module], tied_heads: Dict[str, str], cfg
                          f"{_tier(cfg.embedding.offload)}, GPU cache {min(cfg.embedding.gpu_cache_rows, rows)} rows"
                          + (f", tied head {', '.join(heads)}" if heads else ""))
     return lines
+
+
+def streamed_head_line(model: nn.Module, modules: Dict[str, nn.Module], cfg: MaximusConfig) -> List[str]:
+    """With ``lm_head.enabled`` and a head that stays the model's (placement ``gpu``, or tied to a swapped
+    table): one line saying its loss is streamed."""
+    head = getattr(model, "lm_head", None)
+    if not cfg.lm_head.enabled or "lm_head" in modules or not isinstance(head, nn.Module):
+        return []
+    rows, dim = getattr(head, "vocab_size", None), getattr(head, "hidden_size", None)
+    if rows is None and isinstance(getattr(head, "weight", None), torch.Tensor):
+        rows, dim = head.weight.shape
+    return [f"ds_maximus: lm_head ({type(head).__name__}, {rows} rows x {dim}): loss streamed "
+            f"{cfg.lm_head.chunk_rows} rows a chunk (no full logits), weight where the model keeps it"]
 
 
 def _why_left_alone(name: str, rows: int, cfg: MaximusConfig) -> str:
@@ -85,7 +99,8 @@ def log_wiring(model: nn.Module, modules: Dict[str, nn.Module], tied_heads: Dict
     Printed, not logged, like the stats line: DeepSpeed's logger shows only warnings by default, and a set-up
     that swapped nothing must not pass unseen."""
     import torch.distributed as dist
-    lines = swapped_lines(modules, tied_heads, cfg) + left_alone_lines(model, cfg)
+    lines = (swapped_lines(modules, tied_heads, cfg) + streamed_head_line(model, modules, cfg)
+             + left_alone_lines(model, cfg))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         for line in lines:
             print(line, flush=True)

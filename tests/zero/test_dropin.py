@@ -110,3 +110,12 @@ def test_logs_what_it_swapped_and_left_alone(capfd):
     assert (f"ds_maximus: left alone: model.embed_tokens ({VOCAB} rows x 32): {VOCAB} rows < "
             f"embedding.min_rows=32768; set \"min_rows\": {VOCAB}") in text
     assert isinstance(engine.module.model.embed_tokens, torch.nn.Embedding)
+
+
+def test_logs_the_streamed_head(capfd):
+    model = tiny_llama(0)
+    sec = maximus_section(cache_rows=64)
+    sec["lm_head"] = {"enabled": True, "chunk_rows": 128}
+    ds_maximus.initialize(model=model, model_parameters=model.parameters(), config=ds_config(0, maximus=sec))
+    text = "".join(capfd.readouterr())
+    assert f"ds_maximus: lm_head (Linear, {VOCAB} rows x 32): loss streamed 128 rows a chunk" in text
