@@ -65,8 +65,15 @@ def bypassed_original(model: nn.Module, name: str, m: nn.Module) -> bool:
     if "." not in name:
         return False
     parent = model.get_submodule(name.rsplit(".", 1)[0])
+    if "weight" in parent._parameters:
+        return False
     w = getattr(parent, "weight", None)
-    return isinstance(w, torch.Tensor) and w is not m.weight and "weight" not in parent._parameters
+    if isinstance(w, torch.Tensor):
+        return w is not m.weight
+    # once the copy is swapped the wrapper forwards to a ShardedEmbedding, which has no plain weight
+    from ds_maximus.embedding import ShardedEmbedding
+    forwards = type(parent).__getattr__ is not nn.Module.__getattr__
+    return forwards and any(isinstance(c, ShardedEmbedding) for c in parent.modules())
 
 
 def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True) -> SwapPlan:
@@ -116,9 +123,9 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True)
         heads = [n for n, m in holders if isinstance(m, nn.Linear)]
         others = [n for n, m in holders if n != name and n not in aliases and n not in heads]
         if others:
-            raise ConfigError(f"{name}'s weight is also held by {others} ({[type(dict(holders)[n]).__name__ for n in others]}),"
-                              " which maximus cannot re-point at a sharded table; leave it unswapped",
-                              "maximus.embedding.modules")
+            kinds = [type(dict(holders)[n]).__name__ for n in others]
+            raise ConfigError(f"{name}'s weight is also held by {others} ({kinds}), which maximus cannot re-point "
+                              "at a sharded table; leave it unswapped", "maximus.embedding.modules")
         new = _make_sharded(old, cfg)
         if scale is not None:
             scale.attach(new, old)
@@ -134,7 +141,35 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True)
                      f", tied to {heads}" if heads else "")
     if plan.tied_heads:
         _retie_heads(model, plan, cfg)
+    if plan.swapped:
+        shared = [n for n, m in model.named_modules(remove_duplicate=False)
+                  if any(m is s for s in plan.swapped.values())]
+        _skip_hf_ties(model, shared + list(plan.tied_heads))
     return plan
+
+
+def _skip_hf_ties(model: nn.Module, names: List[str]) -> None:
+    """HF's ``tie_weights()`` (``resize_token_embeddings``, a user's call) leaves the swapped modules alone: a
+    shared table is already one module and a tied head reads its rows, so there is no weight Parameter to
+    re-tie there (looking for one raised). Ties elsewhere in the model are made as before."""
+    orig = getattr(model, "tie_weights", None)
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if orig is None or expand is None or getattr(orig, "_maximus", False):
+        return
+    prefixes = tuple(f"{n}." for n in names)
+
+    def tie_weights(missing_keys=None, recompute_mapping=True):
+        keys = expand(all_submodels=True) if recompute_mapping else model.all_tied_weights_keys
+        saved = model.all_tied_weights_keys
+        model.all_tied_weights_keys = {t: s for t, s in keys.items()
+                                       if not (t.startswith(prefixes) or s.startswith(prefixes))}
+        try:
+            return orig(missing_keys=missing_keys, recompute_mapping=False)
+        finally:
+            model.all_tied_weights_keys = saved
+
+    tie_weights._maximus = True
+    model.tie_weights = tie_weights
 
 
 def _make_sharded(old: nn.Embedding, cfg: MaximusConfig) -> nn.Module:

@@ -22,11 +22,11 @@ VOCAB = 384
 EMB = "base_model.model.model.embed_tokens"
 
 
-def lora_llama(modules_to_save=("embed_tokens", "lm_head"), seed: int = 0):
+def lora_llama(modules_to_save=("embed_tokens", "lm_head"), seed: int = 0, vocab: int = VOCAB):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False, attn_implementation="eager")
     model = LlamaForCausalLM(cfg)
@@ -106,3 +106,17 @@ def test_lm_head_section_is_refused():
     cfg = ds_config(0, maximus={**section(), "lm_head": {"enabled": True}})
     with pytest.raises(ConfigError, match=r"ModulesToSaveWrapper.*\"enabled\": false"):
         initialize(lora_llama(), cfg)
+
+
+def test_wiring_report_names_the_frozen_original():
+    """The one-line-per-table report says why PEFT's frozen original stays an nn.Embedding (not min_rows)."""
+    from ds_maximus.config import MaximusConfig
+    from ds_maximus.zero.swap import select_embeddings, swap_embeddings
+    from ds_maximus.zero.wiring_report import left_alone_lines
+    model = lora_llama(vocab=8192)  # a table the report lists (LARGE_ROWS)
+    cfg = MaximusConfig.from_dict(section(min_rows=8192))
+    assert select_embeddings(model, cfg) == [EMB + ".modules_to_save.default"]
+    swap_embeddings(model, cfg)
+    lines = left_alone_lines(model, cfg)
+    assert len(lines) == 1 and f"{EMB}.original_module (8192 rows x 32)" in lines[0], lines
+    assert "frozen original beside the trained copy" in lines[0], lines
