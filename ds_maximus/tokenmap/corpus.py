@@ -43,8 +43,8 @@ def corpus_files(corpus: Union[PathLike, Sequence[PathLike]]) -> List[str]:
                                 "(literal text goes in texts=)")
         path = os.fspath(item)
         if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, "corpus path does not exist (pass existing text files, .txt or "
-                                    ".jsonl, or folders of them)", path)
+            raise FileNotFoundError(errno.ENOENT, "corpus path does not exist (pass existing .txt or .jsonl files "
+                                    "or folders of them; from Python, literal text goes in texts=)", path)
         if os.path.isdir(path):
             found = [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(TEXT_SUFFIXES)]
             if not found:
