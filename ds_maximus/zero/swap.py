@@ -153,15 +153,15 @@ def _skip_hf_ties(model: nn.Module, names: List[str]) -> None:
     shared table is already one module and a tied head reads its rows, so there is no weight Parameter to
     re-tie there (looking for one raised). Ties elsewhere in the model are made as before."""
     orig = getattr(model, "tie_weights", None)
-    expand = getattr(model, "get_expanded_tied_weights_keys", None)
-    if orig is None or expand is None or getattr(orig, "_maximus", False):
+    if orig is None or not isinstance(getattr(model, "all_tied_weights_keys", None), dict) \
+            or getattr(orig, "_maximus", False):
         return
     prefixes = tuple(f"{n}." for n in names)
 
     def tie_weights(missing_keys=None, recompute_mapping=True):
-        keys = expand(all_submodels=True) if recompute_mapping else model.all_tied_weights_keys
+        # the mapping HF computed before the swap (recomputing it looks for the swapped weights and raises)
         saved = model.all_tied_weights_keys
-        model.all_tied_weights_keys = {t: s for t, s in keys.items()
+        model.all_tied_weights_keys = {t: s for t, s in saved.items()
                                        if not (t.startswith(prefixes) or s.startswith(prefixes))}
         try:
             return orig(missing_keys=missing_keys, recompute_mapping=False)

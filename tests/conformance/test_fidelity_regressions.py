@@ -191,3 +191,32 @@ def test_lm_head_enabled_refused_where_the_loss_is_not_streamable(name):
     model = FAMILIES[name].build()
     with pytest.raises(ConfigError, match="lm_head"):
         initialize(model, ds_config(0, maximus_section(FAMILIES[name].modules, 32, lm_head={"enabled": True})))
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "t5_tied", "bert_mlm", "gemma3"])
+def test_hf_tie_weights_after_the_swap_changes_nothing(name):
+    """``model.tie_weights()`` (``resize_token_embeddings`` calls it) raised on a swapped table: HF looked for
+    the weight Parameter the swap removed."""
+    torch.manual_seed(0)
+    family = FAMILIES[name]
+    model = family.build().eval()
+    _swap(model, family.modules)
+    batch = family.batch(zipf_ids(1, 2, 12, VOCAB)[0])
+    with torch.no_grad():
+        want = model(**batch).logits
+        model.tie_weights()
+        assert torch.equal(model(**batch).logits, want)
+
+
+def test_logits_to_keep_with_a_tied_swapped_head():
+    torch.manual_seed(0)
+    model = FAMILIES["llama_tied"].build().eval()
+    ref = copy.deepcopy(model)
+    _swap(model, ["model.embed_tokens"])
+    ids = zipf_ids(1, 2, 12, VOCAB)[0]
+    with torch.no_grad():
+        for keep in (1, 3):
+            want = ref(input_ids=ids, logits_to_keep=keep).logits
+            got = model(input_ids=ids, logits_to_keep=keep).logits
+            assert got.shape == want.shape == (2, keep, VOCAB)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
