@@ -1,9 +1,10 @@
 """Expert math on cached slots, op for op the same as the HF experts implementations.
 
 ``transformers`` 5.x computes fused experts (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F], or
-GPT-OSS's transposed form with biases: :mod:`ds_maximus.moe.adapters.projection`) with one of ``eager`` (a loop over hit experts, ``index_add_``), ``grouped_mm`` (rows sorted by
-expert, one grouped GEMM per projection, a reshape-sum over top-k) or ``batched_mm`` (one bmm over
-per-pair gathered weights). Each function below repeats the same ops in the same order on the
+GPT-OSS's transposed form with biases: :mod:`ds_maximus.moe.adapters.projection`) with one of
+``eager`` (a loop over hit experts, ``index_add_``), ``grouped_mm`` (rows sorted by expert, one
+grouped GEMM per projection, a reshape-sum over top-k) or ``batched_mm`` (one bmm over per-pair
+gathered weights). Each function below repeats the same ops in the same order on the
 slot buffers of :class:`ExpertCache`, so logits equal the un-offloaded model's: the only change is
 *where* an expert's weight is read from. When a layer needs more experts than it has slots, experts
 are processed in rounds (ascending expert id) of at most ``slots_per_layer``; every row's GEMM
@@ -93,7 +94,8 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
                 top_k_pos, token_idx = to_device(torch.tensor(where[e], dtype=torch.long), hidden.device)
                 cur = hidden[token_idx]
                 flat = ctx.flat(s)
-                b = {n: lay.view(flat, n + "_bias") if ctx.form.has_bias else None for n in ("gate_up_proj", "down_proj")}
+                b = {n: lay.view(flat, n + "_bias") if ctx.form.has_bias else None
+                     for n in ("gate_up_proj", "down_proj")}
                 h = ctx.apply_gate(eager_linear(cur, lay.view(flat, "gate_up_proj"), b["gate_up_proj"], ctx.form))
                 h = eager_linear(h, lay.view(flat, "down_proj"), b["down_proj"], ctx.form)
                 h = h * top_k_weights[token_idx, top_k_pos, None]

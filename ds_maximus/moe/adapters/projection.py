@@ -44,10 +44,6 @@ class FusedExpertsForm:
         names = ("gate_up_proj", "down_proj")
         return names + tuple(n + "_bias" for n in names) if self.has_bias else names
 
-    @staticmethod
-    def bias_of(name: str) -> str:
-        return name + "_bias"
-
 
 def eager_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], form: FusedExpertsForm) -> torch.Tensor:
     """One expert's projection in the module's own (``eager``) forward: ``F.linear(x, w)`` for the
