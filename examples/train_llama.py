@@ -225,6 +225,8 @@ def train(args):
             tokens += ids.numel() * world
         losses.append(float(loss.detach().float()))
         steps_done = step + 1
+        if engine.monitor.enabled and rank == 0:  # the loss beside DeepSpeed's own events (benchmarks.plot --run)
+            engine.monitor.write_events([("Train/Samples/train_loss", losses[-1], engine.global_samples)])
         if rank == 0 and (step == 0 or steps_done % args.log_every == 0 or step == args.steps - 1):
             # numbered as the engine's global step (and the maximus stats line): 1 after the first step
             print(f"step {steps_done:4d} loss {losses[-1]:.4f} ({time.perf_counter() - t_train:.1f} s)", flush=True)
