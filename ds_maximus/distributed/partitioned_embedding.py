@@ -52,6 +52,30 @@ class _Plan:
         self.recv_local, self.world = recv_local, world
 
 
+class _HeadGrads:
+    """A tied head's gradient for a contiguous range of rows, from every rank to the rows' owners.
+
+    The head computes a gradient for every row of each vocabulary chunk from this rank's tokens; the ranks'
+    gradients are summed (all-reduce, every rank calls it for the same chunks in the same order), averaged
+    over the ranks as DeepSpeed averages dense gradients, and each owner keeps its rows. The padding row is
+    kept too: ``padding_idx`` stops only the lookup's gradient.
+    """
+
+    def __init__(self, module: "PartitionedEmbedding"):
+        self.module = module
+
+    def add(self, ids: Tensor, rows: Tensor) -> None:
+        m = self.module
+        lo, hi = int(ids[0]), int(ids[-1]) + 1
+        if ids.numel() != hi - lo:
+            raise ValueError(f"a tied head's gradient covers a contiguous range of rows, got {ids.numel()} ids "
+                             f"over [{lo}, {hi})")
+        total = m.comm.all_reduce("head grads", rows.detach().float().cpu()) / m.world
+        mine, a, b = m._owned_range(lo, hi)
+        if a is not None:
+            m.local.grad.add(torch.arange(a, b), total[mine].to(m.compute_device))
+
+
 class PartitionedEmbedding(nn.Module):
     """Row-partitioned embedding over the data-parallel group; implements the maximus module protocol.
 
@@ -98,6 +122,7 @@ class PartitionedEmbedding(nn.Module):
         self._anchor_fn = None
         self._last_comm = self.comm.stats()
         self._step_comm: dict = {}
+        self.prefetches = 0  # look-aheads this rank took part in
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, config=None, **kwargs) -> "PartitionedEmbedding":
@@ -142,27 +167,7 @@ class PartitionedEmbedding(nn.Module):
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         uniq = uniq.cpu()
         self.comm.step = self.local.optimizer.step
-        bad = uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_embeddings)
-        owners = self.partition.owner(uniq)
-        order = torch.argsort(owners, stable=True)
-        counts = torch.bincount(owners, minlength=self.world)
-        if bad:  # tell every rank (a count of -1) so they all fail now instead of waiting for us
-            counts = torch.full((self.world,), -1, dtype=torch.long)
-        recv_counts = self.comm.exchange_counts("id counts", counts)
-        if bad or bool((recv_counts < 0).any()):
-            who = [r for r in range(self.world) if int(recv_counts[r]) < 0]
-            first = int(uniq[0]) if bad and int(uniq[0]) < 0 else (int(uniq[-1]) if bad else None)
-            msg = (f"token id {first} on rank {self.rank} is outside the table [0, {self.num_embeddings})"
-                   if bad else f"rank(s) {who} looked up token ids outside the table [0, {self.num_embeddings})")
-            raise DistributedError(f"PartitionedEmbedding: {msg}; no rank holds rows for them. fix: check the "
-                                   "tokenizer / TokenMap matches the model's vocabulary")
-        send_splits, recv_splits = counts.tolist(), recv_counts.tolist()
-        asked = self.comm.all_to_all("ids to owners", uniq[order], send_splits, recv_splits).cpu()
-        if asked.numel() and bool((self.partition.owner(asked) != self.rank).any()):
-            wrong = asked[self.partition.owner(asked) != self.rank][:4].tolist()
-            raise DistributedError(f"rank {self.rank} was asked for rows {wrong} it does not own ({self.partition}); "
-                                   "ranks route ids with different partitions")
-        recv_local = self.partition.to_local(asked)
+        order, send_splits, recv_splits, recv_local = self._route(uniq, "")
         track = torch.is_grad_enabled()
         if recv_local.numel():
             rows, local_uniq, local_inv = lookup(self.local, recv_local, pin=track)
@@ -176,6 +181,34 @@ class PartitionedEmbedding(nn.Module):
             anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
             rows_uniq = _Exchange.apply(anchor, rows_uniq, self, plan)
         return rows_uniq.index_select(0, inverse).view(*input.shape, self.embedding_dim)
+
+    def _route(self, uniq: Tensor, what: str):
+        """Send sorted unique ids ``uniq`` (CPU) to their owners (collective); returns ``(order, send_splits,
+        recv_splits, recv_local)``: the owner-sorted order of ``uniq``, the split sizes both ways, and the local
+        rows this rank was asked for (in the order of the asking ranks). ``what`` prefixes the collectives'
+        names ("prefetch" for a look-ahead)."""
+        pre = f"{what} " if what else ""
+        bad = uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_embeddings)
+        owners = self.partition.owner(uniq)
+        order = torch.argsort(owners, stable=True)
+        counts = torch.bincount(owners, minlength=self.world)
+        if bad:  # tell every rank (a count of -1) so they all fail now instead of waiting for us
+            counts = torch.full((self.world,), -1, dtype=torch.long)
+        recv_counts = self.comm.exchange_counts(f"{pre}id counts", counts)
+        if bad or bool((recv_counts < 0).any()):
+            who = [r for r in range(self.world) if int(recv_counts[r]) < 0]
+            first = int(uniq[0]) if bad and int(uniq[0]) < 0 else (int(uniq[-1]) if bad else None)
+            msg = (f"token id {first} on rank {self.rank} is outside the table [0, {self.num_embeddings})"
+                   if bad else f"rank(s) {who} looked up token ids outside the table [0, {self.num_embeddings})")
+            raise DistributedError(f"PartitionedEmbedding: {msg}; no rank holds rows for them. fix: check the "
+                                   "tokenizer / TokenMap matches the model's vocabulary")
+        send_splits, recv_splits = counts.tolist(), recv_counts.tolist()
+        asked = self.comm.all_to_all(f"{pre}ids to owners", uniq[order], send_splits, recv_splits).cpu()
+        if asked.numel() and bool((self.partition.owner(asked) != self.rank).any()):
+            wrong = asked[self.partition.owner(asked) != self.rank][:4].tolist()
+            raise DistributedError(f"rank {self.rank} was asked for rows {wrong} it does not own ({self.partition}); "
+                                   "ranks route ids with different partitions")
+        return order, send_splits, recv_splits, self.partition.to_local(asked)
 
     def _send_grads(self, plan: _Plan, grad_uniq: Tensor) -> None:
         """Backward of one lookup: per-id grads to their owners, who sum, average and accumulate them."""
@@ -228,7 +261,20 @@ class PartitionedEmbedding(nn.Module):
         self.local.zero_sparse_grads()
 
     def prefetch(self, ids: Tensor) -> None:
-        """Ids of other ranks are unknown before the exchange: nothing to stage ahead."""
+        """Exact prefetch of an upcoming batch (collective: every rank calls it with its own next batch).
+
+        The batch's unique ids go to their owners now, one step ahead, routed exactly as the batch's forward
+        will route them; each owner stages the rows it was asked for in its local cache
+        (:meth:`ShardedEmbedding.prefetch`), so when the forward asks for them they are resident: the owner's
+        lookup adopts the staged set (its hit rate counts them as hits) instead of filling them then.
+        Only the rows' staging moves ahead: the forward exchanges ids and rows as before.
+        """
+        uniq = torch.unique(ids.detach().reshape(-1).to("cpu", torch.long), sorted=True)
+        self.comm.step = self.local.optimizer.step
+        _, _, _, recv_local = self._route(uniq, "prefetch")
+        if recv_local.numel():
+            self.local.prefetch(recv_local)
+        self.prefetches += 1
 
     def flush(self) -> None:
         self.local.flush()
@@ -249,6 +295,8 @@ class PartitionedEmbedding(nn.Module):
         s = dict(self.local.stats())
         s.update(self.comm.stats())
         s["table_bytes"], s["tier_bytes"] = self.table_bytes(), self.tier_bytes()
+        # hit_rate and stall_ms (from the local table) are this rank's, as the owner of its rows
+        s["rank"], s["world"], s["prefetches"] = self.rank, self.world, self.prefetches
         s["last_step"] = {**s.get("last_step", {}), **self._step_comm}
         return s
 
@@ -258,9 +306,31 @@ class PartitionedEmbedding(nn.Module):
         from ds_maximus.distributed.repartition import gather_rows
         return gather_rows(self, self.local.full_weight())
 
+    def _owned_range(self, lo: int, hi: int):
+        """This rank's rows among global ``[lo, hi)``: their positions in the range and their local rows, which
+        are one contiguous local range (a rank stores its blocks in global order)."""
+        ids = torch.arange(lo, hi)
+        mine = self.partition.owner(ids) == self.rank
+        if not bool(mine.any()):
+            return mine, None, None
+        local = self.partition.to_local(ids[mine])
+        return mine, int(local[0]), int(local[-1]) + 1
+
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
-        w = self.full_weight()[lo:hi]
+        """Rows ``[lo, hi)`` as they are now (a tied head's chunk), on every rank (collective): each owner
+        contributes its rows, the others zeros, summed (exact: one non-zero term per element)."""
+        mine, a, b = self._owned_range(lo, hi)
+        buf = torch.zeros(hi - lo, self.embedding_dim, dtype=torch.float32)
+        if a is not None:
+            buf[mine] = self.local.rows_for_compute(a, b, torch.device("cpu"), torch.float32)
+        w = self.comm.all_reduce("head rows", buf)
         return w.to(device or self.compute_device, dtype or self.local.out_dtype)
+
+    @property
+    def grad(self) -> "_HeadGrads":
+        """Where a tied head adds its gradient for rows of the table (``grad.add(ids, rows)``, as on a
+        ``ShardedEmbedding``); collective here: see :class:`_HeadGrads`."""
+        return _HeadGrads(self)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def maximus_state_dict(self) -> dict:

@@ -27,9 +27,11 @@ def _cfg(config) -> MaximusConfig:
 
 
 def sharded_modules(model: nn.Module) -> List[nn.Module]:
-    """Every module of ``model`` that has row prefetch (sharded embeddings)."""
+    """Every module of ``model`` that has row prefetch (sharded embeddings, partitioned ones included: their
+    prefetch is collective, every rank's loader runs it at the same point)."""
+    from ds_maximus.distributed.partitioned_embedding import PartitionedEmbedding
     from ds_maximus.embedding import ShardedEmbedding
-    return [m for m in model.modules() if isinstance(m, ShardedEmbedding)]
+    return [m for m in model.modules() if isinstance(m, (ShardedEmbedding, PartitionedEmbedding))]
 
 
 def attach_lm_head(model: nn.Module, cfg: MaximusConfig):

@@ -1,0 +1,153 @@
+"""One rank of the shard-mode combination tests: runs a list of training configurations in sequence.
+
+Started by the ``deepspeed`` launcher (``tests/distributed/test_combinations.py``), or called in-process with one
+rank for the references (:func:`run_config`). One launch runs many configurations: start-up (imports, the
+process group) costs more than a tiny model's steps on the 2-core CI machine.
+
+    deepspeed --num_gpus 2 tests/distributed/combo_worker.py --spec /tmp/spec.json --out /tmp/r.pt
+
+A configuration (a dict in the spec's list) names: ``key``, ``model`` (``llama`` or ``mixtral``), ``mode``
+(shard mode), ``stage`` (ZeRO), ``gas``, ``tie`` (tied head), ``steps``, ``batch`` (global batch per optimizer
+step), ``prefetch`` (iterate through :func:`ds_maximus.integrations.hf.lookahead`), ``save_at``/``save_dir``
+(checkpoint after that step), ``resume_dir``/``resume_tag`` (load it first and train on), ``expect_error``
+(the resume must fail: the error's type and message are recorded).
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+SEQLEN = 16
+
+
+def _data(c: dict):
+    if c.get("model", "llama") == "mixtral":
+        from tests.moe_training.moe_utils import VOCAB
+    else:
+        from tests.zero.llama_utils import VOCAB
+    from tests.zero.llama_utils import zipf_batches
+    return zipf_batches(c["steps"], batch=c["batch"], seqlen=SEQLEN, vocab=VOCAB)
+
+
+def _section(c: dict) -> dict:
+    from tests.zero.llama_utils import maximus_section
+    sec = maximus_section(cache_rows=c.get("cache_rows", 96))
+    if c.get("model", "llama") == "mixtral":
+        from tests.moe_training.moe_utils import moe_section
+        sec = {**moe_section(slots=3), "embedding": sec["embedding"]}
+    sec["distributed"] = {"shard_mode": c["mode"], "master_rank": c.get("master_rank", 0), "timeout_s": 120}
+    return sec
+
+
+def _engine(c: dict, micro: int, seed: int):
+    import ds_maximus
+    from tests.zero.llama_utils import ds_config, tiny_llama
+    if c.get("model", "llama") == "mixtral":
+        from tests.moe_training.moe_utils import tiny_mixtral
+        model = tiny_mixtral(seed=seed, num_experts=8)
+    else:
+        model = tiny_llama(seed, tie=c.get("tie", False))
+    cfg = ds_config(c["stage"], "fp32", gas=c["gas"], micro=micro, clip=0.5, maximus=_section(c))
+    engine, *_ = ds_maximus.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def _dense(engine) -> dict:
+    """A few dense parameters (fp32 CPU; gathered under ZeRO-3, a collective)."""
+    import deepspeed
+    names = ("model.norm.weight", "model.layers.1.self_attn.o_proj.weight", "lm_head.weight")
+    params = dict(engine.module.named_parameters())
+    out = {}
+    for n in names:
+        p = params.get(n)
+        if p is None:
+            continue
+        with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+            out[n] = p.detach().float().cpu().clone()
+    moe = getattr(engine, "maximus", None) and engine.maximus.modules.get("moe")
+    if moe is not None:
+        for g in range(moe.num_layers):
+            for k, t in moe.expert_tensors(g).items():
+                out[f"experts.{g}.{k}"] = t.float().cpu().clone()
+    return out
+
+
+def run_config(c: dict, rank: int, world: int) -> dict:
+    """Train configuration ``c`` on this rank; returns losses per optimizer step, the table and dense params."""
+    from ds_maximus.integrations.hf import lookahead
+    from tests.zero.llama_utils import embedding_weight
+    gas = c["gas"]
+    micro = c["batch"] // (world * gas)
+    assert micro * world * gas == c["batch"], (c, world)
+    # broadcast: the other ranks start from another table, which the master's broadcast must replace;
+    # a resumed run starts from another model, which the checkpoint must replace
+    seed = 123 if c.get("resume_dir") else (7 if c["mode"] == "broadcast" and rank != 0 else 0)
+    engine = _engine(c, micro, seed)
+    start = 0
+    if c.get("resume_dir"):
+        try:
+            engine.load_checkpoint(c["resume_dir"], tag=c.get("resume_tag"))
+        except Exception as e:  # recorded: the test checks the type and the message
+            if not c.get("expect_error"):
+                raise
+            return {"error": type(e).__name__, "message": str(e), "mro": [k.__name__ for k in type(e).__mro__]}
+        start = engine.maximus.steps
+    data = _data(c)
+    micro_batches = [{"input_ids": data[i].view(gas, world, micro, SEQLEN)[k, rank]}
+                     for i in range(start, c["steps"]) for k in range(gas)]
+    it = lookahead(micro_batches, engine.module) if c.get("prefetch") else micro_batches
+    losses, acc = [], 0.0
+    for j, b in enumerate(it):
+        ids = b["input_ids"].to(engine.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        acc += float(loss.detach()) / gas
+        if (j + 1) % gas == 0:
+            t = torch.tensor([acc / world], dtype=torch.float64, device=engine.device)
+            if world > 1:
+                torch.distributed.all_reduce(t)
+            losses.append(float(t))
+            acc = 0.0
+            step = start + len(losses)
+            if c.get("save_at") == step and c.get("save_dir"):
+                engine.save_checkpoint(c["save_dir"], tag=f"step{step}")
+    emb = engine.module.model.embed_tokens
+    stats = dict(emb.stats())
+    out = {"losses": losses, "embedding": embedding_weight(engine), "dense": _dense(engine),
+           "start": start, "steps": engine.maximus.steps, "stats": stats, "type": type(emb).__name__,
+           "head": type(engine.module.lm_head).__name__}
+    if world > 1:  # every rank's hit rate and stall (rank 0 writes the results)
+        per = torch.tensor([stats.get("hit_rate", 0.0), stats.get("stall_ms", 0.0)], dtype=torch.float64,
+                           device=engine.device)
+        got = [torch.zeros_like(per) for _ in range(world)]
+        torch.distributed.all_gather(got, per)
+        out["per_rank"] = [g.cpu().tolist() for g in got]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    # no deepspeed.init_distributed() here: ds_maximus.initialize sets the process group up itself
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with open(args.spec) as f:
+        spec = json.load(f)
+    results = {}
+    for c in spec:
+        results[c["key"]] = run_config(c, rank, world)
+        if rank == 0:  # after each configuration: a later failure keeps the earlier results
+            torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_initialized():  # an exit with a live gloo group can abort in teardown (rc -6)
+        torch.distributed.destroy_process_group()
