@@ -190,7 +190,7 @@ def _retie_heads(model: nn.Module, plan: SwapPlan, cfg: MaximusConfig) -> None:
     """A head tied to a swapped embedding becomes a ShardedLMHead on the same table (its bias, if any, kept:
     an ordinary parameter DeepSpeed trains). ``tie_word_embeddings`` stays as it is: saving writes the tied
     checkpoint (see :mod:`ds_maximus.zero.tied_save`)."""
-    from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
+    from ds_maximus.embedding import ShardedLMHead
     for head_name, emb_name in plan.tied_heads.items():
         parent, attr = _parent(model, head_name)
         old = getattr(parent, attr)
@@ -200,9 +200,10 @@ def _retie_heads(model: nn.Module, plan: SwapPlan, cfg: MaximusConfig) -> None:
                               "embedding unswapped (maximus.embedding.modules)", "maximus.embedding.modules")
         emb = plan.swapped[emb_name]
         setattr(parent, attr, ShardedLMHead(tied_to=emb, config=cfg.lm_head, bias=old.bias))
-        if isinstance(emb, ShardedEmbedding):
+        row_opt = getattr(emb, "optimizer", None)   # a ShardedEmbedding's, or a partitioned table's local one
+        if hasattr(row_opt, "frozen_row"):
             # the head's gradient reaches the padding row (only the lookup's stops there), so it trains
-            emb.optimizer.frozen_row = None
+            row_opt.frozen_row = None
 
 
 def remove_params_from_optimizer(optimizer: torch.optim.Optimizer, params: List[nn.Parameter]) -> int:
