@@ -45,9 +45,10 @@ class MoEBlockInfo:
         return {n: getattr(self.experts, n) for n in self.form.tensor_names}
 
     def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The router's linear scores (with its bias where it has one): what speculative prefetch ranks."""
-        bias = getattr(self.router, "bias", None)
-        return torch.nn.functional.linear(hidden, self.router.weight, bias if isinstance(bias, torch.Tensor) else None)
+        """The router's linear scores (with its bias where it has one, in its dtype: DeepSeek-V3's router is
+        fp32 in a bf16 model): what speculative prefetch ranks."""
+        w, bias = self.router.weight, getattr(self.router, "bias", None)
+        return torch.nn.functional.linear(hidden.to(w.dtype), w, bias if isinstance(bias, torch.Tensor) else None)
 
 
 def _is_fused_experts(m: nn.Module) -> bool:
