@@ -121,6 +121,13 @@ def _roberta(xlm: bool):
     return lambda: getattr(transformers, f"{name}ForMaskedLM")(cfg)
 
 
+def _deberta():
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+    return DebertaV2ForMaskedLM(DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
 def _t5(mt5: bool):
     import transformers
     name = "MT5" if mt5 else "T5"
@@ -146,6 +153,7 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("roberta_mlm", _roberta(False), ["roberta.embeddings.word_embeddings"], "mlm", "AutoModelForMaskedLM"),
     Family("xlm_roberta_mlm", _roberta(True), ["roberta.embeddings.word_embeddings"], "mlm",
            "AutoModelForMaskedLM"),
+    Family("deberta_v2_mlm", _deberta, ["deberta.embeddings.word_embeddings"], "mlm", "AutoModelForMaskedLM"),
     Family("t5_tied", _t5(False), ["shared"], "seq2seq", "AutoModelForSeq2SeqLM"),
     Family("mt5_untied", _t5(True), ["shared"], "seq2seq", "AutoModelForSeq2SeqLM"),
 ]}

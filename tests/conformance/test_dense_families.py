@@ -1,7 +1,8 @@
 """Dense HF families: maximus computes what the plain model computes, trains like plain DeepSpeed, and saves
 folders plain transformers reloads.
 
-Per family (``families.py``), on CPU in fp32:
+Per family (``families.py``: Llama tied and untied, Gemma-2, Gemma-3, Qwen2/Qwen3 tied, Mistral, Phi-3, GPT-2,
+GPT-NeoX, OPT, BERT/RoBERTa/XLM-R/DeBERTa-v2 MLM, T5 tied, mT5 untied), on CPU in fp32:
 
 * (a) forward at init: the maximus engine's logits and loss equal the plain engine's (1e-5);
 * (b) ``STEPS`` AdamW steps under ``ds_maximus.initialize`` give the losses of plain ``deepspeed.initialize``
