@@ -16,7 +16,9 @@ Example (under ``deepspeed --num_gpus 2``)::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import time
 from typing import Iterable, Optional, Union
 
 import torch
@@ -50,6 +52,40 @@ class _Plan:
     def __init__(self, order, send_splits, recv_splits, recv_local, world):
         self.order, self.send_splits, self.recv_splits = order, send_splits, recv_splits
         self.recv_local, self.world = recv_local, world
+
+
+@dataclasses.dataclass
+class OwnerStats:
+    """What this rank saw as the owner of its rows: of the distinct rows the ranks' lookups asked of it, how many
+    were already in (or on their way into) its cache when asked (``owner_hit_rate``: prefetch raises it), and
+    the time it spent serving them from its local table (``owner_serve_ms``: fills included)."""
+
+    asked_rows: int = 0
+    ready_rows: int = 0
+    serve_ms: float = 0.0
+    last: dict = dataclasses.field(default_factory=dict)
+    _mark: tuple = (0, 0, 0.0)
+
+    def asked(self, cache, local_ids: Tensor) -> None:
+        uniq = torch.unique(local_ids)
+        self.asked_rows += int(uniq.numel())
+        self.ready_rows += int((cache.slots_of(uniq) >= 0).sum())
+
+    def served(self, ms: float) -> None:
+        self.serve_ms += ms
+
+    @staticmethod
+    def _rates(asked: int, ready: int, ms: float) -> dict:
+        return {"owner_hit_rate": ready / asked if asked else 0.0, "owner_rows_asked": int(asked),
+                "owner_serve_ms": float(ms)}
+
+    def end_step(self) -> None:
+        a, r, ms = self._mark
+        self.last = self._rates(self.asked_rows - a, self.ready_rows - r, self.serve_ms - ms)
+        self._mark = (self.asked_rows, self.ready_rows, self.serve_ms)
+
+    def as_dict(self) -> dict:
+        return self._rates(self.asked_rows, self.ready_rows, self.serve_ms)
 
 
 class _HeadGrads:
@@ -123,6 +159,7 @@ class PartitionedEmbedding(nn.Module):
         self._last_comm = self.comm.stats()
         self._step_comm: dict = {}
         self.prefetches = 0  # look-aheads this rank took part in
+        self.owner = OwnerStats()
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, config=None, **kwargs) -> "PartitionedEmbedding":
@@ -156,6 +193,23 @@ class PartitionedEmbedding(nn.Module):
         self.local._apply(fn, recurse)
         return super()._apply(fn, recurse)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A whole table under ``<prefix>weight`` (a replicated or broadcast checkpoint's module file, an HF state
+        dict): this rank keeps its own rows. Optional: the module's own state dict holds no table (the maximus
+        state files do, and a checkpoint resume loads them after this)."""
+        key = prefix + "weight"
+        if key in state_dict:
+            w = state_dict[key]
+            if tuple(w.shape) != (self.num_embeddings, self.embedding_dim):
+                error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(w.shape)}, module "
+                                  f"({self.num_embeddings}, {self.embedding_dim})")
+            else:
+                mine = w.detach().to("cpu").index_select(0, self.owned)
+                self.local._load_from_state_dict({key: mine}, prefix, local_metadata, strict, [], [], error_msgs)
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rank={self.rank}/{self.world}, {self.partition}"
 
@@ -170,7 +224,10 @@ class PartitionedEmbedding(nn.Module):
         order, send_splits, recv_splits, recv_local = self._route(uniq, "")
         track = torch.is_grad_enabled()
         if recv_local.numel():
+            t0 = time.perf_counter()
+            self.owner.asked(self.local.cache, recv_local)
             rows, local_uniq, local_inv = lookup(self.local, recv_local, pin=track)
+            self.owner.served((time.perf_counter() - t0) * 1e3)
         else:
             rows = torch.zeros(0, self.embedding_dim, dtype=self.local.out_dtype, device=dev)
         got = self.comm.all_to_all("rows from owners", rows.detach(), recv_splits, send_splits).to(dev)
@@ -253,6 +310,7 @@ class PartitionedEmbedding(nn.Module):
 
     def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
         self.local.sparse_step(lr, weight_decay)
+        self.owner.end_step()
         now = self.comm.stats()
         self._step_comm = {k: now[k] - self._last_comm[k] for k in now}
         self._last_comm = now
@@ -297,6 +355,8 @@ class PartitionedEmbedding(nn.Module):
         s["table_bytes"], s["tier_bytes"] = self.table_bytes(), self.tier_bytes()
         # hit_rate and stall_ms (from the local table) are this rank's, as the owner of its rows
         s["rank"], s["world"], s["prefetches"] = self.rank, self.world, self.prefetches
+        s.update(self.owner.as_dict())
+        s["last_step"].update(self.owner.last)
         s["last_step"] = {**s.get("last_step", {}), **self._step_comm}
         return s
 

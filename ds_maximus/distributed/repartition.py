@@ -3,7 +3,8 @@
 A partitioned checkpoint is one ``maximus_states_rank{r:05d}.pt`` per rank, each holding that rank's
 rows plus the partition they were cut with. ``load_partitioned`` reads them one at a time and keeps
 the rows this rank owns under the *current* partition, so a checkpoint written by N ranks loads on M.
-A replicated checkpoint (one file with the whole table, no ``partition`` key) loads the same way.
+A replicated or broadcast checkpoint (one ``maximus_states.pt`` with the whole table, no ``partition`` key)
+loads the same way, so a run can also switch to the partitioned mode at a checkpoint.
 
 Example::
 
@@ -24,6 +25,7 @@ from ds_maximus.errors import DistributedError, ShardStoreError
 from ds_maximus.safe_load import safe_torch_load
 
 RANK_FILE = "maximus_states_rank{rank:05d}.pt"
+WHOLE_FILE = "maximus_states.pt"  # the replicated and broadcast modes' one file (ds_maximus.zero.runtime)
 
 
 def rank_files(folder: str) -> List[str]:
@@ -108,7 +110,11 @@ def load_partitioned_checkpoint(folder: str, modules: dict, trust: bool = False)
 
     Partitioned modules re-partition the per-rank files; other modules take rank 0's copy.
     """
-    files = rank_files(folder)
+    whole = os.path.join(folder, WHOLE_FILE)
+    if not glob.glob(os.path.join(folder, "maximus_states_rank*.pt")) and os.path.isfile(whole):
+        files = [whole]  # written in replicated or broadcast mode: the whole table, cut here by ownership
+    else:
+        files = rank_files(folder)
     head = safe_torch_load(files[0], trust=trust)
     for name, m in modules.items():
         if hasattr(m, "load_maximus_state_dicts"):

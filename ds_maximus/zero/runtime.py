@@ -245,7 +245,14 @@ class MaximusRuntime:
         ds_tag = tag if tag is not None else (open(latest).read().strip() if os.path.isfile(latest) else None)
         if ds_tag is not None:
             check_deepspeed_folder(os.path.join(load_dir, str(ds_tag)), trust=trust_checkpoint)
-        load_path, client_state = self._orig["load_checkpoint"](load_dir, tag=tag, **kwargs)
+        try:
+            load_path, client_state = self._orig["load_checkpoint"](load_dir, tag=tag, **kwargs)
+        except Exception as e:  # DeepSpeed's refusal of another world size under ZeRO-1/2/3, said as ours
+            from ds_maximus.distributed.checkpoint_world import zero_world_size_error
+            err = zero_world_size_error(e, self.engine, load_dir, ds_tag)
+            if err is None:
+                raise
+            raise err from e
         if load_path is None:
             return load_path, client_state
         if tag is None:

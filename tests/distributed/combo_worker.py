@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SEQLEN = 16
+PER_RANK = ("hit_rate", "stall_ms", "owner_hit_rate", "owner_serve_ms")  # each rank's figures, gathered
 
 
 def _data(c: dict):
@@ -43,7 +44,7 @@ def _section(c: dict) -> dict:
     return sec
 
 
-def _engine(c: dict, micro: int, seed: int):
+def _engine(c: dict, micro: int, seed: int, scramble_table: bool = False):
     import ds_maximus
     from tests.zero.llama_utils import ds_config, tiny_llama
     if c.get("model", "llama") == "mixtral":
@@ -51,6 +52,9 @@ def _engine(c: dict, micro: int, seed: int):
         model = tiny_mixtral(seed=seed, num_experts=8)
     else:
         model = tiny_llama(seed, tie=c.get("tie", False))
+    if scramble_table:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(generator=torch.Generator().manual_seed(7))
     cfg = ds_config(c["stage"], "fp32", gas=c["gas"], micro=micro, clip=0.5, maximus=_section(c))
     engine, *_ = ds_maximus.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
@@ -83,10 +87,11 @@ def run_config(c: dict, rank: int, world: int) -> dict:
     gas = c["gas"]
     micro = c["batch"] // (world * gas)
     assert micro * world * gas == c["batch"], (c, world)
-    # broadcast: the other ranks start from another table, which the master's broadcast must replace;
-    # a resumed run starts from another model, which the checkpoint must replace
-    seed = 123 if c.get("resume_dir") else (7 if c["mode"] == "broadcast" and rank != 0 else 0)
-    engine = _engine(c, micro, seed)
+    # a resumed run starts from another model, which the checkpoint must replace; in broadcast mode the other
+    # ranks start from another table, which the master's broadcast must replace
+    seed = 123 if c.get("resume_dir") else 0
+    scramble = c["mode"] == "broadcast" and rank != c.get("master_rank", 0)
+    engine = _engine(c, micro, seed, scramble)
     start = 0
     if c.get("resume_dir"):
         try:
@@ -122,11 +127,10 @@ def run_config(c: dict, rank: int, world: int) -> dict:
            "start": start, "steps": engine.maximus.steps, "stats": stats, "type": type(emb).__name__,
            "head": type(engine.module.lm_head).__name__}
     if world > 1:  # every rank's hit rate and stall (rank 0 writes the results)
-        per = torch.tensor([stats.get("hit_rate", 0.0), stats.get("stall_ms", 0.0)], dtype=torch.float64,
-                           device=engine.device)
+        per = torch.tensor([stats.get(k, -1.0) for k in PER_RANK], dtype=torch.float64, device=engine.device)
         got = [torch.zeros_like(per) for _ in range(world)]
         torch.distributed.all_gather(got, per)
-        out["per_rank"] = [g.cpu().tolist() for g in got]
+        out["per_rank"] = [dict(zip(PER_RANK, g.cpu().tolist())) for g in got]
     return out
 
 
@@ -145,6 +149,16 @@ def main():
         results[c["key"]] = run_config(c, rank, world)
         if rank == 0:  # after each configuration: a later failure keeps the earlier results
             torch.save(results, args.out)
+    # what each rank saw of the launch (the multi-node simulation checks it), and the group the tables used
+    from ds_maximus.distributed.collectives import default_group
+    seen = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_SIZE", "WORLD_SIZE", "CROSS_RANK",
+                                           "CROSS_SIZE")}
+    seen["dp_group_size"] = torch.distributed.get_world_size(default_group())
+    envs = [None] * world
+    torch.distributed.all_gather_object(envs, seen)
+    if rank == 0:
+        results["_env"] = envs
+        torch.save(results, args.out)
 
 
 if __name__ == "__main__":

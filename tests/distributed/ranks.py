@@ -78,3 +78,37 @@ def launch(n: int, script: Path, *args, timeout: float = 600):
     res = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     return res.stdout
+
+
+def launch_nodes(nodes: int, per_node: int, script: Path, *args, timeout: float = 600):
+    """Simulate ``deepspeed --hostfile`` with ``nodes`` hosts of ``per_node`` ranks on this machine; returns node 0's
+    stdout (asserts every node's rc is 0).
+
+    The multi-node runner logs into each host (pdsh/ssh) and starts ``deepspeed.launcher.launch --world_info=...
+    --node_rank=N --master_addr=... --master_port=...`` there; this starts those per-node launchers as local
+    processes instead, so every rank gets the environment a real multi-node launch gives it (``RANK`` and
+    ``WORLD_SIZE`` over all nodes, ``LOCAL_RANK``/``LOCAL_SIZE`` within its node, ``CROSS_RANK``/``CROSS_SIZE``;
+    DeepSpeed's one-host shared-memory allreduce is off since ``LOCAL_SIZE`` < ``WORLD_SIZE``). What it does not
+    simulate: the ssh start-up and a network between hosts (the ranks still meet over 127.0.0.1)."""
+    import base64
+    import json
+    prebuild_ops()
+    info = {f"node{i}": list(range(per_node)) for i in range(nodes)}
+    world_info = base64.urlsafe_b64encode(json.dumps(info).encode()).decode()
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                               f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}", str(script),
+                               *map(str, args)], env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for n in range(nodes)]
+    t0, outs = time.time(), []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += "\n<killed by the test: timeout>"
+        outs.append(out)
+    rcs = [p.returncode for p in procs]
+    assert rcs == [0] * nodes, "\n".join(o[-4000:] for o in outs)
+    return outs[0]
