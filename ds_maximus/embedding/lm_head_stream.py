@@ -14,6 +14,9 @@ Each chunk of ``chunk_rows`` rows is fetched once per pass, so the order is voca
 4 GEMMs in all (the resident path needs 3) and the weight travels twice; the copies overlap the
 GEMMs. Memory: the tile ``T * chunk_rows`` (``T`` from ``block_bytes``), ``grad_h`` in fp32, one
 fp32 ``grad_W_c`` chunk in flight plus the source's staging buffers (two chunks).
+
+:func:`streamed_logits` is the same walk for a caller that wants the logits themselves (a model computing its
+own loss): differentiable, its backward hands each chunk's weight gradient to ``source.add_grad_``.
 """
 from __future__ import annotations
 
@@ -192,7 +195,7 @@ class _StreamedLogits(torch.autograd.Function):
         for i, (lo, hi) in enumerate(chunks):
             if i + 1 < len(chunks):
                 source.prefetch(*chunks[i + 1], hidden.device, cdtype)
-            torch.mm(h, source.fetch(lo, hi, hidden.device, cdtype).t(), out=out[:, lo:hi])
+            out[:, lo:hi] = torch.mm(h, source.fetch(lo, hi, hidden.device, cdtype).t())
         ctx.source, ctx.chunk_rows, ctx.cdtype = source, chunk_rows, cdtype
         ctx.anchor = (anchor.device, anchor.dtype)
         ctx.save_for_backward(hidden)
