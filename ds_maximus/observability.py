@@ -20,7 +20,7 @@ logger = logging.getLogger("ds_maximus")
 
 # figures written to DeepSpeed's monitors (tensorboard / csv_monitor / wandb), per module
 MONITOR_KEYS = ("hit_rate", "bytes_h2d", "bytes_d2h", "stall_ms", "row_sparsity", "rows_fetched",
-                "rows_evicted", "expert_hit_rate", "experts_moved", "expert_bytes")
+                "rows_evicted", "overflow_rows", "expert_hit_rate", "experts_moved", "expert_bytes")
 
 # (tag, format) of the figures the stats line and the Trainer's logs carry, per module (cumulative values)
 LINE_KEYS = (("hit_rate", "{:.3f}"), ("row_sparsity", "{:.4f}"), ("bytes_h2d", "{:.3g}B"), ("stall_ms", "{:.1f}ms"),
