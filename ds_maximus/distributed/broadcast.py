@@ -67,6 +67,7 @@ def load_broadcast_state(path: str, cfg: MaximusConfig, group=None, trust: bool 
     src = dist.get_global_rank(comm.group, master) if comm.group is not dist.group.WORLD else master
     dist.broadcast_object_list(box, src=src, group=comm.group)
     if box[0] is None:
-        raise ShardStoreError(f"checkpoint state {path} does not exist on the master rank {master}: it was not saved "
-                              "by a maximus engine, or the file was removed", path)
+        from ds_maximus.distributed.repartition import missing_whole_state
+        err = missing_whole_state(os.path.dirname(path), path)
+        raise ShardStoreError(f"on the master rank {master}: {err}", path)
     return box[0]

@@ -122,3 +122,25 @@ def load_partitioned_checkpoint(folder: str, modules: dict, trust: bool = False)
         else:
             m.load_maximus_state_dict(head["modules"][name])
     return head["steps"], head["skipped_steps"]
+
+
+def missing_whole_state(folder: str, path: str) -> ShardStoreError:
+    """The error for a checkpoint folder without the replicated/broadcast modes' ``maximus_states.pt``: one saved
+    in the partitioned mode is named as such (its table is cut into per-rank files, which those modes do not read)."""
+    if glob.glob(os.path.join(folder, "maximus_states_rank*.pt")):
+        return ShardStoreError(f"checkpoint {folder} was saved in the partitioned shard mode (one "
+                               f"maximus_states_rank*.pt per rank, no {WHOLE_FILE}); the replicated and broadcast "
+                               "modes read the whole table from one file. fix: resume it with maximus.distributed."
+                               "shard_mode 'partitioned' (on any number of ranks)", path)
+    return ShardStoreError(f"checkpoint {folder} has no {WHOLE_FILE}: it was not saved by a maximus engine, or the "
+                           "file was removed", path)
+
+
+def check_whole_state(folder: str) -> None:
+    """Before DeepSpeed reads a checkpoint for the replicated or broadcast mode: a folder saved in the partitioned
+    mode is refused with :func:`missing_whole_state` (DeepSpeed would otherwise stop at the table's weight missing
+    from its module file, which the partitioned mode keeps in the per-rank files instead)."""
+    ranks = glob.glob(os.path.join(folder, "maximus_states_rank*.pt"))
+    if ranks and not os.path.isfile(os.path.join(folder, WHOLE_FILE)):
+        raise missing_whole_state(folder, os.path.join(folder, WHOLE_FILE))
+

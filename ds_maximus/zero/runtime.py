@@ -245,6 +245,9 @@ class MaximusRuntime:
         ds_tag = tag if tag is not None else (open(latest).read().strip() if os.path.isfile(latest) else None)
         if ds_tag is not None:
             check_deepspeed_folder(os.path.join(load_dir, str(ds_tag)), trust=trust_checkpoint)
+            if self.cfg.distributed.shard_mode != ShardMode.PARTITIONED:
+                from ds_maximus.distributed.repartition import check_whole_state
+                check_whole_state(os.path.join(load_dir, str(ds_tag)))
         try:
             load_path, client_state = self._orig["load_checkpoint"](load_dir, tag=tag, **kwargs)
         except Exception as e:  # DeepSpeed's refusal of another world size under ZeRO-1/2/3, said as ours
@@ -268,9 +271,8 @@ class MaximusRuntime:
             from ds_maximus.distributed.broadcast import load_broadcast_state
             state = load_broadcast_state(path, self.cfg, self._dp_group(), trust=trust_checkpoint)
         elif not os.path.exists(path):
-            from ds_maximus.errors import ShardStoreError
-            raise ShardStoreError(f"checkpoint {os.path.join(load_dir, str(tag))} has no {STATE_FILE}: it was not "
-                                  "saved by a maximus engine, or the file was removed", path)
+            from ds_maximus.distributed.repartition import missing_whole_state
+            raise missing_whole_state(os.path.join(load_dir, str(tag)), path)
         else:
             from ds_maximus.safe_load import safe_torch_load
             state = safe_torch_load(path, trust=trust_checkpoint)

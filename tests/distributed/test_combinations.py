@@ -99,7 +99,10 @@ def ci(tmp_path_factory):
                        "resume_tag": f"step{SAVE_AT}"}, 0, 1)
     z2 = run_config({**CI_COMBOS[0], "resume_dir": str(tmp / "two_z2"), "resume_tag": f"step{SAVE_AT}",
                      "expect_error": True, "save_at": 0}, 0, 1)
-    return {"two": two, "refs": refs, "one": one, "back": back, "z2": z2, "base": base}
+    as_replicated = run_config({**base, "key": "as_replicated", "resume_dir": str(tmp / "two_partitioned"),
+                                "resume_tag": f"step{SAVE_AT}", "expect_error": True}, 0, 1)
+    return {"two": two, "refs": refs, "one": one, "back": back, "z2": z2, "base": base,
+            "as_replicated": as_replicated}
 
 
 @pytest.mark.parametrize("key", [c["key"] for c in CI_COMBOS])
@@ -147,6 +150,12 @@ def test_partitioned_checkpoint_moves_from_two_ranks_to_one(ci):
 
 def test_replicated_checkpoint_resumes_partitioned(ci):
     close(ci["two"]["resume_replicated_as_partitioned"], ci["refs"][ref_key(ci["base"])], start=SAVE_AT)
+
+
+def test_partitioned_checkpoint_in_replicated_mode_is_a_typed_error(ci):
+    got = ci["as_replicated"]
+    assert got["error"] == "ShardStoreError", got
+    assert "saved in the partitioned shard mode" in got["message"] and "shard_mode 'partitioned'" in got["message"]
 
 
 def test_one_rank_partitioned_equals_one_plain_table(ci):
