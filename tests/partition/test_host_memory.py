@@ -106,3 +106,18 @@ def test_host_tensor_refuses_more_than_the_host_has_before_mapping(monkeypatch):
     monkeypatch.setattr(hm, "_Mapping", no_map)
     with pytest.raises(CapacityError, match="cpu tier needs"):
         host_tensor((1001,), torch.uint8)
+
+
+@pytest.mark.gpu
+def test_pinned_pieces_are_registered_and_copy_asynchronously():
+    """Each piece is page-locked on its own (cudaHostRegister): every row is pinned and a non-blocking copy of
+    one row to the GPU and back gives its bytes."""
+    t = PiecedHostTable(7, 1000, torch.bfloat16, pin=True, piece_bytes=3 * 2000)  # 3 rows a piece
+    src = torch.randn(7, 1000).to(torch.bfloat16)
+    for i in range(7):
+        t.row(i).copy_(src[i])
+    assert t.num_pieces == 3 and all(t.row(i).is_pinned() for i in range(7))
+    dev = torch.empty(1000, dtype=torch.bfloat16, device="cuda")
+    dev.copy_(t.row(5), non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), src[5])
