@@ -170,7 +170,8 @@ class HostMemoryPlan:
             need = sum(int(d.nbytes) for d in ds)
             reclaim = sum(int(d.reclaimable_bytes) for d in ds)
             if tier == HostTier.CPU:
-                free, where, reserve = resources.mem_available_bytes, "MemAvailable in /proc/meminfo", self.reserve_bytes
+                free, where = resources.mem_available_bytes, "MemAvailable in /proc/meminfo"
+                reserve = self.reserve_bytes
             elif tier == HostTier.SHM:
                 free, where, reserve = resources.shm_free_bytes, f"free space of {SHM_PATH}", 0
             else:
