@@ -37,27 +37,29 @@ def sharded_modules(model: nn.Module) -> List[nn.Module]:
 def attach_lm_head(model: nn.Module, cfg: MaximusConfig):
     """Route an HF causal LM's ``labels=`` loss through ``ShardedLMHead`` (no full logits)."""
     from ds_maximus.integrations.hf_lm_head import patch_causal_lm_loss
-    _refuse_wrapped_head(model)
-    return patch_causal_lm_loss(model, config=cfg.lm_head)
+    return patch_causal_lm_loss(_head_owner(model, cfg), config=cfg.lm_head)
 
 
-def _refuse_wrapped_head(model: nn.Module) -> None:
-    """The loss patch needs the causal LM that owns ``lm_head``; a PEFT model reaches its base model's head
-    through ``__getattr__`` (and with ``modules_to_save`` the head is a wrapper around a trained copy), where
-    the patch would never see the labels and a CPU-tier head would replace the wrong module."""
-    from ds_maximus.embedding import ShardedLMHead
+def _head_owner(model: nn.Module, cfg: MaximusConfig) -> nn.Module:
+    """The causal LM holding ``lm_head`` as a child, whose forward and loss the patch wraps: ``model``, or the base
+    model a PEFT model reaches through ``__getattr__``. A frozen head (PEFT freezes the base model) is refused
+    for a CPU-tier head, which would train its rows."""
+    from ds_maximus.config import HeadPlacement
     from ds_maximus.errors import ConfigError
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Module) or isinstance(head, ShardedLMHead):
-        return
-    forwards = "weight" not in head._parameters and isinstance(getattr(head, "weight", None), torch.Tensor)
-    if model._modules.get("lm_head") is not head or forwards:
-        what = " wrapping the copy it trains (PEFT modules_to_save)" if forwards else " of a wrapped model"
-        raise ConfigError("maximus.lm_head streams the loss of a transformers XForCausalLM through its own lm_head, "
-                          f"but {type(model).__name__}'s lm_head is a {type(head).__name__}{what}; leave "
-                          'maximus.lm_head off ("lm_head": {"enabled": false}): the head then trains as an ordinary '
-                          "parameter, and maximus.embedding swaps the trained embedding copy",
-                          "maximus.lm_head.enabled")
+    if not isinstance(head, nn.Module):
+        return model
+    w = getattr(head, "weight", None)
+    if (cfg.lm_head.placement in (HeadPlacement.CPU, HeadPlacement.CPU_OPTIMIZER) and isinstance(w, torch.Tensor)
+            and not w.requires_grad):
+        raise ConfigError(f"the LM head ({type(head).__name__}) is frozen (requires_grad=False; PEFT freezes the base "
+                          f"model's weights) and lm_head.placement '{cfg.lm_head.placement.value}' trains its rows; "
+                          "use placement 'gpu' (the loss is streamed, the head stays frozen), or train the head "
+                          "(PEFT: modules_to_save=[..., 'lm_head'], maximus then holds the trained copy)",
+                          "maximus.lm_head.placement")
+    if model._modules.get("lm_head") is head:
+        return model
+    return next((m for m in model.modules() if m._modules.get("lm_head") is head), model)
 
 
 def maximize(model: nn.Module, config: Union[str, dict, MaximusConfig], inference: bool = False) -> nn.Module:

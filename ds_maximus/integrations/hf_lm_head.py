@@ -113,7 +113,8 @@ def _lm_cfg(config) -> LMHeadConfig:
 def _build_cpu_head(model: nn.Module, cfg: LMHeadConfig, config):
     """A ``placement: cpu`` head replacing ``model.lm_head`` (tied to a ShardedEmbedding when the model ties)."""
     from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
-    old = model.lm_head
+    parent, attr = _head_slot(model)
+    old = getattr(parent, attr)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tie and isinstance(emb, ShardedEmbedding):
@@ -124,8 +125,28 @@ def _build_cpu_head(model: nn.Module, cfg: LMHeadConfig, config):
     else:
         head = ShardedLMHead.from_linear(old, config if isinstance(config, MaximusConfig) else cfg)
     head.removed_params = [p for p in old.parameters()]
-    model.lm_head = head
+    setattr(parent, attr, head)
     return head
+
+
+def _trained_head(model: nn.Module) -> nn.Module:
+    parent, attr = _head_slot(model)
+    return getattr(parent, attr)
+
+
+def _head_slot(model: nn.Module):
+    """``(module, attribute)`` of the head ``model.lm_head`` computes with: ``lm_head`` itself, or the trained
+    copy inside a wrapper that forwards ``.weight`` to it and calls it (PEFT's ModulesToSaveWrapper)."""
+    head = model.lm_head
+    if "weight" in head._parameters or isinstance(head, nn.Linear):
+        return model, "lm_head"
+    w = getattr(head, "weight", None)
+    w = w if isinstance(w, torch.Tensor) else None
+    for name, m in head.named_modules():
+        if m is not head and (_is_sharded_head(m) or (w is not None and m._parameters.get("weight") is w)):
+            owner, _, attr = name.rpartition(".")
+            return head.get_submodule(owner) if owner else head, attr
+    return model, "lm_head"
 
 
 def patch_causal_lm_loss(model: nn.Module, head=None, config: Union[LMHeadConfig, MaximusConfig, dict, None] = None):
@@ -144,10 +165,10 @@ def patch_causal_lm_loss(model: nn.Module, head=None, config: Union[LMHeadConfig
         check_streamable(model)
     if head is not None:
         model.lm_head = head
-    elif cfg.placement in (HeadPlacement.CPU, HeadPlacement.CPU_OPTIMIZER) and not _is_sharded_head(model.lm_head):
+    elif _is_sharded_head(_trained_head(model)):
+        head = _trained_head(model)
+    elif cfg.placement in (HeadPlacement.CPU, HeadPlacement.CPU_OPTIMIZER):
         head = _build_cpu_head(model, cfg, config)
-    elif _is_sharded_head(model.lm_head):
-        head = model.lm_head
     lm_head = model.lm_head
     if head is None and (getattr(lm_head, "bias", None) is not None or getattr(lm_head, "weight", None) is None):
         raise TypeError("model.lm_head must be a bias-free linear layer with a .weight [V, d] (or pass head=)")
@@ -199,7 +220,7 @@ def _override_head_forward(lm_head: nn.Module, patch: _Patch) -> None:
         if req is None:
             return orig(hidden, *args, **kwargs)
         patch.request = None                      # one shot: a second call is an ordinary one
-        loss = patch.loss(self, hidden, req)
+        loss = patch.loss(patch.head if patch.head is not None else self, hidden, req)
         patch.last_loss = loss
         return loss
 

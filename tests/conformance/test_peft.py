@@ -2,24 +2,25 @@
 
 PEFT wraps ``embed_tokens`` and ``lm_head`` in a ``ModulesToSaveWrapper`` holding the frozen
 ``original_module`` and the trained copy ``modules_to_save["default"]`` that its forward calls. maximus
-swaps the trained copy's rows into a ShardedEmbedding and leaves the frozen original alone; LoRA
-weights and the head's trained copy train as ordinary parameters. The run equals plain
-``deepspeed.initialize`` (losses rtol 1e-4, weights under tests/zero's fp32 policy) with a row cache
-smaller than the rows a run touches, ZeRO-0 and ZeRO-3.
+swaps the trained embedding copy's rows into a ShardedEmbedding and leaves the frozen original alone;
+with an ``lm_head`` section the loss is streamed through the trained head copy (``placement: gpu``) or
+that copy becomes a CPU-tier ShardedLMHead (``placement: cpu``). LoRA weights train as ordinary
+parameters. The run equals plain ``deepspeed.initialize`` (losses rtol 1e-4, weights under tests/zero's
+fp32 policy) with a row cache smaller than the rows a run touches, ZeRO-0 and ZeRO-3.
 
-What maximus cannot do with PEFT is refused: naming the frozen original, swapping a frozen table (PEFT
-without ``modules_to_save``: maximus would train rows PEFT froze), and the ``lm_head`` section
-(its loss patch needs the causal LM that owns the head; the trained head copy lives in the wrapper).
+What maximus cannot do with PEFT is refused: naming the frozen original, and swapping a frozen table or
+head (PEFT without ``modules_to_save``: maximus would train rows PEFT froze).
 """
 import pytest
 import torch
 
-from ds_maximus.embedding import ShardedEmbedding
+from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
 from ds_maximus.errors import ConfigError
 from tests.conformance.helpers import ds_config, initialize, train, zipf_ids
 
 VOCAB = 384
 EMB = "base_model.model.model.embed_tokens"
+HEAD = "base_model.model.lm_head"
 
 
 def lora_llama(modules_to_save=("embed_tokens", "lm_head"), seed: int = 0, vocab: int = VOCAB):
@@ -35,9 +36,12 @@ def lora_llama(modules_to_save=("embed_tokens", "lm_head"), seed: int = 0, vocab
     return get_peft_model(model, lora)
 
 
-def section(**emb):
-    return {"embedding": {"min_rows": VOCAB, "gpu_cache_rows": 48, "optimizer": {"mode": "exact"}, **emb},
-            "logging": {"interval_steps": 1000}}
+def section(head=None, **emb):
+    sec = {"embedding": {"min_rows": VOCAB, "gpu_cache_rows": 48, "optimizer": {"mode": "exact"}, **emb},
+           "logging": {"interval_steps": 1000}}
+    if head is not None:
+        sec["lm_head"] = {"enabled": True, "placement": head, "chunk_rows": 128}
+    return sec
 
 
 def _batches(n=10):
@@ -49,7 +53,7 @@ def _weights(engine) -> dict:
     import deepspeed
     out = {}
     for name, mod in engine.module.named_modules():
-        if isinstance(mod, ShardedEmbedding):
+        if isinstance(mod, (ShardedEmbedding, ShardedLMHead)):
             out[name + ".weight"] = mod.full_weight().float().cpu()
     for n, p in engine.module.named_parameters():
         if "maximus_norm_carrier" in n or not (p.requires_grad or "original_module" in n):
@@ -65,18 +69,28 @@ def _assert_close(got, ref, lr=1e-2):
     assert float(diff.max()) < lr
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_lora_with_modules_to_save_equals_deepspeed(stage):
+@pytest.mark.parametrize("stage,head", [(0, None), (3, None), (0, "gpu"), (0, "cpu"), (3, "cpu")])
+def test_lora_with_modules_to_save_equals_deepspeed(stage, head):
     data = _batches()
     init = lora_llama().state_dict()
     ref = initialize(lora_llama(), ds_config(stage, clip=0.5))
     l_ref = train(ref, data)
-    got = initialize(lora_llama(), ds_config(stage, clip=0.5, maximus=section()))
+    got = initialize(lora_llama(), ds_config(stage, clip=0.5, maximus=section(head)))
     wrapper = got.module.get_submodule(EMB)
     assert type(wrapper).__name__ == "ModulesToSaveWrapper"
     assert isinstance(wrapper.modules_to_save["default"], ShardedEmbedding)  # the trained copy is the partition
     assert type(wrapper.original_module) is torch.nn.Embedding                # the frozen original is left alone
-    l_got = train(got, data)
+    head_copy = got.module.get_submodule(HEAD).modules_to_save["default"]
+    assert isinstance(head_copy, ShardedLMHead) == (head == "cpu")
+    assert type(got.module.get_submodule(HEAD).original_module) is torch.nn.Linear
+    no_logits = []
+
+    def loss_of(engine, batch):
+        out = engine(**batch)
+        no_logits.append(out.logits is None)
+        return out.loss
+    l_got = train(got, data, loss_of)
+    assert all(no_logits) == (head is not None)  # with an lm_head section the loss is streamed: no logits
     assert l_got == pytest.approx(l_ref, rel=1e-4)
     wr, wg = _weights(ref), _weights(got)
     copy_key = EMB + ".modules_to_save.default.weight"
@@ -102,10 +116,12 @@ def test_frozen_table_is_refused():
         initialize(lora_llama(modules_to_save=()), ds_config(0, maximus=section()))
 
 
-def test_lm_head_section_is_refused():
-    cfg = ds_config(0, maximus={**section(), "lm_head": {"enabled": True}})
-    with pytest.raises(ConfigError, match=r"ModulesToSaveWrapper.*\"enabled\": false"):
-        initialize(lora_llama(), cfg)
+def test_frozen_head_on_the_cpu_tier_is_refused():
+    """The head outside modules_to_save is frozen: a CPU-tier head would train its rows (placement gpu only
+    streams the loss, see above)."""
+    cfg = ds_config(0, maximus=section("cpu"))
+    with pytest.raises(ConfigError, match=r"LM head \(Linear\) is frozen.*placement 'gpu'"):
+        initialize(lora_llama(modules_to_save=("embed_tokens",)), cfg)
 
 
 def test_wiring_report_names_the_frozen_original():
