@@ -39,6 +39,9 @@ class HeadTier(HeadGradients):
     def __init__(self, weight: torch.Tensor, chunk_rows: int, optimizer: Optional[EmbeddingOptimizerConfig] = None,
                  pin_memory: bool = True, update_device="auto", update_rows: int = 4096,
                  master_on_device: bool = False, grad_on_device: Optional[torch.dtype] = None):
+        from ds_maximus.partition.host_memory import check_cpu_tier
+        check_cpu_tier(weight.numel() * 4 * 4, f"the {tuple(weight.shape)} head's fp32 master, AdamW moments and "
+                       "gradient", "keep the head on the GPU (lm_head.placement = 'gpu') or free host memory")
         w = weight.detach().to("cpu", torch.float32).contiguous()
         # ``master_on_device`` (placement cpu_optimizer): the fp32 rows move to the compute device on first
         # use and stay there; chunks are cast from them, the step updates them in place, and only the

@@ -120,6 +120,11 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
                                             self.config.rows_per_shard, off.cpu_cache_shards,
                                             init=lambda lo, hi: self._initial_rows(weight, lo, hi),
                                             pin_memory=off.pin_memory, overwrite=weight is not None)
+        from ds_maximus.partition.host_memory import check_cpu_tier
+        check_cpu_tier(self.num_embeddings * self.embedding_dim * 4 * (1 + len(names)),
+                       f"{self.num_embeddings} x {self.embedding_dim} fp32 rows with {list(names) or 'no'} state",
+                       "use the NVMe tier (embedding.offload.device = 'nvme' with offload.nvme_path) or free host "
+                       "memory")
         pin = bool(off.pin_memory and torch.cuda.is_available())
         tensors = {"weight": self._initial_rows(weight, 0, self.num_embeddings, pin)}
         for n in names:

@@ -304,3 +304,12 @@ class PiecedHostTable:
         if not 0 <= i < self.num_rows:
             raise IndexError(f"row {i} is out of range for a table of {self.num_rows} rows")
         return self.piece(i // self.rows_per_piece)[i % self.rows_per_piece]
+
+
+def check_cpu_tier(nbytes: int, what: str, fix: str) -> None:
+    """Refuse, before anything is allocated, a CPU-tier table of ``nbytes`` that this host's free memory
+    cannot hold (a :class:`CapacityError` with the numbers and ``fix``); a no-op where free memory is unknown.
+
+    >>> check_cpu_tier(1024, "a tiny table", "use the NVMe tier")
+    """
+    HostMemoryPlan([TierDemand(HostTier.CPU, int(nbytes), what, fix=fix)]).check()
