@@ -36,7 +36,7 @@ from ds_maximus.moe import offload_experts
 H2D_GBPS = 55.0  # pinned host-to-device on the H200 machine, GB/s
 
 
-class _Clock:
+class TokenClock:
     """A generate() streamer that timestamps tokens: decode rate excludes the prefill."""
 
     def __init__(self):
@@ -84,7 +84,7 @@ def build(args, device):
 
 
 def decode(model, ids, tokens):
-    clock = _Clock()
+    clock = TokenClock()
     model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
                    streamer=clock)
     if torch.cuda.is_available():

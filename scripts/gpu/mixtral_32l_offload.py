@@ -29,28 +29,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, when run as a file
 
+from benchmarks.bench_moe_offload import TokenClock  # noqa: E402
 from ds_maximus.moe import offload_experts  # noqa: E402
 from ds_maximus.moe.adapters import find_moe_blocks  # noqa: E402
 
 MIXTRAL_8X7B = dict(layers=32, hidden=4096, ffn=14336, experts=8, top_k=2, vocab=32000, heads=32, kv_heads=8)
 TINY = dict(layers=3, hidden=64, ffn=96, experts=4, top_k=2, vocab=128, heads=4, kv_heads=2)
-
-
-class _Clock:
-    """A generate() streamer that timestamps tokens, so the decode rate leaves the prefill out."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-    def decode_tokens_per_s(self) -> float:
-        t = self.times[2:]  # [0]: the prompt, [1]: the first new token (after the prefill)
-        return len(t) / (t[-1] - self.times[1]) if t else 0.0
 
 
 def _sync(device):
@@ -129,7 +113,7 @@ def main(argv=None):
 
     first_token_s = []  # per generate(): the prompt's prefill and first token (every expert of every layer)
     for _ in range(args.repeat):  # a repeat tells one-time costs (first use of each piece, kernels) from the rest
-        clock = _Clock()
+        clock = TokenClock()
         t0 = time.perf_counter()
         out = model.generate(ids, streamer=clock, **kw)
         _sync(args.device)
