@@ -65,6 +65,20 @@ def _resolve(names: Sequence[str]) -> list:
     return out
 
 
+def _enum_member(cls, name):
+    """``builtins.getattr`` as the safe loader sees it: a member of an allow-listed ``Enum`` by name, nothing else.
+
+    Some Python versions pickle an enum member as ``getattr(EnumClass, "NAME")`` (DeepSpeed's ``ZeroStageEnum``
+    in ZeRO-2's optimizer states, written by Debian's Python 3.11.2). A general ``getattr`` would let a pickle walk
+    from an allowed class to anything (``__init__.__globals__``), so only ``EnumClass.__members__`` is reachable.
+    """
+    import enum
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not an "
+                                 "enum member of an allowed type")
+
+
 def deepspeed_safe_globals() -> list:
     """The classes of :data:`DEEPSPEED_GLOBALS` (empty where DeepSpeed is not installed)."""
     return _resolve(DEEPSPEED_GLOBALS)
@@ -76,7 +90,7 @@ def _unsafe_globals(path: str, allowed: Sequence[str]) -> List[str]:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception:  # not a zip checkpoint, or corrupt: the caller reports the load error instead
         return []
-    return sorted(set(found) - set(allowed))
+    return sorted(set(found) - set(allowed) - ({"builtins.getattr"} if allowed else set()))
 
 
 def _warn_trusted(path: str) -> None:
@@ -90,7 +104,8 @@ def _warn_trusted(path: str) -> None:
 def _load(path: str, map_location, allow_deepspeed: bool, mmap: bool):
     allowed = DEEPSPEED_GLOBALS if allow_deepspeed else ()
     try:
-        with torch.serialization.safe_globals(_resolve(allowed)):
+        with torch.serialization.safe_globals(_resolve(allowed) + ([(_enum_member, "builtins.getattr")]
+                                                               if allow_deepspeed else [])):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise
