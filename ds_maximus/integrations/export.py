@@ -291,11 +291,31 @@ def _model_class(config, hint: Optional[type] = None):
 
 
 def _meta_model(cls, config) -> nn.Module:
-    """``cls`` (a PreTrainedModel class or an Auto class) built from ``config`` without allocating weights."""
-    with torch.device("meta"):
+    """``cls`` (a PreTrainedModel class or an Auto class) built from ``config`` without allocating weights.
+
+    Built with HF's ZeRO-3 switch off: a ZeRO-3 ``HfDeepSpeedConfig`` still alive in the process (a Trainer of an
+    earlier run, the engine being exported) would otherwise make ``_from_config`` partition and initialise the
+    meta structure, which fails on meta tensors and is not wanted for a skeleton."""
+    with _hf_zero3_off(), torch.device("meta"):
         if hasattr(cls, "_from_config"):
             return cls._from_config(config)
         return cls.from_config(config)
+
+
+@contextlib.contextmanager
+def _hf_zero3_off():
+    """``transformers.integrations.is_deepspeed_zero3_enabled()`` is false inside, restored after."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:
+        yield
+        return
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = ref
 
 
 def _module_name(model: nn.Module, target: Optional[nn.Module]) -> Optional[str]:
