@@ -88,3 +88,16 @@ def pytest_sessionfinish(session, exitstatus):
             dist.destroy_process_group()
     except Exception:  # never turn a finished run into an error here
         pass
+
+
+@pytest.fixture(autouse=True)
+def _unset_hf_deepspeed_config():
+    """A Trainer with a DeepSpeed config registers it with transformers through a weak reference that lives as long
+    as the Trainer's arguments do; a ZeRO-3 one left alive by one test would make a later test's plain
+    ``from_pretrained`` partition its weights (empty tensors). Cleared after every test, as HF's own tests do."""
+    yield
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    except ImportError:
+        return
+    unset_hf_deepspeed_config()
