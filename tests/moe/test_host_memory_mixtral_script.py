@@ -27,7 +27,8 @@ def test_tiny_run_offloads_in_pieces_and_generates_the_same_tokens(tmp_path, mon
     assert fig["tokens_equal_before_offload"] is True
     n = shape["layers"] * shape["experts"]
     assert fig["pieces"] == n // 2 and fig["expert_table_gb"] == round(n * expert_bytes / 1e9, 2)
-    assert fig["setup_s"] >= fig["offload_s"] > 0 and fig["tokens_per_s"] > 0
+    # the tiny offload can take under 5 ms, which the script's two-decimal figures print as 0.0
+    assert fig["setup_s"] >= fig["offload_s"] >= 0 and fig["tokens_per_s"] > 0
     assert json.loads(out.read_text())["new_tokens"] == 6
 
 
