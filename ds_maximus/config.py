@@ -209,9 +209,9 @@ class MoEConfig(_Section):
     (from 0.5, it follows the two sides' time per expert so that they finish together)."""
     overlap_step: bool = False
     """With ``optimizer_device: split``: the step returns once it is queued and runs on into the next forward,
-    which waits for each layer's experts only when it reaches that layer (same results, bit for bit). On the
-    H200, 3 Mixtral-shaped layers: 3-4.5% faster in session 13, 7% slower in the one session-15 call that timed
-    both (both sides and the forward's loads share the link and host memory). Sets DeepSpeed's
+    which waits for each layer's experts only when it reaches that layer (same results, bit for bit). Whether it
+    is faster depends on the host: both sides and the forward's loads share the link and host memory
+    (measurements: docs/bench/moe_training.md). Sets DeepSpeed's
     ``timers.throughput.synchronized`` false unless the config sets it (it would sync the device at every
     forward)."""
     step_chunk_bytes: int = Field(512 << 20, ge=1 << 16)
@@ -226,7 +226,7 @@ class MoEConfig(_Section):
     memory is copied out in its own dtype and added there by a worker thread (the same fp32 additions, so the
     same bits), instead of the sum coming back to the device and going out again (fp32 both ways). Experimental:
     it saves link bytes but adds a CPU pass per addition, and on the H200 it was ~1.7x slower a step than the
-    round trip (5.9 against 3.5 s at 16K tokens a step; docs/bench/moe_training.md, session 19)."""
+    round trip (docs/bench/moe_training.md)."""
     host_grad_parts: bool = False
     """With ``train`` and gradient accumulation: a micro-batch's gradient of an expert whose sum waits in CPU
     memory is copied out in its own dtype and kept there as a part; an expert's parts are added to its sum in one
@@ -234,8 +234,8 @@ class MoEConfig(_Section):
     step first reads its gradient (the clip norm). A bf16 part crosses the link once (2 bytes a parameter) and is
     read once by the CPU, where the default round trip moves the fp32 sum both ways each micro-batch and
     ``host_grad_accumulate`` makes a CPU pass of ~10 bytes a parameter each micro-batch. Experimental: the same bits
-    on the H200 too, but slower there than the round trip (4194 against 3425 ms a step at 16K tokens a step: the
-    one pass, ~2 s, waits on the step's path; docs/bench/moe_training.md, session 20). Not with
+    on the H200 too, but slower there than the round trip (the one pass waits on the step's path;
+    docs/bench/moe_training.md). Not with
     ``host_grad_accumulate``."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""

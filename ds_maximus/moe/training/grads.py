@@ -24,8 +24,7 @@ dtype instead, with the same fp32 additions in the same order (the same bits, on
 has a worker add each one to the host sum (``grad_sum``: a CPU pass of ~10 bytes a parameter each), and
 ``host_parts`` keeps them as parts that the expert's first reader (the clip norm) adds in one pass
 (``grad_sum_parts``: ~4 + 2k bytes a parameter for k bf16 parts). Both are slower than the round trip on the
-H200, where host memory is what the split step is short of: 5.9-6.5 s and 4.2 s a step against 3.4-3.5 s on the
-fine-grained shape at 16K tokens (docs/bench/moe_training.md, sessions 19-20), so both stay off.
+H200, where host memory is what the split step is short of (docs/bench/moe_training.md), so both stay off.
 
     >>> import torch
     >>> g = ExpertGrads(torch.device("cpu"), max_on_device=2)
@@ -116,7 +115,7 @@ class ExpertGrads:
     def _make_room(self, uid: int, cur: Optional[Tensor], grad: Tensor) -> None:
         """Move older gradients out *before* ``uid``'s grows on the device, so the device never holds more
         than ``max_on_device`` units, not even for the moment between an allocation and the eviction it forces
-        (that moment ran the Mixtral shape out of memory at 16K tokens a step, session 17)."""
+        (that moment is enough to run a large expert shape out of memory)."""
         if cur is None:  # a new copy: bf16 as it comes, anything else widened to fp32
             extra = self._units(grad.numel(), 2 if grad.dtype == torch.bfloat16 else 4)
         elif cur.device != grad.device:  # a host sum comes back in fp32; host accumulation leaves it there
@@ -189,7 +188,7 @@ class ExpertGrads:
         """``uid``'s sum waits on the host (``host_parts``): copy ``grad`` out as it is and keep it beside the sum;
         the first reader of ``uid`` adds every part to it in one CPU pass (:meth:`_settle`). (Adding the last
         micro-batch's parts in the worker as they landed, during the backward, measured slower on the H200: the
-        sums compete with the backward's loads for host memory; docs/bench/moe_training.md, session 20.)"""
+        sums compete with the backward's loads for host memory; docs/bench/moe_training.md.)"""
         if grad.is_cuda:
             part = self._copy_out(grad)
         else:  # a CPU run: grad may be a view of a round's gradient buffer, which the next round reuses
