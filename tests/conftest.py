@@ -101,3 +101,42 @@ def _unset_hf_deepspeed_config():
     except ImportError:
         return
     unset_hf_deepspeed_config()
+
+
+_ENGINES = None
+
+
+def _engine_registry():
+    """Every DeepSpeed engine this process builds, weakly (registered from ``DeepSpeedEngine.__init__``)."""
+    global _ENGINES
+    if _ENGINES is None:
+        import weakref
+
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        _ENGINES = weakref.WeakSet()
+        init = DeepSpeedEngine.__init__
+
+        def _registered_init(self, *args, **kwargs):
+            _ENGINES.add(self)
+            init(self, *args, **kwargs)
+
+        DeepSpeedEngine.__init__ = _registered_init
+    return _ENGINES
+
+
+@pytest.fixture(autouse=True)
+def _destroy_test_engines():
+    """A ZeRO-3 engine is kept alive by its own module hooks after a test drops it, and holds DeepSpeed's bucket
+    buffers (2 GB of untouched ``reduce_bucket_size`` floats each): over a session those reached ~24 GB of committed
+    address space and the kernel refused a later test's ``os.fork()`` (ENOMEM). The engines a test built are
+    destroyed (``engine.destroy()``, as DeepSpeed's own tests do) when it ends; module-scoped fixtures' engines
+    were built before this snapshot and stay."""
+    engines = _engine_registry()
+    before = set(map(id, engines))
+    yield
+    for engine in list(engines):
+        if id(engine) not in before:
+            try:
+                engine.destroy()
+            except Exception:  # a half-built engine: nothing of ours to clean
+                pass
