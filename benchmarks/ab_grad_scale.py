@@ -13,7 +13,7 @@ def main(argv=None):
     ap.add_argument("--elems", type=int, default=32 << 20)
     ap.add_argument("--row", type=int, default=4096)
     a = ap.parse_args(argv)
-    from ds_maximus.ops import sharded_embedding as se
+    from ds_maximus.ops import row_ops as se
     if se.load_op("cpu") is None:
         raise SystemExit("the CPU op is not built")
     rows = a.elems // a.row

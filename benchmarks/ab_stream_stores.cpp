@@ -1,5 +1,5 @@
 // A/B of the CPU op's bf16 copy written with ordinary stores or with streaming stores
-// (csrc/sharded_embedding/cpu/bf16_copy.h, the op's own code), after an AdamW-like update of the same row
+// (csrc/row_ops/cpu/bf16_copy.h, the op's own code), after an AdamW-like update of the same row
 // (the fused step's pass). Both variants run in one process, interleaved 12 times each, so that the
 // host's drift (a shared 2-core VM moved ~30% between separate runs of bench_cpu_optimizer) falls on both.
 //
@@ -18,7 +18,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../csrc/sharded_embedding/cpu/bf16_copy.h"
+#include "../csrc/row_ops/cpu/bf16_copy.h"
 
 namespace {
 

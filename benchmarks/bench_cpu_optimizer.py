@@ -48,7 +48,7 @@ def main(argv=None) -> Bench:
         if res.ms:
             res.extra["GB/s"] = round(n * TRAFFIC / (res.ms * 1e-3) / 1e9, 1)
 
-    from ds_maximus.ops import sharded_embedding as se
+    from ds_maximus.ops import row_ops as se
     if se.load_op("cpu") is not None:
         step = [0]
         slots = torch.arange(rows)

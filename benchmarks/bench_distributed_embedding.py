@@ -55,7 +55,7 @@ def _worker(rank, world, port, args, out):
                             timeout=datetime.timedelta(seconds=300))
     from ds_maximus.config import EmbeddingConfig
     from ds_maximus.distributed import PartitionedEmbedding, allreduce_sparse_rows
-    from ds_maximus.embedding import ShardedEmbedding
+    from ds_maximus.vocab import ShardedEmbedding
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     rows = {}
     for mode in args.modes.split(","):

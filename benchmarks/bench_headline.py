@@ -167,7 +167,7 @@ def main(argv=None):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     if not a.cpu and torch.cuda.is_available():  # our CUDA op before any time-limited configuration (~70 s cold)
-        from ds_maximus.ops.sharded_embedding import load_op
+        from ds_maximus.ops.row_ops import load_op
         load_op("cuda")
     budget = Budget(a.budget_s)
     sizes = dict(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads, ffn=a.ffn, seq=a.seq, micro=a.micro)

@@ -33,10 +33,10 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=100)
     a = ap.parse_args(argv)
 
-    from ds_maximus.cache.policy import SlotMap
+    from ds_maximus.partition.policy import SlotMap
     from ds_maximus.config import CachePolicy
-    from ds_maximus.embedding.function import BatchPlanner
-    from ds_maximus.ops.sharded_embedding import host_op
+    from ds_maximus.vocab.function import BatchPlanner
+    from ds_maximus.ops.row_ops import host_op
 
     torch.set_num_threads(1)  # the host work is single-threaded; keep torch's pool out of the reference
     V, S = a.vocab, int(a.vocab * a.cache_frac)
@@ -44,7 +44,7 @@ def main(argv=None):
     notes = ("ms per call on the host (median); the op is ds_maximus' C++ host op, the reference the numpy / "
              "torch code the tests compare it with")
     if host_op() is None:
-        raise SystemExit("the maximus_sharded_embedding op did not build; nothing to compare")
+        raise SystemExit("the maximus_row_ops op did not build; nothing to compare")
     progress("drawing batches")
     batches = [b.numpy() for b in zipf_batches(V, a.tokens, a.warmup_batches + 40, a.zipf)]
     uniq = [torch.from_numpy(np.unique(b)) for b in batches]

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import GIB, Bench, Budget, progress
-from ds_maximus.embedding import ShardedLMHead, linear_cross_entropy
-from ds_maximus.embedding.linear_cross_entropy import token_block_for, LCEOptions
+from ds_maximus.vocab import ShardedLMHead, linear_cross_entropy
+from ds_maximus.vocab.linear_cross_entropy import token_block_for, LCEOptions
 
 
 def _args():

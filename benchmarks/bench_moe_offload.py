@@ -31,7 +31,7 @@ import time
 import torch
 
 from benchmarks.harness import Bench, Budget, progress
-from ds_maximus.moe import offload_experts
+from ds_maximus.experts import offload_experts
 
 H2D_GBPS = 55.0  # pinned host-to-device on the H200 machine, GB/s
 
@@ -121,7 +121,7 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 def hooks_baseline(model, device):
     """Experts on pinned CPU; a pre-hook copies a layer's experts to the GPU, a post-hook drops them."""
-    from ds_maximus.moe.adapters import find_moe_blocks
+    from ds_maximus.experts.adapters import find_moe_blocks
     handles = []
     for b in find_moe_blocks(model):
         ex = b.experts
@@ -224,7 +224,7 @@ def main(argv=None):
         except ImportError:
             bench.add(f"{acc_name}: not installed", None, error="-")
         else:
-            from ds_maximus.moe.adapters import find_moe_blocks
+            from ds_maximus.experts.adapters import find_moe_blocks
             blocks = find_moe_blocks(model)
             for b in blocks:
                 accelerate.cpu_offload(b.experts, execution_device=device,

@@ -286,7 +286,7 @@ def prebuild_ops(keys) -> None:
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     if any(k.startswith("ours") for k in keys):
-        from ds_maximus.ops.sharded_embedding import load_op
+        from ds_maximus.ops.row_ops import load_op
         load_op("cuda" if cuda else "cpu")
         if cuda and any(k in keys for k in ("ours_cpu", "ours_split", "ours_split_sync")):
             load_op("cpu")

@@ -103,7 +103,7 @@ def main(argv=None):
     # -- ours ------------------------------------------------------------------------------------------
     def run_ours(mode: str = "exact"):
         from ds_maximus.config import EmbeddingConfig
-        from ds_maximus.embedding import ShardedEmbedding
+        from ds_maximus.vocab import ShardedEmbedding
         cfg = EmbeddingConfig(gpu_cache_rows=int(V * a.cache_frac), cache_policy=a.policy,
                               optimizer={"lr": lr, "weight_decay": 0.01 if mode == "exact" else 0.0, "mode": mode})
         emb = ShardedEmbedding(V, d, config=cfg, device=dev)

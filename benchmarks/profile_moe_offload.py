@@ -20,7 +20,7 @@ import torch
 from benchmarks import trace_timeline
 from benchmarks.bench_moe_offload import build, decode
 from benchmarks.harness import progress
-from ds_maximus.moe import offload_experts
+from ds_maximus.experts import offload_experts
 
 
 def _host_blocked_ms(events) -> dict:

@@ -29,7 +29,7 @@ def _bw(fn, nbytes: int, repeat: int = 5) -> float:
 
 
 def link_table(d: int, rows: int, table_rows: int) -> str:
-    from ds_maximus.ops.sharded_embedding import load_op
+    from ds_maximus.ops.row_ops import load_op
     op = load_op("cuda")
     host = torch.empty(table_rows, d, pin_memory=True).normal_()
     dev = torch.empty(rows, d, device="cuda")
@@ -76,7 +76,7 @@ def link_table(d: int, rows: int, table_rows: int) -> str:
 def contention_lines(op, host, dev, dev2, host_flat, ids, slots, sms) -> list:
     """How much the cache's copies slow the compute stream: the lookup's host sync (its 16K ids to the host)
     and a 5000-row gather, alone and while fills and write-backs run on two other streams (per copy grid)."""
-    from ds_maximus.embedding.function import ids_on_host
+    from ds_maximus.vocab.function import ids_on_host
     g = torch.Generator().manual_seed(1)
     flat = torch.randint(0, host.shape[0], (16384,), generator=g).cuda()
     rows = torch.randint(0, dev.shape[0], (5000,), generator=g).cuda()
@@ -192,7 +192,7 @@ def main(argv=None):
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from ds_maximus.config import EmbeddingConfig
-    from ds_maximus.embedding import ShardedEmbedding
+    from ds_maximus.vocab import ShardedEmbedding
     V, d = a.vocab, a.dim
     out = [link_table(d, 3500, V)]
     batches = zipf_batches(V, a.batch * a.seq, 4 * a.steps + 2, a.zipf)

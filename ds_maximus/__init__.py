@@ -17,20 +17,20 @@ from ds_maximus.errors import CapacityError, ConfigError, OpBuildError, ShardSto
 __version__ = "0.1.0"
 
 _LAZY = {
-    "initialize": "ds_maximus.zero",
-    "enable": "ds_maximus.zero",
+    "initialize": "ds_maximus.engine",
+    "enable": "ds_maximus.engine",
     "stats": "ds_maximus.observability",
-    "ShardedEmbedding": "ds_maximus.embedding",
-    "ShardedLMHead": "ds_maximus.embedding",
-    "linear_cross_entropy": "ds_maximus.embedding",
+    "ShardedEmbedding": "ds_maximus.vocab",
+    "ShardedLMHead": "ds_maximus.vocab",
+    "linear_cross_entropy": "ds_maximus.vocab",
     "ShardStore": "ds_maximus.store",
     "TokenMap": "ds_maximus.tokenmap",
     "MultiTokenMap": "ds_maximus.tokenmap",
-    "PartitionCache": "ds_maximus.cache",
+    "PartitionCache": "ds_maximus.partition",
     "maximize": "ds_maximus.integrations.hf",
     "MaximusDataCollator": "ds_maximus.integrations.hf",
     "export_hf": "ds_maximus.integrations.export",
-    "offload_experts": "ds_maximus.moe",
+    "offload_experts": "ds_maximus.experts",
 }
 
 __all__ = ["MaximusConfig", "ConfigError", "ShardStoreError", "CapacityError", "OpBuildError", *_LAZY]

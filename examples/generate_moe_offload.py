@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ds_maximus.moe import offload_experts
+from ds_maximus.experts import offload_experts
 
 
 def build(args):

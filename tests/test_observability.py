@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import ds_maximus
-from tests.zero.llama_utils import ds_config, maximus_section, tiny_llama
+from tests.engine.llama_utils import ds_config, maximus_section, tiny_llama
 
-D = 32  # hidden size of tests.zero.llama_utils.tiny_llama
+D = 32  # hidden size of tests.engine.llama_utils.tiny_llama
 
 
 def _series(root, tag):
@@ -123,7 +123,7 @@ def test_trainer_callback_puts_the_figures_in_the_logs(capsys):
 def test_enable_adds_the_callback_to_every_trainer():
     from transformers import trainer
     from ds_maximus.integrations.trainer_callback import MaximusTrainerCallback
-    from ds_maximus.zero.initialize import disable, enable
+    from ds_maximus.engine.initialize import disable, enable
     enable()
     try:
         enable()

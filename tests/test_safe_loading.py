@@ -16,7 +16,7 @@ from ds_maximus.errors import ShardStoreError, UntrustedCheckpointError
 from ds_maximus.integrations.export import checkpoint_state_dict
 from ds_maximus.integrations.export_cli import main as export_main
 from ds_maximus.safe_load import DEEPSPEED_GLOBALS, check_torch_file, safe_torch_load
-from tests.zero.llama_utils import build, maximus_section, tiny_llama, train, zipf_batches
+from tests.engine.llama_utils import build, maximus_section, tiny_llama, train, zipf_batches
 
 
 class MakesMarker:

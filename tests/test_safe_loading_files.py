@@ -57,8 +57,8 @@ def test_token_map_maps_must_be_a_permutation(token_map_dir):
 
 
 def test_expert_file_is_never_written_through_a_link(tmp_path):
-    from ds_maximus.moe.expert_store import FileExpertStore
-    from ds_maximus.moe.layout import ExpertLayout
+    from ds_maximus.experts.expert_store import FileExpertStore
+    from ds_maximus.experts.layout import ExpertLayout
     lay = ExpertLayout.from_stacked({"w": torch.zeros(2, 4, 4)}, num_experts=2)
     victim = tmp_path / "victim.bin"
     victim.write_bytes(b"keep me")

@@ -36,7 +36,7 @@ def _master(cfg: MaximusConfig, comm: Collectives) -> int:
 
 def broadcast_embedding(old: nn.Embedding, cfg: MaximusConfig):
     """A ``ShardedEmbedding`` on every rank whose table comes from the master rank (collective)."""
-    from ds_maximus.embedding import ShardedEmbedding
+    from ds_maximus.vocab import ShardedEmbedding
     comm = Collectives(None, cfg.distributed.timeout_s)
     master = _master(cfg, comm)
     emb_cfg = cfg.embedding

@@ -1,6 +1,6 @@
 """``PartitionedEmbedding``: an embedding table whose rows are owned by the data-parallel ranks.
 
-Each rank holds a local :class:`~ds_maximus.embedding.ShardedEmbedding` with only its own rows (see
+Each rank holds a local :class:`~ds_maximus.vocab.ShardedEmbedding` with only its own rows (see
 :class:`RowPartition`), so its tiers, cache and optimizer state are about ``1/world`` of the table.
 A lookup sends the batch's unique ids to their owners (all-to-all), the owners gather the rows from
 their local table and send them back (all-to-all). In backward the per-id gradients go back to the
@@ -125,7 +125,7 @@ class PartitionedEmbedding(nn.Module):
                  _weight: Optional[Tensor] = None, group=None, timeout_s: Optional[float] = None,
                  block_rows: Optional[int] = None):
         super().__init__()
-        from ds_maximus.embedding import ShardedEmbedding
+        from ds_maximus.vocab import ShardedEmbedding
         log_interval = None
         if isinstance(config, MaximusConfig):
             timeout_s = timeout_s or config.distributed.timeout_s
@@ -215,7 +215,7 @@ class PartitionedEmbedding(nn.Module):
 
     # -- forward / backward --------------------------------------------------------------------------------
     def forward(self, input: Tensor) -> Tensor:
-        from ds_maximus.embedding.function import lookup
+        from ds_maximus.vocab.function import lookup
         dev = self.compute_device
         flat = input.reshape(-1).to(dev, torch.long)
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)

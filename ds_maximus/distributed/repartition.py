@@ -25,7 +25,7 @@ from ds_maximus.errors import DistributedError, ShardStoreError
 from ds_maximus.safe_load import safe_torch_load
 
 RANK_FILE = "maximus_states_rank{rank:05d}.pt"
-WHOLE_FILE = "maximus_states.pt"  # the replicated and broadcast modes' one file (ds_maximus.zero.runtime)
+WHOLE_FILE = "maximus_states.pt"  # the replicated and broadcast modes' one file (ds_maximus.engine.runtime)
 
 
 def rank_files(folder: str) -> List[str]:

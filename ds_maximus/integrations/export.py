@@ -35,7 +35,7 @@ from torch import nn
 from ds_maximus.errors import ConfigError, TokenMapError
 
 logger = logging.getLogger("ds_maximus")
-CARRIER_NAME = "maximus_norm_carrier"  # ds_maximus.zero.norm_carrier.CARRIER_NAME (kept importable without DS)
+CARRIER_NAME = "maximus_norm_carrier"  # ds_maximus.engine.norm_carrier.CARRIER_NAME (kept importable without DS)
 _SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "unk_token_id")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

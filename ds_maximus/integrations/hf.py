@@ -30,7 +30,7 @@ def sharded_modules(model: nn.Module) -> List[nn.Module]:
     """Every module of ``model`` that has row prefetch (sharded embeddings, partitioned ones included: their
     prefetch is collective, every rank's loader runs it at the same point)."""
     from ds_maximus.distributed.partitioned_embedding import PartitionedEmbedding
-    from ds_maximus.embedding import ShardedEmbedding
+    from ds_maximus.vocab import ShardedEmbedding
     return [m for m in model.modules() if isinstance(m, (ShardedEmbedding, PartitionedEmbedding))]
 
 
@@ -69,7 +69,7 @@ def maximize(model: nn.Module, config: Union[str, dict, MaximusConfig], inferenc
     with ``lm_head.placement: cpu``, the head too; see :mod:`ds_maximus.integrations.serving`).
     Returns the same model object.
     """
-    from ds_maximus.zero.swap import swap_embeddings
+    from ds_maximus.engine.swap import swap_embeddings
     cfg = _cfg(config)
     if not cfg.enabled:
         return model

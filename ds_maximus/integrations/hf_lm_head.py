@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ds_maximus.config import HeadPlacement, LMHeadConfig, MaximusConfig
-from ds_maximus.embedding.linear_cross_entropy import linear_cross_entropy
+from ds_maximus.vocab.linear_cross_entropy import linear_cross_entropy
 from ds_maximus.errors import ConfigError
 
 _ATTR = "_maximus_lm_head_patch"
@@ -84,7 +84,7 @@ class _Patch:
             raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape[:-1])}"
                              "; with labels, call the model with logits_to_keep=0 (the default)")
         reduction = "mean" if req.num_items_in_batch is None else "sum"
-        from ds_maximus.embedding.lm_head import ShardedLMHead
+        from ds_maximus.vocab.lm_head import ShardedLMHead
         if isinstance(head_module, ShardedLMHead):
             loss = head_module(hidden, labels, ignore_index=req.ignore_index, reduction=reduction,
                                logit_softcap=req.softcap)
@@ -112,7 +112,7 @@ def _lm_cfg(config) -> LMHeadConfig:
 
 def _build_cpu_head(model: nn.Module, cfg: LMHeadConfig, config):
     """A ``placement: cpu`` head replacing ``model.lm_head`` (tied to a ShardedEmbedding when the model ties)."""
-    from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
+    from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
     parent, attr = _head_slot(model)
     old = getattr(parent, attr)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -206,7 +206,7 @@ def check_streamable(model: nn.Module) -> None:
 
 
 def _is_sharded_head(m) -> bool:
-    from ds_maximus.embedding.lm_head import ShardedLMHead
+    from ds_maximus.vocab.lm_head import ShardedLMHead
     return isinstance(m, ShardedLMHead)
 
 

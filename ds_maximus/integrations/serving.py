@@ -43,7 +43,7 @@ def inference_config(cfg: MaximusConfig) -> MaximusConfig:
 
 def offload_lm_head(model: nn.Module, cfg: MaximusConfig) -> Optional[nn.Module]:
     """Replace ``model``'s untied ``nn.Linear`` output layer by a CPU-tier ``ShardedLMHead``; returns it."""
-    from ds_maximus.embedding import ShardedLMHead
+    from ds_maximus.vocab import ShardedLMHead
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if isinstance(head, ShardedLMHead) or not isinstance(head, nn.Linear):
@@ -85,7 +85,7 @@ class ChunkedLookup:
 
 def prepare_inference(model: nn.Module, cfg: MaximusConfig) -> nn.Module:
     """Swap embeddings (and, with ``lm_head.placement: cpu``, the head) for generation; ``model.eval()``."""
-    from ds_maximus.zero.swap import swap_embeddings
+    from ds_maximus.engine.swap import swap_embeddings
     cfg = inference_config(cfg)
     plan = swap_embeddings(model, cfg, training=False)
     for emb in plan.swapped.values():

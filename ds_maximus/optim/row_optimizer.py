@@ -3,7 +3,7 @@
 It owns what is global to the table: the hyper-parameters, the step counter, the lr and weight
 decay of every step (``exact`` mode replays them) and, per row, the last step the row is current
 at. The rows themselves live wherever the caller keeps them (cache slots, CPU tier blocks); the
-update runs through the fused ``maximus_sharded_embedding`` kernel on those tensors.
+update runs through the fused ``maximus_row_ops`` kernel on those tensors.
 
 >>> import torch
 >>> from ds_maximus.config import EmbeddingOptimizerConfig
@@ -114,7 +114,7 @@ class RowOptimizer:
         tensors, ``grad_scale`` and ``shadow`` go to :func:`ops.row_update` (same pass). ``index``: the
         :meth:`device_index` of ``slots`` and ``ids``, made earlier (the same step, these rows not updated since).
         """
-        from ds_maximus.ops import sharded_embedding as ops
+        from ds_maximus.ops import row_ops as ops
         if ids.numel() == 0:
             return
         lr_h, wd_h = self.history(weight.device)
@@ -141,7 +141,7 @@ class RowOptimizer:
                  lag: Optional[Tensor] = None) -> Tensor:
         """Replay the skipped steps of rows ``ids`` (in ``slots``); returns the mask of rows changed
         (``lag``: :meth:`lagging` of ``ids`` when the caller has it)."""
-        from ds_maximus.ops import sharded_embedding as ops
+        from ds_maximus.ops import row_ops as ops
         lag = self.lagging(ids) if lag is None else lag
         lag_np = lag.numpy()
         if lag_np.any():

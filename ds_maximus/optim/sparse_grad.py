@@ -27,7 +27,7 @@ class SparseRowGrad:
 
     def add(self, ids: Tensor, rows: Tensor) -> None:
         """Add ``rows`` for unique ``ids`` (CPU LongTensor); duplicates with earlier adds are summed."""
-        from ds_maximus.ops import sharded_embedding as ops
+        from ds_maximus.ops import row_ops as ops
         ids = ids.to("cpu", torch.long)
         rows = rows.float()
         if self.ids is None:

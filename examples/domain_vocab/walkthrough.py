@@ -108,7 +108,7 @@ def fine_tune(ckpt: str, store: str, tm_dir: str, new_ids: list, steps: int, seq
     import ds_maximus
     from transformers import LlamaForCausalLM
     from ds_maximus.config import EmbeddingConfig
-    from ds_maximus.embedding import ShardedEmbedding
+    from ds_maximus.vocab import ShardedEmbedding
     from ds_maximus.tokenmap.token_map import TokenMap
     vocab = TokenMap.load(tm_dir).vocab_size
     model = LlamaForCausalLM.from_pretrained(ckpt)

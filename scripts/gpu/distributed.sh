@@ -22,7 +22,7 @@ python -c "from ds_maximus.ops import sharded_embedding as o; print('ops', o.loa
 
 if [[ " $PARTS " == *" tests "* ]]; then
   MAXIMUS_TEST_RANKS=cuda timeout ${TESTS_S:-480} python -m pytest -q -rs -m distributed -p no:cacheprovider \
-    tests/distributed tests/zero/test_data_parallel.py tests/moe_training/test_launcher.py \
+    tests/distributed tests/engine/test_data_parallel.py tests/experts/training/test_launcher.py \
     tests/integrations/test_hf_trainer.py 2>&1 | tail -40 | tee "$OUT/distributed_tests.txt"
 fi
 if [[ " $PARTS " == *" bench "* ]]; then

@@ -10,8 +10,8 @@ python -u -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_o
 echo "build rc=$?"; tail -2 "$OUT/op_build.log"
 if [ "${PROBE_TESTS:-1}" = 1 ]; then  # PROBE_TESTS=0: the benchmark and profile only
   # the op, cache and module tests: on this machine the module tests' device is the GPU
-  timeout 200 python -m pytest -q tests/embedding/test_sharded_embedding_gpu.py tests/ops/test_sharded_embedding.py \
-    tests/cache tests/embedding/test_sharded_embedding_module.py tests/embedding/test_batch_plan.py \
+  timeout 200 python -m pytest -q tests/vocab/test_sharded_embedding_gpu.py tests/ops/test_row_ops.py \
+    tests/partition tests/vocab/test_sharded_embedding_module.py tests/vocab/test_batch_plan.py \
     > "$OUT/emb_gpu_tests.log" 2>&1
   echo "emb gpu tests rc=$?"; tail -3 "$OUT/emb_gpu_tests.log"
 fi

@@ -22,7 +22,7 @@ python -u -c "from ds_maximus.ops import sharded_embedding as o; print('op', o.l
   > "$OUT/headline_build.txt" 2>&1
 tail -3 "$OUT/headline_build.txt"
 # the head's CUDA step tests (staged step, gradient kept on the GPU) against the host step
-timeout 90 python -m pytest -q -m gpu tests/embedding/test_lm_head_update.py > "$OUT/headline_gpu_tests.log" 2>&1
+timeout 90 python -m pytest -q -m gpu tests/vocab/test_lm_head_update.py > "$OUT/headline_gpu_tests.log" 2>&1
 tests_rc=$?
 tail -3 "$OUT/headline_gpu_tests.log"
 timeout 490 python -u -m benchmarks.bench_headline --out "$OUT/headline.md" --steps 16 --warmup 4 \

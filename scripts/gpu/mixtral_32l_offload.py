@@ -30,8 +30,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, when run as a file
 
 from benchmarks.bench_moe_offload import TokenClock  # noqa: E402
-from ds_maximus.moe import offload_experts  # noqa: E402
-from ds_maximus.moe.adapters import find_moe_blocks  # noqa: E402
+from ds_maximus.experts import offload_experts  # noqa: E402
+from ds_maximus.experts.adapters import find_moe_blocks  # noqa: E402
 
 MIXTRAL_8X7B = dict(layers=32, hidden=4096, ffn=14336, experts=8, top_k=2, vocab=32000, heads=32, kv_heads=8)
 TINY = dict(layers=3, hidden=64, ffn=96, experts=4, top_k=2, vocab=128, heads=4, kv_heads=2)

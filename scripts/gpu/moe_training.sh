@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MoE training benchmark on the GPU machine, one run <= 540 s:
 #   0-170 s   our ops are JIT-built (never under `timeout`: a killed build leaves its lock), then the GPU
-#             tests of tests/moe_training, while DeepSpeed's fused Adam and CPU Adam build in the background;
+#             tests of tests/experts/training, while DeepSpeed's fused Adam and CPU Adam build in the background;
 #   -420 s    bench_moe_training on the Mixtral-shaped stack (3 layers, H=4096, F=14336, 8 experts, top-2):
 #             ours with the step split GPU/CPU (overlapping the next forward, then not) and 4 expert slots
 #             per layer (14.5 GiB peak), ZeRO-3 offload without a cap (under the cap it ran out of memory in
@@ -22,7 +22,7 @@ build_pid=$!
 python -c "from ds_maximus.ops import sharded_embedding as o; print('ops', o.load_op('cuda') is not None, o.load_op('cpu') is not None)" \
   > "$OUT/moe_training_op_build.log" 2>&1
 tail -2 "$OUT/moe_training_op_build.log"
-timeout 80 python -m pytest -q -x tests/moe_training/test_gpu.py tests/moe_training/test_store.py \
+timeout 80 python -m pytest -q -x tests/experts/training/test_gpu.py tests/experts/training/test_store.py \
   > "$OUT/moe_training_gpu_tests.log" 2>&1
 tests_rc=$?
 tail -5 "$OUT/moe_training_gpu_tests.log"

@@ -9,7 +9,7 @@
 set -x
 . "$(dirname "$0")/common.sh"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-TESTS=${TESTS-tests/moe_training/test_gpu.py tests/moe_training/test_grads.py tests/ops/test_sharded_embedding.py}
+TESTS=${TESTS-tests/experts/training/test_gpu.py tests/experts/training/test_grads.py tests/ops/test_row_ops.py}
 RUNS=${RUNS:-"4:-:-:ours_split,zero3_offload_nocap"}
 # never under `timeout`: a killed JIT build leaves its lock and the peers would wait on it forever
 python -c "from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder

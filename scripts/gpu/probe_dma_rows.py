@@ -9,8 +9,8 @@ import statistics
 
 import torch
 
-from ds_maximus.moe.training.host_memory import host_tensor
-from ds_maximus.ops.sharded_embedding import load_op
+from ds_maximus.experts.training.host_memory import host_tensor
+from ds_maximus.ops.row_ops import load_op
 
 
 class MemLoc(ctypes.Structure):

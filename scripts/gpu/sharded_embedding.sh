@@ -23,7 +23,7 @@ timeout 150 python -u -c "from ds_maximus.ops import sharded_embedding as o; ass
   > "$OUT/sharded_embedding_build.txt" 2>&1
 build_rc=$?
 tail -5 "$OUT/sharded_embedding_build.txt"
-timeout 200 python -m pytest -q -m gpu tests/embedding/test_sharded_embedding_gpu.py tests/ops/test_sharded_embedding.py \
+timeout 200 python -m pytest -q -m gpu tests/vocab/test_sharded_embedding_gpu.py tests/ops/test_row_ops.py \
   > "$OUT/sharded_embedding_gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -2 "$OUT/sharded_embedding_gpu_tests.log"
 timeout 170 python -u -m benchmarks.bench_sharded_embedding --repeat 20 --budget-s 160 --out "$OUT/sharded_embedding.md" \

@@ -2,12 +2,12 @@
 
 Each family's tiny random-weight config (8 experts, top-2, two MoE layers, fp32 on CPU) is checked two ways:
 
-* **inference**: ``ds_maximus.moe.offload_experts`` with 3 expert slots per layer (so a layer's experts come
+* **inference**: ``ds_maximus.experts.offload_experts`` with 3 expert slots per layer (so a layer's experts come
   in rounds and are evicted): the logits of a forward and every step of greedy ``generate()`` equal the
   un-offloaded model bit for bit;
 * **training**: ``"moe": {"enabled": true, "train": true}`` under ``ds_maximus.initialize`` with 3 slots
   per layer: N steps give the losses, expert weights and dense weights of plain ``deepspeed.initialize``
-  (losses rtol 1e-4; weights under tests/zero's fp32 policy), ZeRO-0 and ZeRO-3; the trained model's
+  (losses rtol 1e-4; weights under tests/engine's fp32 policy), ZeRO-0 and ZeRO-3; the trained model's
   ``state_dict()`` has the plain model's keys and values.
 
 Sizes: the expert intermediate size is a multiple of 32 so that a round's activations meet the CPU's
@@ -18,9 +18,9 @@ import copy
 import pytest
 import torch
 
-from ds_maximus.moe import OffloadedExperts, offload_experts
-from ds_maximus.moe.adapters import FusedExpertsForm, find_moe_blocks
-from tests.moe_training.moe_utils import assert_close, batches, build, dense_params, moe_section, train
+from ds_maximus.experts import OffloadedExperts, offload_experts
+from ds_maximus.experts.adapters import FusedExpertsForm, find_moe_blocks
+from tests.experts.training.moe_utils import assert_close, batches, build, dense_params, moe_section, train
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "gpt_oss"]
 VOCAB = 128

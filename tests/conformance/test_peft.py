@@ -5,7 +5,7 @@ PEFT wraps ``embed_tokens`` and ``lm_head`` in a ``ModulesToSaveWrapper`` holdin
 swaps the trained embedding copy's rows into a ShardedEmbedding and leaves the frozen original alone;
 with an ``lm_head`` section the loss is streamed through the trained head copy (``placement: gpu``) or
 that copy becomes a CPU-tier ShardedLMHead (``placement: cpu``). LoRA weights train as ordinary
-parameters. The run equals plain ``deepspeed.initialize`` (losses rtol 1e-4, weights under tests/zero's
+parameters. The run equals plain ``deepspeed.initialize`` (losses rtol 1e-4, weights under tests/engine's
 fp32 policy) with a row cache smaller than the rows a run touches, ZeRO-0 and ZeRO-3.
 
 What maximus cannot do with PEFT is refused: naming the frozen original, and swapping a frozen table or
@@ -14,7 +14,7 @@ head (PEFT without ``modules_to_save``: maximus would train rows PEFT froze).
 import pytest
 import torch
 
-from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
+from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
 from ds_maximus.errors import ConfigError
 from tests.conformance.helpers import ds_config, initialize, train, zipf_ids
 
@@ -127,8 +127,8 @@ def test_frozen_head_on_the_cpu_tier_is_refused():
 def test_wiring_report_names_the_frozen_original():
     """The one-line-per-table report says why PEFT's frozen original stays an nn.Embedding (not min_rows)."""
     from ds_maximus.config import MaximusConfig
-    from ds_maximus.zero.swap import select_embeddings, swap_embeddings
-    from ds_maximus.zero.wiring_report import left_alone_lines
+    from ds_maximus.engine.swap import select_embeddings, swap_embeddings
+    from ds_maximus.engine.wiring_report import left_alone_lines
     model = lora_llama(vocab=8192)  # a table the report lists (LARGE_ROWS)
     cfg = MaximusConfig.from_dict(section(min_rows=8192))
     assert select_embeddings(model, cfg) == [EMB + ".modules_to_save.default"]

@@ -27,18 +27,18 @@ PER_RANK = ("hit_rate", "stall_ms", "owner_hit_rate", "owner_serve_ms")  # each 
 
 def _data(c: dict):
     if c.get("model", "llama") == "mixtral":
-        from tests.moe_training.moe_utils import VOCAB
+        from tests.experts.training.moe_utils import VOCAB
     else:
-        from tests.zero.llama_utils import VOCAB
-    from tests.zero.llama_utils import zipf_batches
+        from tests.engine.llama_utils import VOCAB
+    from tests.engine.llama_utils import zipf_batches
     return zipf_batches(c["steps"], batch=c["batch"], seqlen=SEQLEN, vocab=VOCAB)
 
 
 def _section(c: dict) -> dict:
-    from tests.zero.llama_utils import maximus_section
+    from tests.engine.llama_utils import maximus_section
     sec = maximus_section(cache_rows=c.get("cache_rows", 96))
     if c.get("model", "llama") == "mixtral":
-        from tests.moe_training.moe_utils import moe_section
+        from tests.experts.training.moe_utils import moe_section
         sec = {**moe_section(slots=3), "embedding": sec["embedding"]}
     sec["distributed"] = {"shard_mode": c["mode"], "master_rank": c.get("master_rank", 0), "timeout_s": 120}
     return sec
@@ -46,9 +46,9 @@ def _section(c: dict) -> dict:
 
 def _engine(c: dict, micro: int, seed: int, scramble_table: bool = False):
     import ds_maximus
-    from tests.zero.llama_utils import ds_config, tiny_llama
+    from tests.engine.llama_utils import ds_config, tiny_llama
     if c.get("model", "llama") == "mixtral":
-        from tests.moe_training.moe_utils import tiny_mixtral
+        from tests.experts.training.moe_utils import tiny_mixtral
         model = tiny_mixtral(seed=seed, num_experts=8)
     else:
         model = tiny_llama(seed, tie=c.get("tie", False))
@@ -83,7 +83,7 @@ def _dense(engine) -> dict:
 def run_config(c: dict, rank: int, world: int) -> dict:
     """Train configuration ``c`` on this rank; returns losses per optimizer step, the table and dense params."""
     from ds_maximus.integrations.hf import lookahead
-    from tests.zero.llama_utils import embedding_weight
+    from tests.engine.llama_utils import embedding_weight
     gas = c["gas"]
     micro = c["batch"] // (world * gas)
     assert micro * world * gas == c["batch"], (c, world)

@@ -39,7 +39,7 @@ def clean_env() -> dict:
 def prebuild_ops() -> None:
     """JIT-build the CPU op here, once, before ranks start: N ranks racing to build it (45-90 s on 2 cores)
     inside a rank timeout got killed mid-build and left its lock behind (a CI run did)."""
-    from ds_maximus.ops.sharded_embedding import load_op
+    from ds_maximus.ops.row_ops import load_op
     load_op("cpu")
     if on_gpus():
         load_op("cuda")

@@ -56,7 +56,7 @@ def run_refs(combos, tmp):
 
 
 def close(got, ref, start=0):
-    """Losses rtol 1e-5; weights as in tests/zero: 99.5% of elements within 1e-5, all within 1e-2 (ranks sum a
+    """Losses rtol 1e-5; weights as in tests/engine: 99.5% of elements within 1e-5, all within 1e-2 (ranks sum a
     row's gradient in another order than one rank; Adam's 1/sqrt(v) amplifies that where it nearly cancels)."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][start:]), rtol=1e-5, atol=1e-6)
     pairs = [(got["embedding"], ref["embedding"])] + [(got["dense"][n], ref["dense"][n]) for n in ref["dense"]]

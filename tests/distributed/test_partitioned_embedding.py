@@ -34,7 +34,7 @@ def test_hot_rows_spread_over_ranks():
 @pytest.mark.distributed
 def test_two_ranks_equal_one_and_bad_ids_fail_everywhere(tmp_path):
     from ds_maximus.config import EmbeddingConfig
-    from ds_maximus.embedding import ShardedEmbedding
+    from ds_maximus.vocab import ShardedEmbedding
     from tests.distributed import rank_worker as rw
     rcs, outs, _ = run_ranks(2, WORKER, "equal,bad_id", tmp_path / "r.pt")
     # bad_id: an id no rank holds fails on every rank with a clear error (no hang), after "equal" ran

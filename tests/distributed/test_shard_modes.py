@@ -21,7 +21,7 @@ BIG = min(4, torch.cuda.device_count()) if on_gpus() else 4  # ranks of the firs
 
 
 def one_rank(stage: int):
-    from tests.zero.llama_utils import build, embedding_weight, maximus_section, train, zipf_batches
+    from tests.engine.llama_utils import build, embedding_weight, maximus_section, train, zipf_batches
     e = build(stage, "fp32", micro=4, clip=0.5, maximus=maximus_section(cache_rows=96))
     losses = train(e, zipf_batches(STEPS, batch=4, seqlen=16), 1)
     return {"losses": losses, "embedding": embedding_weight(e)}
@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
 
 
 def close(got, ref, start=0):
-    """Losses rtol 1e-5; weights as in tests/zero/test_zero_equality.py: 99.5% of elements within 1e-5 and
+    """Losses rtol 1e-5; weights as in tests/engine/test_zero_equality.py: 99.5% of elements within 1e-5 and
     all within 1e-2 (Adam's 1/sqrt(v) amplifies last-bit differences of summation order where a row's
     gradient nearly cancels; ranks sum a row's gradient in another order than one rank does)."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][start:]), rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.zero.llama_utils import VOCAB, ds_config, tiny_llama
+from tests.engine.llama_utils import VOCAB, ds_config, tiny_llama
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be "
          "maximus shard vocabulary row cache tier pinned memory expert token embedding head stream").split()
@@ -195,7 +195,7 @@ def test_maximized_inference_generates_like_plain(tie, tmp_path):
     """Row cache smaller than the vocabulary, head in the CPU tier (or tied): same tokens, last position only.
     Exported again, the model is the plain one (a tied head is tied again in the HF config)."""
     import copy
-    from ds_maximus.embedding import ShardedEmbedding, ShardedLMHead
+    from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
     from ds_maximus.integrations.hf import maximize
     plain = tiny_llama(0, tie=tie).eval()
     ours = maximize(copy.deepcopy(plain), {"maximus": {

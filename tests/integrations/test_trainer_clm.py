@@ -11,7 +11,7 @@ import torch
 
 import ds_maximus
 from tests.distributed.ranks import ROOT, clean_env
-from tests.zero.llama_utils import VOCAB, tiny_llama, zipf_batches
+from tests.engine.llama_utils import VOCAB, tiny_llama, zipf_batches
 
 RELOAD = r"""
 import json, sys
@@ -44,7 +44,7 @@ def _ds_config():
 
 @pytest.fixture
 def enabled():
-    from ds_maximus.zero.initialize import disable
+    from ds_maximus.engine.initialize import disable
     ds_maximus.enable()
     yield
     disable()

@@ -21,9 +21,9 @@ def test_sanitize_cuda_arch_list():
 
 def test_names_and_build_vars():
     from ds_maximus.op_builder.nvme_loader import NVMeLoaderBuilder
-    from ds_maximus.op_builder.sharded_embedding import ShardedEmbeddingBuilder
+    from ds_maximus.op_builder.row_ops import RowOpsBuilder
     for cls, var in ((NVMeLoaderBuilder, "DS_BUILD_MAXIMUS_NVME_LOADER"),
-                     (ShardedEmbeddingBuilder, "DS_BUILD_MAXIMUS_SHARDED_EMBEDDING")):
+                     (RowOpsBuilder, "DS_BUILD_MAXIMUS_SHARDED_EMBEDDING")):
         b = cls()
         assert b.name.startswith("maximus_") and b.BUILD_VAR == var
         assert all(src.startswith("/") for src in b.sources())
@@ -135,8 +135,8 @@ def test_the_cuda_build_compiles_its_cpu_kernels_like_the_cpu_build():
     files need the CPU build's OpenMP, vector and math flags; without ``-fopenmp`` ``at::parallel_for`` runs on
     one thread (the H200 host's ``grad_sum`` took 62 ms for 22M elements)."""
     from ds_maximus.ops import builder
-    cpu = builder("sharded_embedding", "ShardedEmbeddingBuilder").cxx_args()
-    cuda = builder("sharded_embedding", "ShardedEmbeddingCUDABuilder").cxx_args()
+    cpu = builder("row_ops", "RowOpsBuilder").cxx_args()
+    cuda = builder("row_ops", "RowOpsCUDABuilder").cxx_args()
     assert "-fopenmp" in cuda and "-ffp-contract=off" in cuda and "-DMAXIMUS_WITH_CUDA" in cuda
     missing = [a for a in cpu if a and not a.startswith("-std=") and a not in cuda]
     assert not missing, f"the CUDA build lacks the CPU build's host flags {missing}"

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from ds_maximus.embedding import reference as ref
-from ds_maximus.ops import sharded_embedding as ops
+from ds_maximus.vocab import reference as ref
+from ds_maximus.ops import row_ops as ops
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ds_maximus.config import EmbeddingConfig
-from ds_maximus.embedding import ShardedEmbedding
+from ds_maximus.vocab import ShardedEmbedding
 from ds_maximus.errors import CapacityError
 from ds_maximus.partition import host_memory
 
@@ -31,6 +31,6 @@ def test_embedding_that_fits_is_built(tiny_host):
 
 
 def test_cpu_head_tier_refused_with_the_fix(tiny_host):
-    from ds_maximus.embedding.lm_head_tier import HeadTier
+    from ds_maximus.vocab.lm_head_tier import HeadTier
     with pytest.raises(CapacityError, match=r"head's fp32 master.*lm_head.placement"):
         HeadTier(torch.empty(1 << 19, 256, device="meta"), chunk_rows=4096)  # 4 x 0.5 GiB

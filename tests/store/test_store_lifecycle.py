@@ -12,7 +12,7 @@ import os
 import torch
 
 from ds_maximus.store import INDEX_NAME, ShardStore
-from tests.zero.llama_utils import VOCAB, build, embedding_weight, maximus_section, train, zipf_batches
+from tests.engine.llama_utils import VOCAB, build, embedding_weight, maximus_section, train, zipf_batches
 
 
 def _usage(folder):

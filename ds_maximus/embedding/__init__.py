@@ -1,6 +1,0 @@
-"""Vocabulary-sized layers as swappable partitions: ``ShardedEmbedding`` (row cache + sparse backward).
-
->>> from ds_maximus.embedding import ShardedEmbedding
-"""
-from ds_maximus.embedding.sharded_embedding import ShardedEmbedding  # noqa: F401
-from ds_maximus.embedding.lm_head import ShardedLMHead, linear_cross_entropy  # noqa: F401

@@ -1,0 +1,232 @@
+"""``ds_maximus.initialize``: a drop-in for ``deepspeed.initialize`` that honours the ``"maximus"`` section.
+
+Example::
+
+    engine, optimizer, _, scheduler = ds_maximus.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_configs/zero2_cpu_tier.json")
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()          # dense step by DeepSpeed, sparse step by maximus
+
+``ds_maximus.enable()`` makes every later ``deepspeed.initialize`` call (HF Trainer through accelerate
+included) go through here.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import os
+from typing import Any, Optional
+
+import deepspeed
+import torch
+
+from ds_maximus.config import ExpertOptimizerDevice, MaximusConfig, SECTION
+from ds_maximus.distributed import shm_buffers as _shm_buffers
+from ds_maximus.errors import ConfigError
+from ds_maximus.engine.swap import remove_params_from_optimizer, swap_embeddings
+
+logger = logging.getLogger("ds_maximus")
+_DEEPSPEED_INITIALIZE = deepspeed.initialize
+
+
+def _resolve_config(args, config, config_params):
+    """The ds_config as ``deepspeed.initialize`` finds it, loaded into a dict (``None`` where none is given).
+
+    DeepSpeed's rules: ``config`` (else ``config_params``) or ``args.deepspeed_config`` (else the deprecated
+    ``args.deepscale_config``), exactly one of them; a path (JSON/hjson) or a base64 string is loaded. Where
+    DeepSpeed would stop with an ``AssertionError``, this stops with a ``ConfigError`` that says which to drop.
+    """
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    scale = getattr(args, "deepscale_config", None)
+    if scale is not None:
+        if from_args is not None:
+            raise ConfigError("args has both deepscale_config and deepspeed_config; deepscale_config is the deprecated "
+                              "name of deepspeed_config: pass only --deepspeed_config")
+        from_args = scale
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError("a ds_config was given twice: in args.deepspeed_config (--deepspeed_config) and in the "
+                              "config= argument of initialize; DeepSpeed accepts one of them: drop config= or set "
+                              "args.deepspeed_config = None")
+        config = from_args
+    if config is None or isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+        try:
+            return load_ds_config(os.fspath(config))
+        except ValueError as e:
+            what = "is not valid JSON" if os.path.exists(config) else "is no file and no base64-encoded JSON string"
+            raise ConfigError(f"ds_config {os.fspath(config)!r} {what} ({e}); pass the path of a JSON file or a "
+                              "dict") from None
+    return config  # a DeepSpeedConfig-like object: MaximusConfig reads its raw dict
+
+
+def _without_config_args(args):
+    """``args`` with its ds_config fields cleared: the resolved dict goes to DeepSpeed as ``config``."""
+    if args is None or (getattr(args, "deepspeed_config", None) is None
+                        and getattr(args, "deepscale_config", None) is None):
+        return args
+    args = copy.copy(args)
+    for name in ("deepspeed_config", "deepscale_config"):
+        if hasattr(args, name):
+            setattr(args, name, None)
+    return args
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
+               config=None, config_params=None, **kwargs):
+    """Same arguments, rules and return tuple as ``deepspeed.initialize``; without a ``"maximus"`` section (or
+    with ``"enabled": false``) it is ``deepspeed.initialize``."""
+    ds_config = _resolve_config(args, config, config_params)
+    cfg = MaximusConfig.from_ds_config(ds_config)
+    _shm_buffers.remove_at_exit()
+    if not cfg.enabled or model is None:
+        if not isinstance(ds_config, dict) or SECTION not in ds_config:  # untouched: DeepSpeed sees what it was given
+            return _DEEPSPEED_INITIALIZE(args=args, model=model, optimizer=optimizer,
+                                         model_parameters=model_parameters, config=config,
+                                         config_params=config_params, **kwargs)
+        return _DEEPSPEED_INITIALIZE(args=_without_config_args(args), model=model, optimizer=optimizer,
+                                     model_parameters=model_parameters,
+                                     config={k: v for k, v in ds_config.items() if k != SECTION}, **kwargs)
+    from ds_maximus.distributed.cores import share_host_cores
+    share_host_cores()
+    _init_distributed(cfg, kwargs)
+    plan = swap_embeddings(model, cfg)
+    modules = dict(plan.swapped)
+    if cfg.lm_head.enabled:
+        from ds_maximus.integrations.hf import attach_lm_head
+        head = attach_lm_head(model, cfg)
+        if head is not None and hasattr(head, "sparse_step") and getattr(head, "owns_weights", False):
+            modules["lm_head"] = head
+    if cfg.moe.enabled and cfg.moe.train:  # experts become a runtime module; their params leave the model
+        from ds_maximus.experts.training import attach_expert_training
+        modules["moe"] = attach_expert_training(model, cfg)
+    # the replaced head's weight (placement cpu) leaves the model like the embedding's
+    removed = list(plan.removed_params) + list(getattr(modules.get("lm_head"), "removed_params", None) or [])
+    removed += list(getattr(modules.get("moe"), "removed_params", None) or [])
+    if isinstance(optimizer, torch.optim.Optimizer) and removed:
+        remove_params_from_optimizer(optimizer, removed)
+    # parameters that left the model must not reach DeepSpeed either
+    if model_parameters is not None:
+        gone = {id(p) for p in removed}
+        model_parameters = _filter_params(model_parameters, gone)
+    runtime = None
+    if modules:
+        from ds_maximus.engine.runtime import MaximusRuntime
+        from ds_maximus.engine.norm_carrier import attach_carrier
+        runtime = MaximusRuntime(None, modules, cfg)
+        # the embedding runs last in backward: it carries the norm of every module's sparse grads
+        # (else the experts' layer-0 module: every layer's backward feeds its anchor)
+        host = next(iter(plan.swapped.values())) if plan.swapped else \
+            modules["moe"].carrier_host if "moe" in modules else next(iter(modules.values()))
+        carrier = attach_carrier(host, runtime)
+        if model_parameters is not None:
+            model_parameters = _add_param(model_parameters, carrier)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.add_param_group({**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
+                                       "params": [carrier]})
+    ds_config = _unsynchronized_throughput_timer({k: v for k, v in ds_config.items() if k != SECTION}, cfg)
+    engine, opt, loader, sched = _DEEPSPEED_INITIALIZE(args=_without_config_args(args), model=model,
+                                                       optimizer=optimizer, model_parameters=model_parameters,
+                                                       config=ds_config, **kwargs)
+    if runtime is not None:
+        from ds_maximus.engine.lookahead import wrap_loader
+        loader = wrap_loader(loader, plan.swapped.values())
+        runtime.engine = engine
+        for m in modules.values():
+            _configure_from_engine(m, engine, cfg)
+        if "moe" in modules:
+            modules["moe"].configure_from_engine(engine)
+        runtime.install()
+        from ds_maximus.engine.consolidated_state import own_keys_consolidated_state_dict
+        own_keys_consolidated_state_dict(engine)
+        from ds_maximus.observability import register
+        register(model, runtime)
+    from ds_maximus.engine.wiring_report import log_wiring
+    log_wiring(model, modules, plan.tied_heads, cfg)
+    return engine, opt, loader, sched
+
+
+def _unsynchronized_throughput_timer(ds_config: dict, cfg: MaximusConfig) -> dict:
+    """DeepSpeed's throughput timer synchronizes the device at every forward's start (``timers.throughput.
+    synchronized``, default true, when ``initialize`` gets no training data). That would wait for an expert
+    step meant to overlap the forward (``moe.overlap_step``), so it is turned off then, unless set."""
+    m = cfg.moe
+    if not (m.enabled and m.train and m.overlap_step and m.optimizer_device == ExpertOptimizerDevice.SPLIT):
+        return ds_config
+    timers = dict(ds_config.get("timers") or {})
+    tp = dict(timers.get("throughput") or {})
+    if "synchronized" in tp:
+        return ds_config
+    tp["synchronized"] = False
+    logger.info("ds_maximus: timers.throughput.synchronized set false (a device sync at every forward would wait "
+                "for the expert step that moe.overlap_step runs on into it)")
+    return {**ds_config, "timers": {**timers, "throughput": tp}}
+
+
+def _init_distributed(cfg: MaximusConfig, kwargs: dict) -> None:
+    """What ``deepspeed.initialize`` does first, done before the swap: the partitioned and broadcast tables
+    talk to the other ranks while they are built. Also each launched rank's GPU (``LOCAL_RANK``), which the
+    engine would set only later: NCCL needs every rank on its own device from the first collective."""
+    from ds_maximus.config import ShardMode
+    if cfg.distributed.shard_mode == ShardMode.REPLICATED or kwargs.get("dist_init_required") is False:
+        return
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" and "LOCAL_RANK" in os.environ:
+        acc.set_device(int(os.environ["LOCAL_RANK"]))
+    if not comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
+                                   distributed_port=kwargs.get("distributed_port", 29500))
+
+
+def _filter_params(params, gone):
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [{**g, "params": [p for p in g["params"] if id(p) not in gone]} for g in params]
+    return [p for p in params if id(p) not in gone]
+
+
+def _add_param(params, carrier):
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params + [{"params": [carrier]}]
+    return params + [carrier]
+
+
+def _configure_from_engine(module, engine, cfg: MaximusConfig) -> None:
+    """Sparse optimizer betas/eps default to the DeepSpeed optimizer's (so exact mode equals it)."""
+    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    groups = getattr(opt, "param_groups", None)
+    row_opt = getattr(module, "optimizer", None)
+    if not groups or row_opt is None or not hasattr(row_opt, "beta1"):
+        return
+    g = groups[0]
+    oc = cfg.embedding.optimizer
+    if "betas" not in oc.model_fields_set and "betas" in g:
+        row_opt.beta1, row_opt.beta2 = (float(b) for b in g["betas"])
+    if "eps" not in oc.model_fields_set and "eps" in g:
+        row_opt.eps = float(g["eps"])
+
+
+def enable() -> None:
+    """Route every later ``deepspeed.initialize`` through ``ds_maximus.initialize`` (HF Trainer, accelerate).
+    With transformers installed, every later ``Trainer`` also logs the maximus figures with its own logs
+    (:class:`ds_maximus.integrations.trainer_callback.MaximusTrainerCallback`)."""
+    deepspeed.initialize = initialize
+    if importlib.util.find_spec("transformers") is not None:
+        from ds_maximus.integrations.trainer_callback import install_default_callback
+        install_default_callback()
+
+
+def disable() -> None:
+    deepspeed.initialize = _DEEPSPEED_INITIALIZE
+    if importlib.util.find_spec("transformers") is not None:
+        from ds_maximus.integrations.trainer_callback import remove_default_callback
+        remove_default_callback()

@@ -1,0 +1,187 @@
+"""Expert math on cached slots, op for op the same as the HF experts implementations.
+
+``transformers`` 5.x computes fused experts (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F], or
+GPT-OSS's transposed form with biases: :mod:`ds_maximus.experts.adapters.projection`) with one of
+``eager`` (a loop over hit experts, ``index_add_``), ``grouped_mm`` (rows sorted by expert, one
+grouped GEMM per projection, a reshape-sum over top-k) or ``batched_mm`` (one bmm over per-pair
+gathered weights). Each function below repeats the same ops in the same order on the
+slot buffers of :class:`ExpertCache`, so logits equal the un-offloaded model's: the only change is
+*where* an expert's weight is read from. When a layer needs more experts than it has slots, experts
+are processed in rounds (ascending expert id) of at most ``slots_per_layer``; every row's GEMM
+and every reduction is still the original one.
+
+No function here makes the host wait for the GPU: the routing arrives as host lists (``pairs``: the
+flattened ``top_k_index``, fetched in the layer's one sync), and the index tensors built from it go to
+the device through pinned memory. The host thus queues a layer's expert GEMMs behind their loads and
+runs on to the next layer's attention and router while the loads are in flight.
+
+    >>> # used by OffloadedExperts.forward; see tests/experts/test_compute.py for a standalone run
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import torch
+
+from ds_maximus.experts.adapters.projection import FusedExpertsForm, batched_linear, eager_linear, grouped_linear
+from ds_maximus.ops import to_device
+
+
+def rounds(experts: Sequence[int], size: int) -> List[List[int]]:
+    """Split ascending expert ids into chunks of at most ``size``."""
+    return [list(experts[i:i + size]) for i in range(0, len(experts), size)]
+
+
+class ExpertComputeContext:
+    """What the compute functions need: the cache, the layer's group, the layout and the gate fn."""
+
+    def __init__(self, cache, group: int, apply_gate: Callable[[torch.Tensor], torch.Tensor], num_experts: int,
+                 form: FusedExpertsForm = FusedExpertsForm()):
+        self.cache = cache
+        self.group = group
+        self.layout = cache.layout
+        self.apply_gate = apply_gate
+        self.num_experts = num_experts
+        self.form = form
+
+    on_first_acquire: Callable[[], None] | None = None
+    needed: Sequence[int] | None = None  # every expert of the layer's rounds (guesses for others are dropped)
+
+    def acquire(self, chunk: Sequence[int]) -> List[int]:
+        """``cache.acquire`` and, after the first one (demand loads queued first), the layer's prefetch."""
+        slots = self.cache.acquire(self.group, chunk, self.needed)
+        hook, self.on_first_acquire = self.on_first_acquire, None
+        if hook is not None:
+            hook()
+        return slots
+
+    def stacked(self, name: str) -> torch.Tensor:
+        return self.layout.stacked_view(self.cache.slot_buffer(self.group), name)
+
+    def stacked_bias(self, name: str):
+        """The slots' ``<name>_bias`` [S, out], or None for experts without biases."""
+        return self.stacked(name + "_bias") if self.form.has_bias else None
+
+    def flat(self, slot: int) -> torch.Tensor:
+        return self.cache.slot(self.group, slot)
+
+
+def _pairs_of(pairs: Sequence[int], k: int, experts: Sequence[int]):
+    """For each expert, ``(top_k_pos, token_idx)`` host lists of its (token, k) pairs, in the order of
+    ``torch.where(one_hot(top_k_index).permute(2, 1, 0)[e])``: by k position, then by token."""
+    n = len(pairs) // k
+    want = set(experts)
+    out = {e: ([], []) for e in experts}
+    for pos in range(k):
+        for t in range(n):
+            e = pairs[t * k + pos]
+            if e in want:
+                out[e][0].append(pos)
+                out[e][1].append(t)
+    return out
+
+
+def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, used: Sequence[int], pairs: Sequence[int]) -> torch.Tensor:
+    """The ``eager`` loop: experts in ascending id, ``index_add_`` into a zero tensor."""
+    final = torch.zeros_like(hidden)
+    lay = ctx.layout
+    where = _pairs_of(pairs, top_k_index.size(-1), used)
+    for chunk in rounds(used, ctx.cache.slots_per_group):
+        slots = ctx.acquire(chunk)
+        try:
+            for e, s in zip(chunk, slots):
+                top_k_pos, token_idx = to_device(torch.tensor(where[e], dtype=torch.long), hidden.device)
+                cur = hidden[token_idx]
+                flat = ctx.flat(s)
+                b = {n: lay.view(flat, n + "_bias") if ctx.form.has_bias else None
+                     for n in ("gate_up_proj", "down_proj")}
+                h = ctx.apply_gate(eager_linear(cur, lay.view(flat, "gate_up_proj"), b["gate_up_proj"], ctx.form))
+                h = eager_linear(h, lay.view(flat, "down_proj"), b["down_proj"], ctx.form)
+                h = h * top_k_weights[token_idx, top_k_pos, None]
+                final.index_add_(0, token_idx, h.to(final.dtype))
+        finally:
+            ctx.cache.release(ctx.group, slots)
+    return final
+
+
+def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, used: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+    """The ``grouped_mm`` path: rows sorted by expert, grouped GEMMs over the slot stack, reshape-sum."""
+    device = hidden.device
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden.shape
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids = top_k_index.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    x_g = hidden[perm // num_top_k]
+    w_g = sample_weights[perm]
+    starts = [0] * (ctx.num_experts + 1)
+    for e in range(ctx.num_experts):
+        starts[e + 1] = starts[e] + counts[e]
+    n_slots = ctx.cache.slots_per_group
+    gate_up, down = ctx.stacked("gate_up_proj"), ctx.stacked("down_proj")
+    gate_up_b, down_b = ctx.stacked_bias("gate_up_proj"), ctx.stacked_bias("down_proj")
+    tr = ctx.form.is_transposed
+    proj_out = None
+    for chunk in rounds(used, n_slots):
+        slots = ctx.acquire(chunk)
+        try:
+            per_slot = [0] * n_slots
+            by_slot = sorted(zip(slots, chunk))
+            for s, e in by_slot:
+                per_slot[s] = counts[e]
+            lo, hi = starts[chunk[0]], starts[chunk[-1] + 1]
+            in_order = [e for _, e in by_slot] == list(chunk)
+            if in_order:
+                rows = slice(lo, hi)
+            else:
+                rows = to_device(torch.cat([torch.arange(starts[e], starts[e + 1]) for _, e in by_slot]), device)
+            offs = to_device(torch.tensor(per_slot, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
+            row_slot = None  # each row's slot: its bias row, as the module gathers bias[expert_ids]
+            if gate_up_b is not None:
+                row_slot = to_device(torch.repeat_interleave(torch.arange(n_slots), torch.tensor(per_slot)), device)
+            h = grouped_linear(x_g[rows], gate_up, offs, gate_up_b[row_slot] if row_slot is not None else None, tr)
+            h = ctx.apply_gate(h)
+            h = grouped_linear(h, down, offs, down_b[row_slot] if row_slot is not None else None, tr)
+            if proj_out is None:
+                proj_out = h.new_empty((x_g.shape[0], h.shape[1]))
+            proj_out[rows] = h
+        finally:
+            ctx.cache.release(ctx.group, slots)
+    weighted_out = proj_out * w_g.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=device)
+    weighted_out = weighted_out[inv_perm]
+    final = weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return final.to(hidden.dtype)
+
+
+def batched_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, used: Sequence[int], pairs: Sequence[int]) -> torch.Tensor:
+    """The ``batched_mm`` path: per-pair gathered weights and bmm, reshape-sum over top-k."""
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden.shape
+    x = hidden.repeat_interleave(num_top_k, dim=0)
+    sample_weights = top_k_weights.reshape(-1)
+    gate_up, down = ctx.stacked("gate_up_proj"), ctx.stacked("down_proj")
+    gate_up_b, down_b = ctx.stacked_bias("gate_up_proj"), ctx.stacked_bias("down_proj")
+    tr = ctx.form.is_transposed
+    proj_out = None
+    for chunk in rounds(used, ctx.cache.slots_per_group):
+        slots = ctx.acquire(chunk)
+        try:
+            slot_of = dict(zip(chunk, slots))
+            hit = [(i, slot_of[e]) for i, e in enumerate(pairs) if e in slot_of]  # the pairs of this round
+            rows, sel = to_device(torch.tensor(hit, dtype=torch.long).t().contiguous(), hidden.device)  # one copy
+            h = batched_linear(x[rows], gate_up[sel], gate_up_b[sel] if gate_up_b is not None else None, tr)
+            h = ctx.apply_gate(h)
+            h = batched_linear(h, down[sel], down_b[sel] if down_b is not None else None, tr)
+            if proj_out is None:
+                proj_out = h.new_empty((x.shape[0], h.shape[1]))
+            proj_out[rows] = h
+        finally:
+            ctx.cache.release(ctx.group, slots)
+    weighted_out = proj_out * sample_weights.unsqueeze(-1)
+    final = weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return final.to(hidden.dtype)

@@ -1,0 +1,245 @@
+"""``offload_experts``: run an HF MoE model whose experts do not fit on the compute device.
+
+Every fused-experts module (``block.experts``) is replaced by :class:`OffloadedExperts`, which keeps
+no expert weights: they live in the CPU tier (one pinned flat buffer per expert) or on NVMe, and a
+per-layer :class:`ExpertCache` on the compute device holds ``gpu_experts_per_layer`` of them.
+Routing, the router, attention and every other weight stay where they were; ``model.generate()``
+works unchanged and gives the same tokens and logits as before.
+
+    >>> import torch
+    >>> from transformers import MixtralConfig, MixtralForCausalLM
+    >>> from ds_maximus.experts import offload_experts
+    >>> cfg = MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                     num_key_value_heads=2, num_local_experts=4, vocab_size=64)
+    >>> model = MixtralForCausalLM(cfg).eval()
+    >>> handle = offload_experts(model, {"gpu_experts_per_layer": 1})
+    >>> out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+    >>> 0.0 <= handle.stats()["hit_rate"] <= 1.0
+    True
+    >>> handle.close()
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import List, Optional, Union
+
+import torch
+from torch import nn
+
+from ds_maximus.config import MaximusConfig, MoEConfig, OffloadDevice
+from ds_maximus.errors import ConfigError
+from ds_maximus.experts import compute
+from ds_maximus.experts.adapters import FusedExpertsForm, MoEBlockInfo, find_moe_blocks
+from ds_maximus.experts.expert_cache import ExpertCache
+from ds_maximus.experts.expert_store import FILE_ALIGN_BYTES, CpuExpertStore, FileExpertStore, make_loader
+from ds_maximus.experts.layout import ExpertLayout
+from ds_maximus.partition.host_memory import HostMemoryPlan, HostTier, TierDemand
+
+log = logging.getLogger(__name__)
+
+ConfigLike = Union[None, MaximusConfig, MoEConfig, dict, str, os.PathLike]
+
+# of a speculative load, only this much is queued before the next layer's routing confirms or drops it
+# (96 MiB: ~2 ms of the H200's link, about the time from a layer's loads ending to the next layer's loads
+# being queued; a wrong guess costs that, not a whole expert. Measured with the head loaded into a slot:
+# 48 MiB 10.7, 96 MiB 11.0, whole expert 10.4 tokens/s, benchmarks/bench_moe_offload.py at 4116309).
+# The head is staged in one buffer of this size on the device (ExpertCache(stage_guesses=True)), so a
+# guess evicts nothing; the buffer is the one extra piece of device memory prefetch uses.
+PREFETCH_CHUNK_BYTES = 96 << 20
+
+
+def _resolve(config: ConfigLike):
+    """(MoEConfig, IOConfig) from a MaximusConfig, its moe section, a ds_config dict/path, or a moe dict."""
+    if config is None:
+        full = MaximusConfig()
+    elif isinstance(config, MaximusConfig):
+        full = config
+    elif isinstance(config, MoEConfig):
+        return config, MaximusConfig().io
+    elif isinstance(config, dict) and "maximus" not in config and set(config) <= set(MoEConfig.model_fields):
+        full = MaximusConfig.from_dict({"moe": config})  # a bare "moe" section
+    else:
+        full = MaximusConfig.from_ds_config(config)
+        if not full.enabled:
+            raise ConfigError("the ds_config has no enabled \"maximus\" section; add \"maximus\": {\"moe\": "
+                              "{\"gpu_experts_per_layer\": 2}} or pass the moe section itself", "maximus")
+    return full.moe, full.io
+
+
+class OffloadedExperts(nn.Module):
+    """Drop-in for a fused HF experts module; computes on experts from the cache."""
+
+    def __init__(self, handle: "MoEOffload", group: int, original: nn.Module, num_experts: int,
+                 form: FusedExpertsForm = FusedExpertsForm()):
+        super().__init__()
+        self.group = group
+        self.num_experts = num_experts
+        self.form = form  # how the original stored its projections (GPT-OSS: transposed, with biases)
+        self.act_fn = getattr(original, "act_fn", None)
+        self.__dict__["_handle"] = handle          # not a submodule: no recursion into the handle
+        self.__dict__["_original"] = original      # keeps config, _apply_gate; its weights were dropped
+
+    def extra_repr(self) -> str:
+        h = self._handle
+        return (f"layer={self.group}, num_experts={self.num_experts}, "
+                f"slots={h.cache.slots_per_group}, tier={h.cache.store.tier}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self._handle._forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+class MoEOffload:
+    """The handle ``offload_experts`` returns: the cache, its stats, and ``close()``."""
+
+    def __init__(self, blocks: List[MoEBlockInfo], cache: ExpertCache, cfg: MoEConfig):
+        self.blocks = blocks
+        self.cache = cache
+        self.cfg = cfg
+        self.speculative_prefetch = bool(cfg.speculative_prefetch)
+        self.keep_predicted = True  # in-slot guesses evict only residents outside the predicted routing
+        self._tokens = 0
+        self._t_first: Optional[float] = None
+        self._t_last: Optional[float] = None
+        self.modules: List[OffloadedExperts] = []
+
+    # -- the forward of one layer -------------------------------------------------------------
+    def _prefetch_plan(self, group: int, hidden: torch.Tensor):
+        """The next MoE layer's router applied to this layer's input: votes for its guesses (its top
+        ``prefetch_top_k``) then votes for its whole predicted routing (top ``top_k``), or None."""
+        if not self.speculative_prefetch or group + 1 >= len(self.blocks):
+            return None
+        nxt = self.blocks[group + 1]
+        K = min(nxt.top_k, nxt.num_experts)
+        k = min(self.cfg.prefetch_top_k or K, K)
+        picks = torch.topk(nxt.router_logits(hidden), K, dim=-1).indices  # best first
+        return torch.cat([torch.bincount(picks[:, :k].flatten(), minlength=nxt.num_experts),
+                          torch.bincount(picks.flatten(), minlength=nxt.num_experts)])
+
+    def _forward(self, mod: OffloadedExperts, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        group = mod.group
+        if hidden.device != self.cache.device:
+            raise ConfigError(f"MoE layer {group} got hidden states on {hidden.device} but its expert cache is "
+                              f"on {self.cache.device}; call offload_experts after moving the model to its device")
+        if group == 0:
+            now = time.perf_counter()
+            self._t_first = self._t_first or now
+            self._tokens += hidden.shape[0]
+        E = mod.num_experts
+        counts = torch.bincount(top_k_index.flatten(), minlength=E)
+        votes = None
+        with torch.no_grad():
+            votes = self._prefetch_plan(group, hidden)
+        parts = [counts, top_k_index.flatten().to(counts.dtype)] + ([votes] if votes is not None else [])
+        host = torch.cat(parts).tolist()  # the layer's one sync: counts, the (token, k) pairs, the votes
+        n_pairs = top_k_index.numel()
+        counts, pairs, votes = host[:E], host[E:E + n_pairs], host[E + n_pairs:]
+        used = [e for e in range(E) if counts[e] > 0]
+        ctx = compute.ExpertComputeContext(self.cache, group, mod._original._apply_gate, E, mod.form)
+        ctx.needed = used
+        if votes:
+            ctx.on_first_acquire = lambda: self._issue_prefetch(group + 1, votes)
+        impl = getattr(getattr(mod._original, "config", None), "_experts_implementation", "eager")
+        if impl == "grouped_mm":
+            out = compute.grouped_forward(ctx, hidden, top_k_index, top_k_weights, used, counts)
+        elif impl == "batched_mm":
+            out = compute.batched_forward(ctx, hidden, top_k_index, top_k_weights, used, pairs)
+        else:
+            if impl not in (None, "eager"):
+                log.warning("experts_implementation %r is not mirrored by the expert cache; computing with the "
+                            "eager loop (results equal experts_implementation='eager')", impl)
+            out = compute.eager_forward(ctx, hidden, top_k_index, top_k_weights, used, pairs)
+        if group == len(self.blocks) - 1:
+            self._t_last = time.perf_counter()
+        return out
+
+    def _issue_prefetch(self, group: int, votes: List[int]) -> None:
+        E = len(votes) // 2
+        guess, predicted = votes[:E], votes[E:]
+        limit = min(self.cfg.prefetch_top_k or self.blocks[group].top_k, self.cache.slots_per_group)
+        ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
+        # a guess never evicts a resident expert the prediction also routes to (it would likely hit)
+        keep = [e for e in range(E) if predicted[e] > 0] if self.keep_predicted else None
+        self.cache.prefetch(group, ranked, keep=keep)
+
+    # -- reporting -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Hit rate, prefetch precision/recall, bytes moved, stall ms, tokens/s (host clock)."""
+        s = self.cache.stats()
+        span = (self._t_last - self._t_first) if self._t_first and self._t_last else 0.0
+        s["tokens"] = self._tokens
+        s["tokens_per_s"] = self._tokens / span if span > 0 else 0.0
+        s["tier"] = self.cache.store.tier
+        s["speculative_prefetch"] = self.speculative_prefetch
+        return s
+
+    def reset_stats(self) -> None:
+        self.cache.synchronize()
+        self.cache.reset_stats()
+        self._tokens, self._t_first, self._t_last = 0, None, None
+
+    def close(self) -> None:
+        self.cache.close()
+        self.cache.store.close()
+
+
+def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
+    """Move every fused-experts module of ``model`` into the expert cache; returns the handle.
+
+    ``config``: a :class:`MaximusConfig`, its ``moe`` section (object or dict), or a ds_config
+    (dict or JSON path) with a ``"maximus"`` section. Call it after placing the model on its device.
+    """
+    cfg, io_cfg = _resolve(config)
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise ConfigError(f"{type(model).__name__} has no MoE block with fused experts (gate_up_proj/down_proj); "
+                          "supported: Mixtral, Qwen2-MoE, Qwen3-MoE and other transformers 5.x fused-expert models")
+    E = blocks[0].num_experts
+    layout = ExpertLayout.from_stacked(blocks[0].expert_tensors(), E)
+    for b in blocks[1:]:
+        if b.num_experts != E or ExpertLayout.from_stacked(b.expert_tensors(), E) != layout:
+            raise ConfigError(f"MoE block '{b.name}' differs in expert count or shapes from '{blocks[0].name}'; "
+                              "layers with different experts are not supported")
+    device = blocks[0].router.weight.device
+    slots = cfg.gpu_experts_per_layer
+    if cfg.gpu_expert_bytes is not None:
+        slots = max(1, cfg.gpu_expert_bytes // layout.nbytes)
+    n = len(blocks) * E
+    # the model's own CPU expert weights are freed layer by layer below as they are copied in: the CPU tier's
+    # plan counts them as memory it gets back (on the GPU they free device memory instead)
+    on_cpu = sum(t.numel() * t.element_size() for b in blocks for t in b.expert_tensors().values()
+                 if t.device.type == "cpu")
+    if cfg.offload.device == OffloadDevice.NVME:
+        os.makedirs(cfg.offload.nvme_path, exist_ok=True)
+        path = os.path.join(cfg.offload.nvme_path, "experts.bin")
+        record = -(-layout.nbytes // FILE_ALIGN_BYTES) * FILE_ALIGN_BYTES
+        HostMemoryPlan([TierDemand(HostTier.NVME, n * record, f"{n} experts of {layout.nbytes / 2**20:.1f} MiB "
+                                   f"in {path}", path=cfg.offload.nvme_path,
+                                   reclaimable_bytes=os.path.getsize(path) if os.path.isfile(path) else 0,
+                                   fix="point moe.offload.nvme_path at a disk with more free space, or free "
+                                       "space there")]).check()
+        store = FileExpertStore(layout, n, path, loader=make_loader(io_cfg))
+    else:
+        store = CpuExpertStore(layout, n, pin_memory=cfg.offload.pin_memory, reclaimable_bytes=on_cpu)
+    cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
+                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=True)
+    handle = MoEOffload(blocks, cache, cfg)
+    with torch.no_grad():
+        for gi, b in enumerate(blocks):
+            tensors = b.expert_tensors()
+            for e in range(E):
+                store.write(gi * E + e, {name: t[e] for name, t in tensors.items()})
+            del tensors
+            original = b.experts
+            for name in b.expert_tensors():
+                delattr(original, name)  # frees this layer's copy (the store has it now) before the next is copied
+            mod = OffloadedExperts(handle, gi, original, E, b.form)
+            b.block.experts = mod
+            b.experts = mod
+            handle.modules.append(mod)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return handle

@@ -1,0 +1,478 @@
+"""``ShardedEmbedding``: an ``nn.Embedding`` whose table lives in the CPU tier (or on NVMe) and whose
+rows, with their optimizer state, are cached on the compute device and updated sparsely.
+
+No ``nn.Parameter`` and no buffer holds the table, so DeepSpeed/ZeRO never see or cast it. The
+engine drives it through the "maximus module protocol" (``sparse_step`` and friends below).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import NamedTuple, Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ds_maximus.partition import PartitionCache, TensorTier
+from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
+from ds_maximus.vocab.function import BatchPlan, BatchPlanner, ids_on_host
+from ds_maximus.vocab.sharded_state import ShardedStateMixin
+from ds_maximus.vocab.stats import EmbeddingStats, format_line
+from ds_maximus.optim import RowOptimizer, SparseRowGrad
+
+logger = logging.getLogger("ds_maximus")
+
+
+class _Prefetched(NamedTuple):
+    ids: Tensor        # sorted unique ids (CPU)
+    slots: Tensor      # their slots, pinned until a lookup adopts or releases them
+    flat: np.ndarray   # the batch's ids as given (a copy): a lookup of exactly these takes ``plan``
+    plan: BatchPlan    # its index tensors already on the compute device
+
+
+def _masked(t: Tensor, mask: Tensor) -> Tensor:
+    """``t[mask]`` for CPU tensors, in numpy (torch's CPU boolean indexing costs milliseconds here)."""
+    return torch.from_numpy(t.numpy()[mask.numpy()])
+
+
+class ShardedEmbedding(ShardedStateMixin, nn.Module):
+    """Embedding table with a row cache on the compute device and a row-sparse optimizer.
+
+    Example::
+
+        >>> import torch
+        >>> from ds_maximus.config import EmbeddingConfig
+        >>> emb = ShardedEmbedding(100, 8, config=EmbeddingConfig(gpu_cache_rows=16,
+        ...                        optimizer={"lr": 0.1, "weight_decay": 0.0}))
+        >>> out = emb(torch.tensor([[1, 2, 2]]))
+        >>> out.shape
+        torch.Size([1, 3, 8])
+        >>> out.sum().backward(); emb.sparse_step()     # updates rows 1 and 2 only
+        >>> emb.full_weight().shape
+        torch.Size([100, 8])
+
+    ``config`` is an ``EmbeddingConfig`` (or a whole ``MaximusConfig``, whose logging interval is
+    then used too). ``device``/``dtype`` are the compute device and output dtype; the master rows
+    are fp32 always. ``_weight`` gives the initial table (copied).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 config: Union[EmbeddingConfig, MaximusConfig, None] = None, device=None, dtype=None,
+                 _weight: Optional[Tensor] = None, log_interval_steps: Optional[int] = None):
+        super().__init__()
+        if isinstance(config, MaximusConfig):
+            log_interval_steps = log_interval_steps or config.logging.interval_steps
+            config = config.embedding
+        self.config = config or EmbeddingConfig()
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        if padding_idx is not None:
+            if not -self.num_embeddings <= padding_idx < self.num_embeddings:
+                raise IndexError(f"padding_idx {padding_idx} out of range for a vocabulary of {num_embeddings}")
+            padding_idx %= self.num_embeddings
+        self.padding_idx = padding_idx
+        self.log_interval_steps = int(log_interval_steps or 100)
+        self.compute_device = torch.device(device) if device is not None else torch.device("cpu")
+        self.out_dtype = dtype or torch.get_default_dtype()
+        self.optimizer = RowOptimizer(self.config.optimizer, self.num_embeddings, frozen_row=padding_idx)
+        self.tier = self._make_tier(_weight)
+        self.cache = self._make_cache(self.compute_device)
+        self.grad = SparseRowGrad()
+        self.stats_tracker = EmbeddingStats(self.num_embeddings)
+        self._step_pins: list = []
+        self._prefetched: collections.deque = collections.deque()
+        self._planner = BatchPlanner(self.num_embeddings)
+        self._overflow_warned = False  # the one-time warning of a batch too large for the cache
+        self._anchor = torch.zeros((), requires_grad=True)  # not a Parameter: autograd reaches backward through it
+        self._anchor_fn = None  # set by the engine integration (ds_maximus/engine/norm_carrier.py)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, config: Union[EmbeddingConfig, MaximusConfig, None] = None,
+                       **kwargs) -> "ShardedEmbedding":
+        """A ``ShardedEmbedding`` with ``embedding``'s table, padding row, device and dtype."""
+        w = embedding.weight
+        if w.device.type == "meta":
+            raise ValueError("from_embedding needs a materialised weight, not one on the meta device")
+        kwargs.setdefault("device", w.device)
+        kwargs.setdefault("dtype", w.dtype)
+        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, config,
+                   _weight=w.detach(), **kwargs)
+
+    # -- construction helpers ------------------------------------------------------------------------
+    def _initial_rows(self, weight: Optional[Tensor], lo: int, hi: int, pin: bool = False) -> Tensor:
+        rows = torch.empty(hi - lo, self.embedding_dim, pin_memory=pin)  # pinned in place: no second copy
+        if weight is not None:
+            return rows.copy_(weight[lo:hi].detach())
+        rows.normal_()
+        if self.padding_idx is not None and lo <= self.padding_idx < hi:
+            rows[self.padding_idx - lo].zero_()
+        return rows
+
+    def _make_tier(self, weight: Optional[Tensor]):
+        if weight is not None and tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"_weight has shape {tuple(weight.shape)}, expected "
+                             f"({self.num_embeddings}, {self.embedding_dim})")
+        names = self.optimizer.state_names
+        off = self.config.offload
+        if off.device == OffloadDevice.NVME:
+            from ds_maximus.partition.store_tier import ShardStoreTier
+            return ShardStoreTier.for_table(off.nvme_path, self.num_embeddings, self.embedding_dim, names,
+                                            self.config.rows_per_shard, off.cpu_cache_shards,
+                                            init=lambda lo, hi: self._initial_rows(weight, lo, hi),
+                                            pin_memory=off.pin_memory, overwrite=weight is not None)
+        from ds_maximus.partition.host_memory import check_cpu_tier
+        check_cpu_tier(self.num_embeddings * self.embedding_dim * 4 * (1 + len(names)),
+                       f"{self.num_embeddings} x {self.embedding_dim} fp32 rows with {list(names) or 'no'} state",
+                       "use the NVMe tier (embedding.offload.device = 'nvme' with offload.nvme_path) or free host "
+                       "memory")
+        pin = bool(off.pin_memory and torch.cuda.is_available())
+        tensors = {"weight": self._initial_rows(weight, 0, self.num_embeddings, pin)}
+        for n in names:
+            tensors[n] = torch.zeros(self.num_embeddings, self.embedding_dim, pin_memory=pin)
+        return TensorTier(tensors, pin_memory=off.pin_memory)
+
+    def _make_cache(self, device) -> PartitionCache:
+        rows = min(int(self.config.gpu_cache_rows), self.num_embeddings)
+        return PartitionCache(rows, self.tier, device=device, policy=self.config.cache_policy,
+                              names=("weight", *self.optimizer.state_names))
+
+    def _tables(self):
+        st = self.cache.storage
+        return st["weight"], [st[n] for n in self.optimizer.state_names]
+
+    # -- nn.Module plumbing -----------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """``.to()/.cuda()/.half()/.bfloat16()`` move the cache and set the output dtype; the fp32 table stays."""
+        probe = fn(torch.zeros(1, dtype=self.out_dtype, device=self.compute_device))
+        if probe.is_floating_point():
+            self.out_dtype = probe.dtype
+        if probe.device != self.compute_device:
+            self.cache.clear()
+            self._step_pins.clear()
+            self._prefetched.clear()
+            if self.grad:
+                self.grad.rows = self.grad.rows.to(probe.device)
+            self.compute_device = probe.device
+            self.cache = self._make_cache(probe.device)
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        s = (f"{self.num_embeddings}, {self.embedding_dim}, cache_rows={self.cache.num_slots}, "
+             f"tier={self.config.offload.device.value}, optimizer={self.config.optimizer.type.value}/"
+             f"{self.config.optimizer.mode.value}, device={self.compute_device}, dtype={self.out_dtype}")
+        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def forward(self, input: Tensor) -> Tensor:
+        from ds_maximus.vocab.function import ShardedEmbeddingFunction, lookup
+        if input.dtype not in (torch.long, torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"ShardedEmbedding expects integer token ids, got {input.dtype}")
+        track = torch.is_grad_enabled()
+        out, uniq_cpu, plan = lookup(self, input, pin=track)
+        if track:
+            anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
+            out = ShardedEmbeddingFunction.apply(anchor, out, self, uniq_cpu, plan)
+        return out.view(*input.shape, self.embedding_dim)
+
+    def _resident(self, uniq_cpu: Tensor, pin: bool, wait: bool = True) -> Tensor:
+        """Make rows ``uniq_cpu`` resident and current (exact-mode catch-up); returns their slots.
+
+        A batch with more distinct rows than the cache can hold beside its pinned rows overflows: with
+        ``on_overflow: serve`` the rows that do not fit get slot -1 (the lookup reads them from the tier,
+        :meth:`_overflow_table`, and the step updates them there); with ``error`` it raises ``CapacityError``.
+        """
+        from ds_maximus.errors import CapacityError
+        slots = self._adopt_prefetch(uniq_cpu, wait) if pin else None
+        fit = None
+        if slots is None:
+            try:
+                slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
+            except CapacityError:
+                while self._prefetched:  # prefetched rows are a hint: give their slots up and retry
+                    self.cache.unpin(self._prefetched.popleft().slots)
+                fit = self.cache.fits(uniq_cpu)
+                if bool(fit.all()):
+                    fit = None
+                    slots = self.cache.acquire(uniq_cpu, pin=pin, wait=wait)
+                else:
+                    slots = self._acquire_fitting(uniq_cpu, fit, pin, wait)
+        ids, live = (uniq_cpu, slots) if fit is None else (_masked(uniq_cpu, fit), _masked(slots, fit))
+        if pin and live.numel():
+            self._step_pins.append(live)
+        self._replay(ids, live)
+        return slots
+
+    def _acquire_fitting(self, uniq_cpu: Tensor, fit: Tensor, pin: bool, wait: bool) -> Tensor:
+        """Overflow: acquire the rows of ``uniq_cpu`` that ``fit``; the others get slot -1 (served from the tier).
+        Counted in the stats; warns once (or raises ``CapacityError`` with ``on_overflow: error``), naming the
+        ``gpu_cache_rows`` that would hold such a batch."""
+        from ds_maximus.config import OverflowPolicy
+        from ds_maximus.errors import CapacityError
+        n, n_over = int(uniq_cpu.numel()), int((~fit).sum())
+        pinned = self.cache.map.pin_count.numpy() > 0
+        held = self.cache.slots_of(uniq_cpu).numpy()
+        others = int(pinned.sum()) - int(pinned[held[held >= 0]].sum())  # pinned by earlier micro-batches
+        what = (f"a batch needs {n} distinct embedding rows but the row cache of {self.cache.num_slots} rows can "
+                f"take only {n - n_over} of them now ({others} rows are pinned by earlier micro-batches of this "
+                f"step); a maximus.embedding.gpu_cache_rows of at least {n + others} would hold it")
+        if self.config.on_overflow == OverflowPolicy.ERROR:
+            raise CapacityError(f"{what}; raise gpu_cache_rows, use smaller batches, or set "
+                                "maximus.embedding.on_overflow to 'serve' (the extra rows are then read and "
+                                "stepped in the tier directly)")
+        if not self._overflow_warned:
+            self._overflow_warned = True
+            logger.warning("%s; the %d rows that do not fit are read from and stepped in the %s tier directly "
+                           "(same results, slower; counted in stats()['overflow_rows']). Warned once.",
+                           what, n_over, self.config.offload.device.value)
+        self.cache.count_overflow(n_over)
+        slots = torch.full((n,), -1, dtype=torch.long)
+        part = _masked(uniq_cpu, fit)
+        if part.numel():
+            slots.numpy()[fit.numpy()] = self.cache.acquire(part, pin=pin, wait=wait).numpy()
+        return slots
+
+    def _overflow_table(self, uniq_cpu: Tensor, slots: Tensor) -> Tensor:
+        """The rows of an overflowing batch as one ``[U, d]`` fp32 table on the compute device (row i holds
+        ``uniq_cpu[i]``): cached rows copied from their slots, the rest read from the tier
+        (:meth:`_direct_rows`). Copies only, so a gather from it equals one from a cache that held them all."""
+        from ds_maximus.ops import to_device
+        dev = self.compute_device
+        s = slots.numpy()
+        over = s < 0
+        table = torch.empty(uniq_cpu.numel(), self.embedding_dim, device=dev)
+        pos = np.flatnonzero(~over)
+        if pos.size:
+            w = self.cache.storage["weight"]
+            rows = w.index_select(0, to_device(torch.from_numpy(s[pos]), dev))
+            table.index_copy_(0, to_device(torch.from_numpy(pos), dev), rows)
+        pos = np.flatnonzero(over)
+        rows = self._direct_rows(torch.from_numpy(uniq_cpu.numpy()[pos]))
+        table.index_copy_(0, to_device(torch.from_numpy(pos), dev), rows)
+        return table
+
+    def _direct_rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (not resident) read from the tier for one lookup, without taking cache slots; in exact
+        mode made current on the compute device (the same kernel as a cached row's catch-up) and written back;
+        fp32 on the compute device."""
+        dev = self.compute_device
+        buf = self.cache.read_direct(ids)
+        work = {k: v.to(dev, non_blocking=True) for k, v in buf.items()}  # on a CPU: the same tensors
+        changed = self.optimizer.catch_up(work["weight"], [work[k] for k in self.optimizer.state_names],
+                                          torch.arange(ids.numel()), ids)
+        if changed.numpy().any():
+            if dev.type == "cuda":
+                for k, v in buf.items():
+                    v.copy_(work[k], non_blocking=True)
+                torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
+            self.cache.write_direct(ids, buf)
+        return work["weight"]
+
+    def prefetch(self, ids: Tensor) -> None:
+        """Stage the rows of an upcoming batch asynchronously (pinned until the next forward uses them).
+
+        The batch is planned here too (unique ids, inverse, order; uploaded at once), so the forward of the
+        same ids only brings them to the host to compare.
+        """
+        from ds_maximus.errors import CapacityError
+        flat = ids_on_host(ids.detach().reshape(-1))
+        host = self._planner.plan_host(flat, pin=self.compute_device.type == "cuda")  # IndexError on a bad id
+        while len(self._prefetched) >= 2:
+            self.cache.unpin(self._prefetched.popleft().slots)
+        try:  # counted here: a lookup of exactly these ids adopts them without a second count
+            slots = self.cache.acquire(host.uniq, pin=True, wait=False, count=True)
+        except CapacityError:
+            logger.debug("prefetch of %d rows skipped: the cache cannot hold them beside the rows in use",
+                         host.uniq.numel())
+            return
+        self._replay_fills()
+        plan = host.to(self.compute_device)  # uploaded after the fills are queued
+        self._prefetched.append(_Prefetched(plan.uniq, slots, flat.copy(), plan))
+
+    def _replay_fills(self) -> None:
+        """Exact mode on a GPU: replay the skipped steps of the rows the prefetch just brought in, on the fill
+        stream right after their fills, where the GPU runs it beside the current step's work.
+
+        Rows back from the tier lag by hundreds of steps (0.8 ms a step at V=262144, d=4096); in the lookup
+        this sat between the host sync and the gather, and at the end of the optimizer step it made the
+        compute stream wait for the fills. Only fresh rows: no work queued on the compute stream uses their
+        slots, and the lookup's ``wait_fills`` orders it after this replay. Rows that were already resident
+        and lag (by a step or so) are replayed by the lookup."""
+        if self.optimizer.lazy or not self.cache.cuda:
+            return
+        ids, slots = self.cache.last_misses
+        if not ids.numel():
+            return
+        lag = self.optimizer.lagging(ids)
+        if lag.numpy().any():
+            self.optimizer.history(self.compute_device)  # any upload on the compute stream, not the fill stream
+            self.cache.after_fills(_masked(slots, lag), lambda: self._replay(ids, slots, lag))
+
+    def _prefetched_plan(self, flat: np.ndarray) -> Optional[BatchPlan]:
+        """The plan of a prefetched batch whose ids are exactly ``flat``, or None."""
+        for p in self._prefetched:
+            if p.flat.size == flat.size and np.array_equal(p.flat, flat):
+                return p.plan
+        return None
+
+    def _adopt_prefetch(self, uniq_cpu: Tensor, wait: bool) -> Optional[Tensor]:
+        """Slots of a prefetched set with exactly the ids ``uniq_cpu`` (its pins pass to the step), or None.
+
+        The common case (``prefetch(batch t+1)`` during step t): the lookup skips the cache's bookkeeping
+        a second time; the rows were counted, pinned and their fills queued by the prefetch.
+        """
+        for i, p in enumerate(self._prefetched):
+            if p.ids is uniq_cpu or (p.ids.numel() == uniq_cpu.numel() and torch.equal(p.ids, uniq_cpu)):
+                del self._prefetched[i]  # the prefetch's assign already touched them (recency, frequency)
+                if wait:
+                    self.cache.wait_fills(p.slots)
+                return p.slots
+        return None
+
+    def _release_prefetch(self, used_slots: Tensor) -> None:
+        """Unpin the prefetched sets this lookup consumed (all their rows are among ``used_slots``)."""
+        if not self._prefetched:
+            return
+        used = np.zeros(self.cache.num_slots, dtype=bool)  # a mask: torch.isin sorts both sides (~1 ms)
+        used[used_slots.numpy()] = True
+        keep = collections.deque()
+        for p in self._prefetched:
+            if p.slots.numel() <= used_slots.numel() and used[p.slots.numpy()].all():
+                self.cache.unpin(p.slots)
+            else:
+                keep.append(p)
+        self._prefetched = keep
+
+    def _accumulate(self, ids: Tensor, rows: Tensor) -> None:
+        self.grad.add(ids, rows)
+
+    # -- the maximus module protocol ---------------------------------------------------------------------
+    def set_grad_anchor(self, fn) -> None:
+        """Use ``fn()`` as the autograd anchor of each lookup (its backward runs after this module's)."""
+        self._anchor_fn = fn
+
+    def sparse_grads(self):
+        """The accumulated sparse gradient as ``(ids [U] CPU long, rows [U, d] fp32)`` (empty when none)."""
+        if not self.grad:
+            return (torch.zeros(0, dtype=torch.long),
+                    torch.zeros(0, self.embedding_dim, device=self.compute_device))
+        return self.grad.ids, self.grad.rows
+
+    def set_sparse_grads_(self, ids: Tensor, rows: Tensor) -> None:
+        """Replace the accumulated sparse gradient (unique ids), e.g. after combining across ranks."""
+        self.grad.clear()
+        if ids.numel():
+            self.grad.add(ids.to("cpu", torch.long), rows.to(self.compute_device, torch.float32))
+
+    def sparse_grad_norm_sq(self) -> Tensor:
+        """Sum of squares of the accumulated sparse gradient (fp32 scalar on the compute device)."""
+        return self.grad.norm_sq(self.compute_device)
+
+    def scale_sparse_grads_(self, factor: float) -> None:
+        self.grad.scale_(factor)
+
+    def sparse_grads_finite(self) -> bool:
+        return self.grad.finite()
+
+    def zero_sparse_grads(self) -> None:
+        self.grad.clear()
+        self._unpin_step()
+
+    def _unpin_step(self) -> None:
+        for s in self._step_pins:
+            self.cache.unpin(s)
+        self._step_pins.clear()
+
+    def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
+        """Apply the sparse optimizer to the accumulated gradient, advance the step, clear the gradient."""
+        self.optimizer.begin_step(lr, weight_decay)
+        touched = 0
+        if self.grad:
+            ids, rows = self.grad.ids, self.grad.rows
+            touched = ids.numel()
+            slots = self.cache.slots_of(ids)
+            res = slots >= 0
+            w, states = self._tables()
+            if res.numpy().all():
+                self.optimizer.update(w, states, slots, rows, ids)
+                self.cache.mark_dirty(slots)
+            else:
+                res_d = res.to(rows.device)
+                self.optimizer.update(w, states, slots[res], rows[res_d], ids[res])
+                self.cache.mark_dirty(slots[res])
+                self._tier_update(ids[~res], rows[~res_d])
+        self.grad.clear()
+        self._unpin_step()
+        self.stats_tracker.end_step(self.cache, touched)
+        step = self.optimizer.step
+        if step % self.log_interval_steps == 0:
+            logger.info(format_line(f"ShardedEmbedding({self.num_embeddings}x{self.embedding_dim})", step,
+                                    self.stats()))
+
+    def _tier_update(self, ids: Tensor, rows: Tensor) -> None:
+        """Step rows that are not in the cache (another rank's rows in data-parallel training, after the
+        gradient all-reduce). On a GPU they cross to it for the step and back, without taking cache slots:
+        exact mode replays every skipped step per element, which on the CPU cost 104 ms a step at V=262144,
+        d=4096 on 2 H200s (``docs/bench/distributed.md``). Without a GPU they are stepped in the tier."""
+        self.cache._finish_write_backs(block=True)
+        n, dev = ids.numel(), rows.device
+        buf = self.cache._staging(n)  # pinned when the cache is on a GPU
+        self.tier.read(ids, buf)
+        work = {k: v.to(dev, non_blocking=True) for k, v in buf.items()}  # on a CPU: the same tensors
+        self.optimizer.update(work["weight"], [work[k] for k in self.optimizer.state_names],
+                              torch.arange(n, device=dev), rows, ids)
+        if dev.type == "cuda":
+            for k, v in buf.items():
+                v.copy_(work[k], non_blocking=True)
+            torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
+        self.tier.write(ids, buf)
+
+    def _resident_catch_up(self, ids: Tensor) -> None:
+        self.cache.wait_fills()  # rows in flight (a prefetch) are replayed where they land, not before
+        self._replay(ids, self.cache.slots_of(ids))
+
+    def _replay(self, ids: Tensor, slots: Tensor, lag: Optional[Tensor] = None) -> None:
+        """Exact mode: replay the skipped steps of cached rows ``ids`` in ``slots``; mark the changed ones dirty."""
+        w, states = self._tables()
+        changed = self.optimizer.catch_up(w, states, slots, ids, lag=lag)
+        if changed.numpy().any():
+            self.cache.mark_dirty(_masked(slots, changed))
+
+    def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
+        """Rows ``[lo, hi)`` as they are now (catch-up applied), on ``device`` in ``dtype`` (tied heads)."""
+        device = torch.device(device) if device is not None else self.compute_device
+        dtype = dtype or self.out_dtype
+        ids = torch.arange(lo, hi)
+        slots = self.cache.slots_of(ids)
+        res = slots >= 0
+        out = torch.empty(hi - lo, self.embedding_dim, dtype=dtype, device=device)
+        if bool(res.any()):
+            self._resident_catch_up(ids[res])
+            w, _ = self._tables()
+            self.cache.wait_fills()
+            out[res.to(device)] = w.index_select(0, slots[res].to(w.device)).to(device, dtype)
+        if not bool(res.all()):
+            cold = ids[~res]
+            self.cache._finish_write_backs(block=True)
+            names = ("weight", *self.optimizer.state_names)
+            buf = {n: torch.empty(cold.numel(), self.embedding_dim) for n in names}
+            self.tier.read(cold, buf)
+            changed = self.optimizer.catch_up(buf["weight"], [buf[n] for n in names[1:]],
+                                              torch.arange(cold.numel()), cold)
+            if bool(changed.any()):
+                self.tier.write(cold, buf)
+            out[(~res).to(device)] = buf["weight"].to(device, dtype)
+        return out
+
+    def add_dense_row_grad_(self, lo: int, hi: int, grad: Tensor) -> None:
+        """Add a gradient for the contiguous rows ``[lo, hi)`` to the accumulated sparse gradient."""
+        if tuple(grad.shape) != (hi - lo, self.embedding_dim):
+            raise ValueError(f"grad has shape {tuple(grad.shape)}, expected ({hi - lo}, {self.embedding_dim})")
+        ids = torch.arange(lo, hi)
+        if self.padding_idx is not None and lo <= self.padding_idx < hi:
+            keep = ids != self.padding_idx
+            ids, grad = ids[keep], grad[keep.to(grad.device)]
+        self.grad.add(ids, grad.detach().to(self.compute_device, torch.float32))
+
+    def stats(self) -> dict:
+        """Cumulative figures, and ``"last_step"``: the same for the last optimizer step."""
+        return self.stats_tracker.as_dict(self.cache)

@@ -1,2 +1,0 @@
-"""The partitioner: wiring sharded modules into ``deepspeed.initialize`` under ZeRO 0-3."""
-from ds_maximus.zero.initialize import disable, enable, initialize  # noqa: F401

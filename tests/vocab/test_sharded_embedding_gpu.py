@@ -1,0 +1,90 @@
+"""GPU versions of the key ShardedEmbedding tests (marker gpu; skipped where no CUDA is)."""
+import pytest
+import torch
+from torch import nn
+
+from ds_maximus.vocab import ShardedEmbedding
+from emb_helpers import make_config, zipf_batch
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_op_built():
+    from ds_maximus.ops import row_ops as ops
+    assert ops.load_op("cuda") is not None, "the CUDA op did not build (see the warning)"
+
+
+@pytest.mark.parametrize("dim", [1, 3, 129, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_forward_equals_nn_embedding(dim, dtype):
+    _cuda_op_built()
+    ref = nn.Embedding(300, dim)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=128)).to("cuda", dtype)
+    ref = ref.to("cuda", dtype)
+    ids = torch.randint(0, 300, (4, 25), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(emb(ids), ref(ids))
+
+
+@pytest.mark.parametrize("cache_rows", [24, 200], ids=["heavy-eviction", "roomy"])
+@pytest.mark.parametrize("dim", [3, 129, 256])
+def test_gpu_exact_adamw_equals_dense(cache_rows, dim):
+    g = torch.Generator().manual_seed(0)
+    ref = nn.Embedding(200, dim)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=cache_rows, policy="lfu")).to("cuda")
+    ref = ref.cuda()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(50):
+        ids = zipf_batch(g, 200, 20)
+        lr = 1e-2 * (0.5 + 0.5 * torch.rand((), generator=g).item())
+        for pg in opt.param_groups:
+            pg["lr"] = lr
+        if step % 2 == 0:
+            emb.prefetch(ids)
+        w = torch.randn(20, dim, generator=g).cuda()
+        opt.zero_grad()
+        (ref(ids.cuda()) * w).sum().backward()
+        opt.step()
+        (emb(ids.cuda()) * w).sum().backward()
+        emb.sparse_step(lr=lr, weight_decay=0.1)
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+    s = emb.stats()
+    assert s["rows_fetched"] > 0 and 0 <= s["hit_rate"] <= 1
+    if cache_rows == 24:
+        assert s["rows_evicted"] > 100
+
+
+def test_gpu_lazy_equals_sparse_adam():
+    g = torch.Generator().manual_seed(1)
+    ref = nn.Embedding(100, 33, sparse=True)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=20, mode="lazy")).to("cuda")
+    ref = ref.cuda()
+    opt = torch.optim.SparseAdam(ref.parameters(), lr=1e-2)
+    for _ in range(20):
+        ids = zipf_batch(g, 100, 12).cuda()
+        w = torch.randn(12, 33, generator=g).cuda()
+        opt.zero_grad()
+        (ref(ids) * w).sum().backward()
+        opt.step()
+        (emb(ids) * w).sum().backward()
+        emb.sparse_step(lr=1e-2, weight_decay=0.0)
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [1000, -3])
+def test_gpu_bad_id_raises_index_error_and_gpu_survives(bad):
+    emb = ShardedEmbedding(1000, 8, config=make_config(cache_rows=16)).to("cuda")
+    with pytest.raises(IndexError, match="1000"):
+        emb(torch.tensor([1, bad], device="cuda"))
+    torch.cuda.synchronize()
+    assert emb(torch.tensor([1, 2], device="cuda")).shape == (2, 8)  # no illegal address, still usable
+
+
+def test_gpu_backward_segment_reduce_equals_dense_grad():
+    ref = nn.Embedding(500, 64).cuda()
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=500))
+    ids = torch.randint(0, 50, (8, 64), device="cuda")  # many duplicates
+    w = torch.randn(8, 64, 64, device="cuda")
+    (ref(ids) * w).sum().backward()
+    (emb(ids) * w).sum().backward()
+    torch.testing.assert_close(emb.grad.rows, ref.weight.grad[emb.grad.ids.cuda()], rtol=1e-5, atol=1e-5)
