@@ -10,7 +10,9 @@ rows is seconds of memory-bound CPU work; here every block of ``rows`` rows inst
 * device -> host on the ``d2h`` side stream: weight, moments and mirrors (12 + 2 B/param).
 
 Two staging sets are in flight, so the copies in both directions overlap the update of the
-previous block; the host never waits. The returned event marks the end of the whole step: the
+previous block; the host never waits. The streams, the staging sets and their events are the partition
+core's :class:`~ds_maximus.partition.staged_update.StagedUpdate`, the same pipeline MoE training steps
+its experts through. The returned event marks the end of the whole step: the
 tier's next weight fetch makes its copy stream wait on it, so the step also overlaps the next
 forward pass up to the LM head. On a CPU device the same code runs without streams (tests compare
 it with the host path bit for bit).
@@ -35,85 +37,45 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
 from ds_maximus.optim.sparse_adamw import adamw_rows_
+from ds_maximus.partition.staged_update import BackgroundStep, StagedUpdate, device_with_index
+
+__all__ = ["PendingStep", "StagedAdamW", "device_with_index"]
 
 _STATE = ("weight", "exp_avg", "exp_avg_sq")
 
-
-def device_with_index(device) -> torch.device:
-    """``device`` with its index ("cuda" and "cuda:0" compare unequal)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _ctx(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-class PendingStep:
-    """A step whose blocks a worker thread is still issuing; ``event()`` joins it (re-raising its error)
-    and returns the step's end event."""
-
-    def __init__(self, fn):
-        self._result = None
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="maximus-head-step", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._result = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by event()
-            self._error = e
-
-    def event(self) -> Optional[torch.cuda.Event]:
-        self._thread.join()
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-        return self._result
+PendingStep = BackgroundStep  # the head's name for a step a worker thread is still issuing
 
 
 class StagedAdamW:
-    """Double-buffered device staging for one tier; buffers are made on first use and kept."""
+    """AdamW of a whole ``[V, dim]`` host table through :class:`~ds_maximus.partition.staged_update.StagedUpdate`
+    in blocks of ``rows`` rows; the staging buffers are made on first use and kept."""
 
     def __init__(self, device: torch.device, rows: int, dim: int):
-        self.device = device_with_index(device)
+        self.pipeline = StagedUpdate(device)
+        self.device = self.pipeline.device
         self.rows = int(rows)
         self.dim = int(dim)
-        self._bufs: List[Dict[str, torch.Tensor]] = []
-        self._free: List[Optional[torch.cuda.Event]] = [None, None]
-        cuda = self.device.type == "cuda"
-        self.h2d = torch.cuda.Stream(device=self.device) if cuda else None
-        self.opt = torch.cuda.Stream(device=self.device) if cuda else None
-        self.d2h = torch.cuda.Stream(device=self.device) if cuda else None
 
-    def _buf(self, i: int, mirror_dtypes, resident=()) -> Dict[str, torch.Tensor]:
-        while len(self._bufs) <= i:
-            self._bufs.append({})
-        b = self._bufs[i]
-        for name in _STATE + ("grad",):
-            if name not in b and name not in resident:
-                b[name] = torch.empty(self.rows, self.dim, dtype=torch.float32, device=self.device)
-        for dt in mirror_dtypes:
-            if dt not in b:
-                b[dt] = torch.empty(self.rows, self.dim, dtype=dt, device=self.device)
-        return b
+    @property
+    def h2d(self) -> Optional[torch.cuda.Stream]:
+        return self.pipeline.load
+
+    @property
+    def opt(self) -> Optional[torch.cuda.Stream]:
+        return self.pipeline.update
+
+    @property
+    def d2h(self) -> Optional[torch.cuda.Stream]:
+        return self.pipeline.store
 
     def release(self) -> None:
         """Free the device staging buffers (they come back on the next step)."""
-        if self.d2h is not None:
-            self.d2h.synchronize()
-        self._bufs.clear()
-        self._free = [None, None]
+        self.pipeline.release()
 
     def step(self, host: Dict[str, torch.Tensor], grad_rows: torch.Tensor, mirrors: Dict[torch.dtype, torch.Tensor],
              *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -134,41 +96,30 @@ class StagedAdamW:
             def issue():
                 with torch.cuda.device(self.device):
                     return self._issue(host, grad_rows, mirrors, throttle=True, **kw)
-            return PendingStep(issue)
+            return PendingStep(issue, name="maximus-head-step")
         return self._issue(host, grad_rows, mirrors, throttle=False, **kw)
 
     def _issue(self, host, grad_rows, mirrors, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale, after,
                throttle: bool):
+        pl = self.pipeline
         vocab = host["weight"].shape[0]
-        blocks: List[Tuple[int, int]] = [(lo, min(vocab, lo + self.rows)) for lo in range(0, vocab, self.rows)]
-        if after is not None and self.h2d is not None:
-            self.h2d.wait_event(after)
+        blocks = [(lo, min(vocab, lo + self.rows)) for lo in range(0, vocab, self.rows)]
         nb = self.device.type == "cuda"
         resident = tuple(n for n in _STATE + ("grad",) if host[n].device == self.device)
-        loads: List[torch.cuda.Event] = []
-        for i, (lo, hi) in enumerate(blocks):
-            if throttle and len(loads) >= 2:
-                loads[-2].synchronize()              # at most two blocks queued on the copy engine
-            k = i % 2
-            b = self._buf(k, list(mirrors), resident)
+        size = self.rows * self.dim
+        for k, (lo, hi) in pl.pieces(blocks, after=after, throttle=throttle):
             n = hi - lo
-            dev = {name: t[:n] for name, t in b.items()}
+            dev = {name: pl.buffer(k, name, size)[:n * self.dim].view(n, self.dim)
+                   for name in _STATE + ("grad",) if name not in resident}
+            dev.update({dt: pl.buffer(k, str(dt), size, dt)[:n * self.dim].view(n, self.dim) for dt in mirrors})
             dev.update({name: host[name][lo:hi] for name in resident})
-            if self.h2d is not None and self._free[k] is not None:
-                self.h2d.wait_event(self._free[k])       # the set's previous block has left the device
-            with _ctx(self.h2d):
+            with pl.loading(k):
                 for name in _STATE + ("grad",):
                     if name not in resident:
                         dev[name].copy_(host[name][lo:hi], non_blocking=nb)
-                loaded = torch.cuda.Event() if nb else None
-                if nb:
-                    loaded.record(self.h2d)
-                    loads.append(loaded)
             have = grad_rows[lo:hi]
             partial = not bool(have.all())
-            if self.opt is not None:
-                self.opt.wait_event(loaded)
-            with _ctx(self.opt):
+            with pl.updating(pl.update):
                 g = dev["grad"]
                 if g.dtype != torch.float32:  # a device-resident bf16 gradient
                     g = g.float()
@@ -180,22 +131,10 @@ class StagedAdamW:
                             beta2=beta2, eps=eps, weight_decay=weight_decay)
                 for dt in mirrors:
                     dev[dt].copy_(dev["weight"])
-                done = torch.cuda.Event() if nb else None
-                if nb:
-                    done.record(self.opt)
-            if self.d2h is not None:
-                self.d2h.wait_event(done)
-            with _ctx(self.d2h):
+            with pl.storing(k):
                 for name in _STATE:
                     if name not in resident:
                         host[name][lo:hi].copy_(dev[name], non_blocking=nb)
                 for dt, m in mirrors.items():
                     m[lo:hi].copy_(dev[dt], non_blocking=nb)
-                if nb:
-                    self._free[k] = torch.cuda.Event()
-                    self._free[k].record(self.d2h)
-        if not nb:
-            return None
-        end = torch.cuda.Event()
-        end.record(self.d2h)
-        return end
+        return pl.end()
