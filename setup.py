@@ -31,7 +31,7 @@ setup(
     entry_points={
         "console_scripts": [
             "maximus-tokenizer=ds_maximus.tokenmap.cli:main",
-            "maximus-export=ds_maximus.integrations.export:main",
+            "maximus-export=ds_maximus.integrations.export_cli:main",
             "maximus-env-report=ds_maximus.env_report:main",
         ]
     },

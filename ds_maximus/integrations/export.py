@@ -409,9 +409,3 @@ def export_hf(engine_or_model, out_dir: str, tokenizer=None, original_order: boo
     finally:
         if dist:
             torch.distributed.barrier()
-
-
-def main(argv=None) -> int:
-    """``maximus-export``: see :mod:`ds_maximus.integrations.export_cli`."""
-    from ds_maximus.integrations.export_cli import main as _main
-    return _main(argv)

@@ -17,6 +17,8 @@ import logging
 import sys
 
 from ds_maximus.errors import MaximusError
+from ds_maximus.integrations.export import (DTYPES, _resolve_tag, checkpoint_state_dict, find_model_config,
+                                            write_hf_folder)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from ds_maximus.integrations.export import (DTYPES, _resolve_tag, checkpoint_state_dict, find_model_config,
-                                                write_hf_folder)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

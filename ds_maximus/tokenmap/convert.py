@@ -21,12 +21,11 @@ from safetensors.torch import save_file
 
 from ds_maximus.errors import TokenMapError
 from ds_maximus.store import ShardStore
+from ds_maximus.tokenmap.converted import CHECKPOINTS_KEY, CONVERT_FILE
 from ds_maximus.tokenmap.rewrite import write_tokenizer_folder
 from ds_maximus.tokenmap.token_map import TokenMap
 
 ADAMW_STATE_NAMES = ("exp_avg", "exp_avg_sq")
-CONVERT_FILE = "maximus_convert.json"  # the summary written beside a converted checkpoint
-CHECKPOINTS_KEY = "converted_checkpoints"  # token map meta: folders convert_checkpoint wrote from it
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id",
                   "unk_token_id", "cls_token_id", "mask_token_id")
 _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
@@ -42,7 +41,8 @@ def _weight_files(model_dir: str) -> List[str]:
     if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         return ["model.safetensors"]
     raise TokenMapError(f"{model_dir} holds no safetensors checkpoint (model.safetensors or "
-                        "model.safetensors.index.json); save it with model.save_pretrained(dir, safe_serialization=True)")
+                        "model.safetensors.index.json); save it with "
+                        "model.save_pretrained(dir, safe_serialization=True)")
 
 
 def _config_vocab(cfg: dict, path: str) -> int:

@@ -12,14 +12,14 @@ the model grows with ``resize_token_embeddings`` (or reads the grown store).
 from __future__ import annotations
 
 import json
-import os
 from typing import List, Sequence
 
 import torch
 
 from ds_maximus.errors import TokenMapError
-from ds_maximus.tokenmap.convert import CHECKPOINTS_KEY, CONVERT_FILE
+from ds_maximus.tokenmap.converted import CHECKPOINTS_KEY, converted_checkpoint_dirs
 from ds_maximus.tokenmap.rewrite import write_tokenizer_folder
+from ds_maximus.tokenmap.tokenizer_json import tokenizer_from_json
 
 
 def _as_list(stores) -> list:
@@ -64,8 +64,7 @@ def extend_token_map(tm, tokens: Sequence[str], stores=(), progress: bool = True
     pieces = [tm.encode(t) for t in tokens]
 
     # the new tokenizer first (nothing written yet), so a failure here changes nothing
-    from ds_maximus.tokenmap.token_map import _from_json
-    tok = _from_json(json.loads(tm.tokenizer.to_str()))  # a copy (Unigram scores kept exact)
+    tok = tokenizer_from_json(json.loads(tm.tokenizer.to_str()))  # a copy (Unigram scores kept exact)
     tok.add_tokens([AddedToken(t, single_word=single_word) for t in tokens])
     new_ids = [tok.token_to_id(t) for t in tokens]
     if new_ids != list(range(V, V + len(tokens))):
@@ -91,28 +90,10 @@ def extend_token_map(tm, tokens: Sequence[str], stores=(), progress: bool = True
     tm._tokenizer = tok
     tm.meta["vocab_size"] = V + n
     tm.meta["extended_tokens"] = list(tm.meta.get("extended_tokens", [])) + tokens
-    ckpts = _checkpoint_dirs(tm, stores)
+    ckpts = converted_checkpoint_dirs(tm, stores)
     tm.meta[CHECKPOINTS_KEY] = ckpts
     if tm.path is not None:
         tm.save(tm.path)
     for d in ckpts:
         write_tokenizer_folder(tm.tokenizer_dir or "", d, tm.tokenizer_json, list(range(tm.vocab_size)))
     return new_ids
-
-
-def _checkpoint_dirs(tm, stores) -> List[str]:
-    """Folders of the checkpoints converted from ``tm`` that still exist: those its meta records and
-    those whose embedding store is one of ``stores``."""
-    dirs = list(tm.meta.get(CHECKPOINTS_KEY, []))
-    for s in stores:
-        parent = os.path.dirname(os.path.abspath(s.path))
-        summary = os.path.join(parent, CONVERT_FILE)
-        if os.path.isfile(summary):
-            with open(summary) as f:
-                if os.path.abspath(json.load(f).get("store", "")) == os.path.abspath(s.path):
-                    dirs.append(parent)
-    out: List[str] = []
-    for d in dirs:
-        if d not in out and os.path.isfile(os.path.join(d, CONVERT_FILE)):
-            out.append(d)
-    return out

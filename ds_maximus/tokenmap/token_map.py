@@ -25,8 +25,10 @@ from safetensors.torch import save as st_save
 from ds_maximus.errors import TokenMapError
 from ds_maximus.store.format import atomic_write
 from ds_maximus.tokenmap.corpus import corpus_stream, count_tokens, encode_ids
+from ds_maximus.tokenmap.extend import extend_token_map
 from ds_maximus.tokenmap.rewrite import (load_tokenizer_json, model_vocab_ids, permute_tokenizer_json,
                                          write_tokenizer_folder)
+from ds_maximus.tokenmap.tokenizer_json import tokenizer_from_json
 from ds_maximus.tokenmap.validate import read_maps, read_meta
 
 META_FILE = "token_map.json"
@@ -48,20 +50,6 @@ def _load_source(tokenizer) -> Tuple[dict, Optional[str]]:
         raise TokenMapError(f"{type(tokenizer).__name__} is not a Hugging Face fast tokenizer; pass a folder with "
                             "tokenizer.json, a tokenizers.Tokenizer or a transformers *Fast tokenizer")
     return json.loads(backend.to_str()), None
-
-
-def _from_json(d: dict):
-    """A ``Tokenizer`` from parsed tokenizer.json. A Unigram model is rebuilt from the Python floats: the Rust
-    JSON parser can land one ulp off a score (-7.6145106463098715 read as -7.614510646309872), and the
-    Viterbi segmentation then breaks exact ties ("=" + "===" vs "===" + "=") differently from the tokenizer
-    the scores came from."""
-    from tokenizers import Tokenizer, models
-    tok = Tokenizer.from_str(json.dumps(d))
-    m = d.get("model") or {}
-    if m.get("type") == "Unigram":
-        tok.model = models.Unigram([(p, float(s)) for p, s in m["vocab"]], m.get("unk_id"),
-                                   bool(m.get("byte_fallback", False)))
-    return tok
 
 
 class TokenMap:
@@ -104,7 +92,7 @@ class TokenMap:
         if sorted(vocab.values()) != list(range(V)):
             raise TokenMapError(f"the tokenizer's ids are not 0..{V - 1} without gaps; a token map needs a dense "
                                 "vocabulary (remove the holes or re-train the tokenizer)")
-        old = _from_json(src)
+        old = tokenizer_from_json(src)
         stream, total_bytes = corpus_stream(corpus, texts, text_key, sample_by)
         sample: List[str] = []
 
@@ -199,7 +187,7 @@ class TokenMap:
     def tokenizer(self):
         """The rewritten ``tokenizers.Tokenizer`` (its ``encode`` yields new ids)."""
         if self._tokenizer is None:
-            self._tokenizer = _from_json(self.tokenizer_json)
+            self._tokenizer = tokenizer_from_json(self.tokenizer_json)
         return self._tokenizer
 
     @property
@@ -249,7 +237,6 @@ class TokenMap:
     def extend(self, tokens: Sequence[str], stores=(), progress: bool = True, single_word: bool = False) -> List[int]:
         """Append ``tokens`` as new ids (and new shards of each store in ``stores``); see
         :func:`ds_maximus.tokenmap.extend.extend_token_map`."""
-        from ds_maximus.tokenmap.extend import extend_token_map
         return extend_token_map(self, tokens, stores, progress=progress, single_word=single_word)
 
     def __repr__(self) -> str:

@@ -152,7 +152,7 @@ def test_export_zero2_engine_and_checkpoint(token_map, tmp_path):
     """Live export (new and original order) and the CLI from the ZeRO-2 checkpoint folder; the LM head
     is in the CPU tier as well (no Parameter: its rows come from the tier / maximus_states.pt)."""
     from ds_maximus import export_hf
-    from ds_maximus.integrations.export import main
+    from ds_maximus.integrations.export_cli import main
     tm, base_dir, texts = token_map
     engine = _train(2, tm, texts, tmp_path, head=True)
     ref = _reference(engine, tm)

@@ -165,9 +165,9 @@ def test_unigram_scores_survive_the_json_round_trip_exactly():
     (the flaky case of test_other_model_types[unigram]). Rebuilt from the Python floats, every score is exact."""
     import json
     from tokenizers import models
-    from ds_maximus.tokenmap.token_map import _from_json
+    from ds_maximus.tokenmap.tokenizer_json import tokenizer_from_json
     vocab = [("<unk>", 0.0), ("=", -5.372414213484765), ("=" * 15, -7.6145106463098715), ("a", -3.0)]
     tok = Tokenizer(models.Unigram(vocab, 0, False))
     # (tokenizers 0.23.3 reads this score back as -7.614510646309872 through Tokenizer.from_str)
-    ours = json.loads(_from_json(json.loads(tok.to_str())).to_str())["model"]["vocab"]
+    ours = json.loads(tokenizer_from_json(json.loads(tok.to_str())).to_str())["model"]["vocab"]
     assert [tuple(x) for x in ours] == vocab
