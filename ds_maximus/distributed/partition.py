@@ -64,3 +64,43 @@ class RowPartition:
 
     def __repr__(self) -> str:
         return f"RowPartition(num_rows={self.num_rows}, world={self.world}, block_rows={self.block_rows})"
+
+
+class MasterPartition:
+    """Every row owned by one rank, ``master`` (the ``broadcast`` shard mode): the same interface as
+    :class:`RowPartition`, so the lookup, gradient and checkpoint paths of a partitioned table route every id to
+    the master and the other ranks hold no rows.
+
+    Example::
+
+        >>> import torch
+        >>> p = MasterPartition(10, world=3, master=1)
+        >>> p.owner(torch.tensor([0, 9])).tolist(), p.num_local(0), p.num_local(1)
+        ([1, 1], 0, 10)
+    """
+
+    def __init__(self, num_rows: int, world: int, master: int):
+        if world < 1 or num_rows < 1 or not 0 <= master < world:
+            raise ValueError(f"MasterPartition needs num_rows >= 1, world >= 1 and 0 <= master < world, got "
+                             f"{num_rows}, {world}, {master}")
+        self.num_rows, self.world, self.master = int(num_rows), int(world), int(master)
+        self.block_rows = self.num_rows  # one block, the master's
+        self.num_blocks = 1
+
+    def signature(self) -> Tensor:
+        return torch.tensor([self.num_rows, self.world, self.block_rows], dtype=torch.long)
+
+    def owner(self, ids: Tensor) -> Tensor:
+        return torch.full_like(ids, self.master)
+
+    def to_local(self, ids: Tensor) -> Tensor:
+        return ids
+
+    def global_ids(self, rank: int) -> Tensor:
+        return torch.arange(self.num_rows if rank == self.master else 0, dtype=torch.long)
+
+    def num_local(self, rank: int) -> int:
+        return self.num_rows if rank == self.master else 0
+
+    def __repr__(self) -> str:
+        return f"MasterPartition(num_rows={self.num_rows}, world={self.world}, master={self.master})"

@@ -7,6 +7,10 @@ their local table and send them back (all-to-all). In backward the per-id gradie
 owners (all-to-all), which sum the duplicates from every rank, average over the ranks as DeepSpeed
 does for dense gradients, and accumulate them; ``sparse_step`` then updates the owned rows only.
 
+On one rank (a group of one) the table is the plain ``ShardedEmbedding``: the lookup, its backward, prefetch,
+a tied head's rows and gradient and the whole-table reads call the local table directly, with no exchange, no
+collective and no extra copy.
+
 Example (under ``deepspeed --num_gpus 2``)::
 
     emb = PartitionedEmbedding(50000, 512, config=EmbeddingConfig(gpu_cache_rows=4096))
@@ -27,6 +31,7 @@ from torch import Tensor, nn
 from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
 from ds_maximus.distributed.collectives import Collectives
 from ds_maximus.distributed.partition import RowPartition, default_block_rows
+from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_with_engine
 from ds_maximus.errors import DistributedError
 
 
@@ -106,13 +111,12 @@ class _HeadGrads:
         if ids.numel() != hi - lo:
             raise ValueError(f"a tied head's gradient covers a contiguous range of rows, got {ids.numel()} ids "
                              f"over [{lo}, {hi})")
-        total = m.comm.all_reduce("head grads", rows.detach().float().cpu()) / m.world
-        mine, a, b = m._owned_range(lo, hi)
-        if a is not None:
-            m.local.grad.add(torch.arange(a, b), total[mine].to(m.compute_device))
+        total = m._sum_head_grads(rows)
+        if total is not None:
+            m._keep_head_grads(lo, hi, total)
 
 
-class PartitionedEmbedding(nn.Module):
+class PartitionedEmbedding(MaximusModule, nn.Module):
     """Row-partitioned embedding over the data-parallel group; implements the maximus module protocol.
 
     ``group`` defaults to DeepSpeed's data-parallel group; ``block_rows`` to about 16 blocks per rank.
@@ -125,7 +129,6 @@ class PartitionedEmbedding(nn.Module):
                  _weight: Optional[Tensor] = None, group=None, timeout_s: Optional[float] = None,
                  block_rows: Optional[int] = None):
         super().__init__()
-        from ds_maximus.vocab import ShardedEmbedding
         log_interval = None
         if isinstance(config, MaximusConfig):
             timeout_s = timeout_s or config.distributed.timeout_s
@@ -136,30 +139,41 @@ class PartitionedEmbedding(nn.Module):
         self.padding_idx = None if padding_idx is None else padding_idx % self.num_embeddings
         self.comm = Collectives(group, timeout_s or 600.0)
         self.rank, self.world = self.comm.rank, self.comm.world
-        self.partition = RowPartition(self.num_embeddings, self.world,
-                                      block_rows or default_block_rows(num_embeddings, self.world,
-                                                                       config.rows_per_shard))
-        self._check_agreement()
+        self.partition = self._make_partition(config, block_rows)
+        if not self.comm.single:
+            self._check_agreement()
         self.owned = self.partition.global_ids(self.rank)
         local_pad = None
         if self.padding_idx is not None and int(self.partition.owner(torch.tensor(self.padding_idx))) == self.rank:
             local_pad = int(self.partition.to_local(torch.tensor(self.padding_idx)))
-        local_cfg = config
-        if config.offload.device == OffloadDevice.NVME and config.offload.nvme_path:
-            local_cfg = copy.deepcopy(config)  # each rank's store holds only its rows
-            local_cfg.offload.nvme_path = os.path.join(config.offload.nvme_path, f"rank{self.rank:05d}")
-        w = None if _weight is None else _weight.detach().index_select(0, self.owned.to(_weight.device))
+        w = None
+        if _weight is not None:
+            w = _weight.detach()  # a rank that owns every row (one rank, a broadcast master) takes it whole
+            if self.owned.numel() != self.num_embeddings:
+                w = w.index_select(0, self.owned.to(w.device))
         # not a registered child: the model's state_dict (DeepSpeed's module checkpoint) must not carry a
         # rank's slice; the maximus state files hold the table (see ds_maximus/distributed/repartition.py)
-        object.__setattr__(self, "local", ShardedEmbedding(self.owned.numel(), embedding_dim, local_pad, local_cfg,
-                                                           device=device, dtype=dtype, _weight=w,
-                                                           log_interval_steps=log_interval))
+        object.__setattr__(self, "local", self._make_local(config, local_pad, device, dtype, w, log_interval))
         self._anchor = torch.zeros((), requires_grad=True)
         self._anchor_fn = None
         self._last_comm = self.comm.stats()
         self._step_comm: dict = {}
         self.prefetches = 0  # look-aheads this rank took part in
         self.owner = OwnerStats()
+
+    def _make_partition(self, config: EmbeddingConfig, block_rows: Optional[int]):
+        """Which rank owns which rows: round-robin blocks (:class:`RowPartition`)."""
+        return RowPartition(self.num_embeddings, self.world,
+                            block_rows or default_block_rows(self.num_embeddings, self.world, config.rows_per_shard))
+
+    def _make_local(self, config: EmbeddingConfig, padding_idx, device, dtype, weight, log_interval):
+        """This rank's table of its owned rows; an NVMe store in a folder of its own (``rank{r:05d}``)."""
+        from ds_maximus.vocab import ShardedEmbedding
+        if config.offload.device == OffloadDevice.NVME and config.offload.nvme_path:
+            config = copy.deepcopy(config)  # each rank's store holds only its rows
+            config.offload.nvme_path = os.path.join(config.offload.nvme_path, f"rank{self.rank:05d}")
+        return ShardedEmbedding(self.owned.numel(), self.embedding_dim, padding_idx, config, device=device,
+                                dtype=dtype, _weight=weight, log_interval_steps=log_interval)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, config=None, **kwargs) -> "PartitionedEmbedding":
@@ -216,6 +230,8 @@ class PartitionedEmbedding(nn.Module):
     # -- forward / backward --------------------------------------------------------------------------------
     def forward(self, input: Tensor) -> Tensor:
         from ds_maximus.vocab.function import lookup
+        if self.comm.single:
+            return self._forward_local(input)
         dev = self.compute_device
         flat = input.reshape(-1).to(dev, torch.long)
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
@@ -230,7 +246,7 @@ class PartitionedEmbedding(nn.Module):
             self.owner.served((time.perf_counter() - t0) * 1e3)
         else:
             rows = torch.zeros(0, self.embedding_dim, dtype=self.local.out_dtype, device=dev)
-        got = self.comm.all_to_all("rows from owners", rows.detach(), recv_splits, send_splits).to(dev)
+        got = self.comm.all_to_all("rows from owners", rows.detach(), recv_splits, send_splits, defer=True).to(dev)
         rows_uniq = torch.empty_like(got)
         rows_uniq[order.to(dev)] = got
         if track:
@@ -238,6 +254,16 @@ class PartitionedEmbedding(nn.Module):
             anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
             rows_uniq = _Exchange.apply(anchor, rows_uniq, self, plan)
         return rows_uniq.index_select(0, inverse).view(*input.shape, self.embedding_dim)
+
+    def _forward_local(self, input: Tensor) -> Tensor:
+        """One rank owns every row: the local table's own lookup and backward. Its cache serves this rank alone,
+        so the owner figures are its counters."""
+        t0 = time.perf_counter()
+        out = self.local(input)
+        counters = self.local.cache.counters
+        self.owner.asked_rows, self.owner.ready_rows = int(counters.lookups), int(counters.hits)
+        self.owner.served((time.perf_counter() - t0) * 1e3)
+        return out
 
     def _route(self, uniq: Tensor, what: str):
         """Send sorted unique ids ``uniq`` (CPU) to their owners (collective); returns ``(order, send_splits,
@@ -284,8 +310,27 @@ class PartitionedEmbedding(nn.Module):
         self.local._accumulate(uniq, rows)
 
     # -- the maximus module protocol (local: each rank's owned rows) ------------------------------------------
+    role = ModuleRole.ROWS
+
+    @property
+    def owns_partition(self) -> bool:
+        """Each rank holds the gradient of its own rows: the backward sent every row's gradient to its owner."""
+        return True
+
+    def reduce_grads(self, group=None) -> None:
+        """Nothing to sum: each row's gradient is already at its owner, summed over the ranks."""
+
+    def reduce_norm_sq(self, local: Tensor) -> Tensor:
+        """The global squared norm: every rank's share of the rows, summed."""
+        return self.comm.all_reduce("sparse grad norm", local)
+
+    def configure_from_engine(self, engine, cfg: MaximusConfig) -> None:
+        """The local table's optimizer betas/eps follow DeepSpeed's unless ``embedding.optimizer`` sets them."""
+        align_adam_with_engine(self.optimizer, engine, cfg.embedding.optimizer)
+
     def set_grad_anchor(self, fn) -> None:
         self._anchor_fn = fn
+        self.local.set_grad_anchor(fn)  # the one-rank path's lookup is the local table's
 
     def sparse_grads(self):
         """Owned accumulated grads as ``(global ids, rows)``."""
@@ -309,6 +354,7 @@ class PartitionedEmbedding(nn.Module):
         return self.local.sparse_grads_finite()
 
     def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
+        self.comm.settle()
         self.local.sparse_step(lr, weight_decay)
         self.owner.end_step()
         now = self.comm.stats()
@@ -327,6 +373,10 @@ class PartitionedEmbedding(nn.Module):
         lookup adopts the staged set (its hit rate counts them as hits) instead of filling them then.
         Only the rows' staging moves ahead: the forward exchanges ids and rows as before.
         """
+        if self.comm.single:
+            self.local.prefetch(ids)
+            self.prefetches += 1
+            return
         uniq = torch.unique(ids.detach().reshape(-1).to("cpu", torch.long), sorted=True)
         self.comm.step = self.local.optimizer.step
         _, _, _, recv_local = self._route(uniq, "prefetch")
@@ -364,6 +414,8 @@ class PartitionedEmbedding(nn.Module):
     def full_weight(self) -> Tensor:
         """The whole table, fp32 on CPU, on every rank (collective: all ranks must call it)."""
         from ds_maximus.distributed.repartition import gather_rows
+        if self.comm.single:
+            return self.local.full_weight()
         return gather_rows(self, self.local.full_weight())
 
     def _owned_range(self, lo: int, hi: int):
@@ -379,6 +431,8 @@ class PartitionedEmbedding(nn.Module):
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
         """Rows ``[lo, hi)`` as they are now (a tied head's chunk), on every rank (collective): each owner
         contributes its rows, the others zeros, summed (exact: one non-zero term per element)."""
+        if self.comm.single:
+            return self.local.rows_for_compute(lo, hi, device, dtype)
         mine, a, b = self._owned_range(lo, hi)
         buf = torch.zeros(hi - lo, self.embedding_dim, dtype=torch.float32)
         if a is not None:
@@ -389,8 +443,18 @@ class PartitionedEmbedding(nn.Module):
     @property
     def grad(self) -> "_HeadGrads":
         """Where a tied head adds its gradient for rows of the table (``grad.add(ids, rows)``, as on a
-        ``ShardedEmbedding``); collective here: see :class:`_HeadGrads`."""
-        return _HeadGrads(self)
+        ``ShardedEmbedding``); collective here: see :class:`_HeadGrads`. On one rank, the local table's."""
+        return self.local.grad if self.comm.single else _HeadGrads(self)
+
+    def _sum_head_grads(self, rows: Tensor) -> Optional[Tensor]:
+        """A tied head's chunk gradient summed over the ranks (every rank computes one) and averaged."""
+        return self.comm.all_reduce("head grads", rows.detach().float().cpu()) / self.world
+
+    def _keep_head_grads(self, lo: int, hi: int, total: Tensor) -> None:
+        """This rank's rows of a tied head's gradient ``total`` for rows ``[lo, hi)``."""
+        mine, a, b = self._owned_range(lo, hi)
+        if a is not None:
+            self.local.grad.add(torch.arange(a, b), total[mine].to(self.compute_device))
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def maximus_state_dict(self) -> dict:
