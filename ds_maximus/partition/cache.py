@@ -1,7 +1,14 @@
-"""``PartitionCache``: fixed slots on the compute device over a backing :class:`~ds_maximus.partition.tier.Tier`.
+"""The partition cache: fixed slots on the compute device over a slow tier, for vocab rows and experts alike.
 
-The cache knows nothing about what an entry is. It maps ids to slots (:class:`SlotMap`, on the
-host so no device sync is needed to decide), fills misses and writes dirty evictions back:
+The cache knows nothing about what an entry is (a vocab row with its optimizer state, an expert as one
+flat buffer). :class:`CacheCore` is what every variant shares: ``groups x slots`` slot maps
+(:class:`SlotMap`, on the host so no device sync is needed to decide), write-back or read-only, the
+overflow rule (:meth:`CacheCore.fits`) and one vocabulary of counters (:class:`TrafficCounters`,
+:meth:`CacheCore.stats`). Copies go through the one transfer engine (:mod:`ds_maximus.partition.transfer`).
+Two variants move entries in the two shapes their users need:
+
+:class:`PartitionCache` (vocab rows, LM-head rows: one group, batches of rows, write-back over a
+:class:`~ds_maximus.partition.tier.Tier`) fills misses and writes dirty evictions back:
 
 * CUDA, pinned CPU tier: a fill is one kernel on the *fill stream* reading the pinned tier through
   its mapped address (no host copy). A dirty eviction is first copied on the GPU into a staging
@@ -12,6 +19,9 @@ host so no device sync is needed to decide), fills misses and writes dirty evict
 * CUDA, other tiers (NVMe): copies run on the fill stream through pinned staging buffers; a
   write-back is finished on the host lazily (when its event has completed, or the id is read again).
 * CPU (CI machines): the same code path with plain copies, synchronous.
+
+:class:`SlotCache` (MoE experts: one group per layer, one flat entry per slot, read-only) loads entries
+one by one with per-slot events and speculation (see its docstring).
 
 Entries in use or in flight are pinned (never evicted) until unpinned.
 
@@ -34,48 +44,138 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ds_maximus.partition.policy import CacheCounters, SlotMap
-from ds_maximus.partition.tier import Tier
 from ds_maximus.config import CachePolicy
+from ds_maximus.errors import CapacityError
 from ds_maximus.ops import index_array, to_device, to_device_pair
+from ds_maximus.partition.policy import CacheCounters, SlotMap
+from ds_maximus.partition.speculation import StagedGuess
+from ds_maximus.partition.tier import Tier
+from ds_maximus.partition.transfer import CpuTransfer, CudaTransfer, host_staging, row_copy_op
 
 
 @dataclasses.dataclass
 class TrafficCounters:
-    """Cumulative traffic of a cache (entries and bytes; ``stall_ms`` is time the consumer waited)."""
+    """Cumulative traffic of a cache, the one vocabulary of every partition cache (vocab rows, LM-head rows,
+    experts). A *row* is one entry (a vocab row, an expert); bytes are what crossed between the device
+    and the tier; ``stall_ms`` is time the consumer waited for copies (device and host waits)."""
 
-    rows_fetched: int = 0
-    rows_evicted: int = 0
-    rows_written_back: int = 0
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
+    rows_fetched: int = 0       # entries copied into slots (demand and prefetch)
+    rows_evicted: int = 0       # entries that gave up their slot
+    rows_written_back: int = 0  # dirty entries written to the tier (a write-back cache)
+    bytes_h2d: int = 0          # tier to device (demand and prefetch)
+    bytes_d2h: int = 0          # device to tier (write-backs)
     stall_ms: float = 0.0
-    overflow_rows: int = 0      # entries a batch needed beyond the cache's room, served from the tier directly
-    overflow_batches: int = 0   # acquires that overflowed
+    host_stall_ms: float = 0.0  # of stall_ms, the time the host itself was blocked on a copy
+    overflow_rows: int = 0      # entries a batch needed beyond the cache's room (served from the tier directly,
+    overflow_batches: int = 0   # or computed in rounds); acquires that overflowed
+    prefetch_issued: int = 0    # speculative loads started
+    prefetch_used: int = 0      # speculative loads later asked for before eviction
+    prefetch_cancelled: int = 0  # guesses dropped when the demand showed them wrong
+    bytes_prefetch: int = 0     # of bytes_h2d, what speculation moved
 
 
-class PartitionCache:
-    """Fixed-slot cache of tier entries on ``device`` (see the module docstring)."""
+class CacheCore:
+    """What every partition cache shares: ``groups x slots`` slot maps (one :class:`SlotMap` per group over
+    ``num_ids`` ids), write-back or read-only, the overflow rule and one vocabulary of counters.
+
+    The variants are :class:`PartitionCache` (one group of rows, moved in batches over a :class:`Tier`,
+    write-back) and :class:`SlotCache` (groups of slots holding one flat entry each, moved one by one with
+    per-slot events and speculation, read-only).
+    """
+
+    counters: CacheCounters  # demand lookups, hits, misses (a variant says where they are kept)
+
+    def __init__(self, num_groups: int, num_slots: int, num_ids: int, policy: CachePolicy, write_back: bool):
+        self.num_groups = int(num_groups)
+        self.num_slots = int(num_slots)
+        self.write_back = bool(write_back)
+        self.maps: List[SlotMap] = [SlotMap(self.num_slots, num_ids, policy, device="cpu")
+                                    for _ in range(self.num_groups)]
+        self.traffic = TrafficCounters()
+
+    def fits(self, ids: Tensor, group: int = 0) -> Tensor:
+        """Mask of unique ``ids`` that one acquire of ``group`` can hold: all resident ones, and the first
+        misses (smallest ids: the hot rows of a frequency-ordered vocabulary) up to the slots neither pinned
+        nor holding this batch. All True when the whole batch fits.
+
+        >>> from ds_maximus.partition.tier import TensorTier
+        >>> cache = PartitionCache(2, TensorTier({"w": torch.zeros(5, 1)}))
+        >>> cache.fits(torch.tensor([0, 3, 4])).tolist()
+        [True, True, False]
+        """
+        m = self.maps[group]
+        ids = ids.to("cpu", torch.long)
+        slots = m.slots_of(ids).numpy()
+        hit = slots >= 0
+        pinned = m.pin_count.numpy() > 0
+        room = self.num_slots - int(pinned.sum()) - int((~pinned[slots[hit]]).sum())
+        miss = np.flatnonzero(~hit)
+        if miss.size <= room:
+            return torch.ones(ids.numel(), dtype=torch.bool)
+        mask = hit.copy()
+        mask[miss[:max(0, room)]] = True
+        return torch.from_numpy(mask)
+
+    def count_overflow(self, n: int) -> None:
+        """Count ``n`` entries of one batch served from the tier directly (lookups and misses too)."""
+        self.traffic.overflow_rows += int(n)
+        self.traffic.overflow_batches += 1
+        c = self.counters
+        c.lookups, c.misses = c.lookups + int(n), c.misses + int(n)
+
+    def stats(self) -> dict:
+        """The counters in the one vocabulary every partition cache reports (cumulative).
+
+        >>> from ds_maximus.partition.tier import TensorTier
+        >>> cache = PartitionCache(2, TensorTier({"w": torch.zeros(5, 1)}))
+        >>> _ = cache.acquire(torch.tensor([1, 2])); _ = cache.acquire(torch.tensor([1]))
+        >>> s = cache.stats(); s["hits"], s["misses"], s["bytes_moved"]
+        (1, 2, 8)
+        """
+        self.resolve_stalls()
+        c, t = self.counters, self.traffic
+        return {"hit_rate": c.hit_rate, "lookups": c.lookups, "hits": c.hits, "misses": c.misses,
+                "evictions": t.rows_evicted, "rows_fetched": t.rows_fetched, "rows_evicted": t.rows_evicted,
+                "rows_written_back": t.rows_written_back, "bytes_h2d": t.bytes_h2d, "bytes_d2h": t.bytes_d2h,
+                "bytes_moved": t.bytes_h2d + t.bytes_d2h, "bytes_prefetch": t.bytes_prefetch,
+                "prefetch_issued": t.prefetch_issued, "prefetch_used": t.prefetch_used,
+                "prefetch_cancelled": t.prefetch_cancelled, "stall_ms": t.stall_ms,
+                "host_stall_ms": t.host_stall_ms, "overflow_rows": t.overflow_rows,
+                "overflow_batches": t.overflow_batches}
+
+    def resolve_stalls(self) -> None:
+        """Add the measured device-side waits that have completed to ``traffic.stall_ms``."""
+
+    def _host_stall(self, t0: float) -> None:
+        """Count the host time since ``t0`` (``time.perf_counter()``) as a stall."""
+        ms = (time.perf_counter() - t0) * 1e3
+        self.traffic.stall_ms += ms
+        self.traffic.host_stall_ms += ms
+
+
+class PartitionCache(CacheCore):
+    """Fixed-slot cache of tier entries on ``device`` (see the module docstring); ``write_back=False`` makes
+    it read-only (nothing may be marked dirty; no write-back stream)."""
 
     def __init__(self, num_slots: int, tier: Tier, device="cpu", policy: CachePolicy = CachePolicy.LRU,
-                 names: Optional[Tuple[str, ...]] = None):
+                 names: Optional[Tuple[str, ...]] = None, write_back: bool = True):
+        super().__init__(1, num_slots, tier.num_ids, policy, write_back)
         self.tier = tier
         self.device = torch.device(device)
         self.names = tuple(names or tier.names)
-        self.num_slots = int(num_slots)
-        self.map = SlotMap(self.num_slots, tier.num_ids, policy, device="cpu")
+        self.map = self.maps[0]
         self.storage: Dict[str, Tensor] = {
             n: torch.zeros((self.num_slots, *tier.entry_shape(n)), dtype=tier.dtype(n), device=self.device)
             for n in self.names}
         self.entry_bytes = sum(s[0].numel() * s.element_size() for s in self.storage.values())
         self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
-        self.traffic = TrafficCounters()
         self.cuda = self.device.type == "cuda"
         # fills and UVA write-backs at high priority: their few copy blocks are scheduled ahead of the compute
         # stream's queued blocks, so the link does not wait for SMs (exact mode on the H200, ms a step: 3.8-3.9
         # in two runs against 4.4 in one at normal priority; the replay on a third stream was 3.7-5.3)
-        self.stream = torch.cuda.Stream(device=self.device, priority=-1) if self.cuda else None     # fills
-        self.wb_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.cuda else None  # write-backs
+        self.transfer = CudaTransfer(self.device, priority=-1, write_back=self.write_back) if self.cuda else None
+        self.stream = self.transfer.stream if self.cuda else None        # fills
+        self.wb_stream = self.transfer.wb_stream if self.cuda else None  # write-backs
         # fill events by sequence number; _slot_seq[s] = the fill that last wrote slot s
         self._fill_seq = 0
         self._fill_events: "collections.OrderedDict[int, object]" = collections.OrderedDict()
@@ -85,11 +185,11 @@ class PartitionCache:
         self._uva_pending: List[Tuple[Tensor, object]] = []   # (ids, event) of UVA write-backs in flight
         self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
-        self._stall_events: List[Tuple[object, object]] = []
         self.last_misses: Tuple[Tensor, Tensor] = (torch.zeros(0, dtype=torch.long),) * 2  # of the last acquire
         # numpy views of the host bookkeeping (see ds_maximus.ops.index_array): a step makes dozens of updates
-        self._dirty, self._seq, self._pending_np = self.dirty.numpy(), self._slot_seq.numpy(), self._pending_mask.numpy()
-        self._uva = self._uva_op()
+        self._dirty, self._seq = self.dirty.numpy(), self._slot_seq.numpy()
+        self._pending_np = self._pending_mask.numpy()
+        self._uva = row_copy_op(self.tier, self.names, self.device)
         self._uva_in_flight = False
         # blocks of each fill/write-back kernel (0: the op's default, a quarter of the SMs). Eight already
         # carry the link (50 GB/s on an H200) and leave it and the SMs freer for the compute stream: a step
@@ -98,16 +198,6 @@ class PartitionCache:
         self.copy_blocks = 8
         self._iota = torch.arange(self.num_slots, device=self.device) if self._uva is not None else None
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 0
-
-    def _uva_op(self):
-        """The CUDA op when fills/write-backs can be single kernels reading/writing the pinned tier directly."""
-        if not (self.cuda and getattr(self.tier, "pinned", False) and hasattr(self.tier, "tensors")):
-            return None
-        from ds_maximus.ops.row_ops import load_op
-        op = load_op("cuda")
-        ok = op is not None and hasattr(op, "copy_rows") and all(
-            self.tier.tensors[n].dtype == torch.float32 for n in self.names)
-        return op if ok else None
 
     # -- the main operations -----------------------------------------------------------------------
     def acquire(self, ids: Tensor, *, pin: bool = False, wait: bool = True, count: bool = True) -> Tensor:
@@ -130,38 +220,9 @@ class PartitionCache:
         if wait:
             self.wait_fills(a.slots)
         if not self.cuda:
-            self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
+            self._host_stall(t0)
         self._finish_write_backs(block=False)
         return a.slots
-
-    def fits(self, ids: Tensor) -> Tensor:
-        """Mask of unique ``ids`` that one :meth:`acquire` can hold: all resident ones, and the first misses
-        (smallest ids: the hot rows of a frequency-ordered vocabulary) up to the slots neither pinned nor
-        holding this batch. All True when the whole batch fits.
-
-        >>> from ds_maximus.partition.tier import TensorTier
-        >>> cache = PartitionCache(2, TensorTier({"w": torch.zeros(5, 1)}))
-        >>> cache.fits(torch.tensor([0, 3, 4])).tolist()
-        [True, True, False]
-        """
-        ids = ids.to("cpu", torch.long)
-        slots = self.map.slots_of(ids).numpy()
-        hit = slots >= 0
-        pinned = self.map.pin_count.numpy() > 0
-        room = self.num_slots - int(pinned.sum()) - int((~pinned[slots[hit]]).sum())
-        miss = np.flatnonzero(~hit)
-        if miss.size <= room:
-            return torch.ones(ids.numel(), dtype=torch.bool)
-        mask = hit.copy()
-        mask[miss[:max(0, room)]] = True
-        return torch.from_numpy(mask)
-
-    def count_overflow(self, n: int) -> None:
-        """Count ``n`` entries of one batch served from the tier directly (lookups and misses too)."""
-        self.traffic.overflow_rows += int(n)
-        self.traffic.overflow_batches += 1
-        c = self.map.counters
-        c.lookups, c.misses = c.lookups + int(n), c.misses + int(n)
 
     def read_direct(self, ids: Tensor) -> Dict[str, Tensor]:
         """Entries ``ids`` read straight from the tier into host buffers (pinned on a GPU), bypassing the slots,
@@ -197,7 +258,7 @@ class PartitionCache:
         before = torch.cuda.Event(enable_timing=True)
         before.record(cur)
         cur.wait_event(ev)
-        self._stall_events.append((before, ev))
+        self.transfer.stalls.add(before, ev)
         self._waited_seq = seq
         while self._fill_events and next(iter(self._fill_events)) <= seq:
             self._fill_events.popitem(last=False)
@@ -224,6 +285,7 @@ class PartitionCache:
         self.map.unpin(slots.to("cpu", torch.long))
 
     def mark_dirty(self, slots: Tensor) -> None:
+        assert self.write_back, "mark_dirty on a read-only cache"
         self._dirty[index_array(slots)] = True
 
     def slots_of(self, ids: Tensor) -> Tensor:
@@ -252,18 +314,12 @@ class PartitionCache:
 
     def resolve_stalls(self) -> None:
         """Add the measured GPU-side waits of completed fills to ``traffic.stall_ms``."""
-        keep = []
-        for before, after in self._stall_events:
-            if after.query() and before.query():
-                self.traffic.stall_ms += max(0.0, before.elapsed_time(after))
-            else:
-                keep.append((before, after))
-        self._stall_events = keep[-1024:]
+        if self.transfer is not None:
+            self.traffic.stall_ms += self.transfer.stalls.resolve(block=False)
 
     # -- copies -------------------------------------------------------------------------------------
     def _staging(self, n: int) -> Dict[str, Tensor]:
-        pin = self.cuda and torch.cuda.is_available()
-        return {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=pin) for k, v in self.storage.items()}
+        return host_staging(self.storage, n, pin=self.cuda and torch.cuda.is_available())
 
     def _write_back(self, ids: Tensor, slots: Tensor, stage: bool = True) -> None:
         """Write the dirty entries among ``slots`` (holding ``ids``) back to the tier.
@@ -342,7 +398,7 @@ class PartitionCache:
                     if block and not ev.query():
                         t0 = time.perf_counter()
                         ev.synchronize()  # GPU-written rows of the tier are now visible to the host
-                        self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
+                        self._host_stall(t0)
                     self._pending_np[index_array(ids)] = False
                 else:
                     keep.extend(self._uva_pending[i:])  # one stream: they land in order
@@ -351,7 +407,7 @@ class PartitionCache:
         if block and self._uva_in_flight:
             t0 = time.perf_counter()
             self.stream.synchronize()  # no fill is still reading the tier (the host may write it next)
-            self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
+            self._host_stall(t0)
             self._uva_in_flight = False
         keep = []
         for i, (ids, staging, ev) in enumerate(self._pending):
@@ -359,7 +415,7 @@ class PartitionCache:
                 if block and not ev.query():
                     t0 = time.perf_counter()
                     ev.synchronize()
-                    self.traffic.stall_ms += (time.perf_counter() - t0) * 1e3
+                    self._host_stall(t0)
                 self.tier.write(ids, staging)
                 self._pending_np[index_array(ids)] = False
             else:
@@ -404,3 +460,325 @@ class PartitionCache:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.stream)
         self._register_fill(ev, slots)
+
+
+class _Group:
+    """One group of a :class:`SlotCache`: its slot map, its ``[slots, numel]`` device table and per-slot events."""
+
+    def __init__(self, slot_map: SlotMap, slots: int, numel: int, dtype, device):
+        self.map = slot_map
+        self.buffer = torch.empty((slots, numel), dtype=dtype, device=device)
+        self.load_ev: List[object] = [None] * slots
+        self.use_ev: List[object] = [None] * slots
+        self.inflight: Dict[int, object] = {}      # slot -> load event of a prefetch not yet landed
+        self.prefetched = [False] * slots           # holds a prefetched entry not yet used
+        self.in_use = [0] * slots                   # acquire/release balance (test hook)
+
+
+class SlotCache(CacheCore):
+    """Groups of slots on ``device``, each slot one flat entry of ``numel`` elements, over a ``store``.
+
+    ``store`` addresses entry ``uid = group * num_ids + id`` and offers ``host_view(uid)`` (a CPU flat
+    tensor to copy from, or None when the entry must first be read) and ``read_into(uid, dst)``. A load
+    is one ``copy_(non_blocking=True)`` on the transfer engine's side stream.
+
+    Ordering (CUDA): a load into a slot first waits on the slot's *last-use* event (recorded on the
+    compute stream by :meth:`release`), and the compute stream waits on the slot's *load* event before
+    reading it (:meth:`acquire`). The host never waits for a copy, except when every slot of a group is
+    pinned by loads in flight and a demand needs one of them.
+
+    Never evicted: entries being computed with (pinned between ``acquire`` and ``release``) and
+    entries in flight (pinned from ``prefetch`` until their load event has completed).
+
+    With ``prefetch_chunk_bytes``, a prefetch is a guess of which only the first chunk is queued
+    (:class:`~ds_maximus.partition.speculation.PrefetchJob`): when the demand arrives (``acquire``), a guess
+    it does not need is dropped and its slot forgotten, and the rest of one it needs is queued at once.
+    With ``stage_guesses`` as well, the head goes into one staging buffer instead of a slot
+    (:class:`~ds_maximus.partition.speculation.StagedGuess`): a guess then evicts nothing (the eviction is
+    decided when the demand is known, as without prefetch), a wrong guess costs only its head's link time,
+    and a right one only moves the rest (the head is copied on the device).
+
+    The cache is read-only: a user that changes an entry in the store refreshes a resident copy with
+    :meth:`write_slot`.
+
+    >>> class Store:  # entry uid holds the value uid
+    ...     def host_view(self, uid): return torch.full((4,), float(uid))
+    >>> cache = SlotCache(Store(), num_groups=2, num_ids=3, slots_per_group=1, numel=4, dtype=torch.float32,
+    ...                   device="cpu")
+    >>> slots = cache.acquire(1, [2]); cache.slot_buffer(1)[slots[0]].tolist()
+    [5.0, 5.0, 5.0, 5.0]
+    >>> cache.release(1, slots); cache.stats()["misses"]
+    1
+    """
+
+    entry_name, group_name, size_key = "entries", "group", "the slots per group"  # for error messages
+
+    def __init__(self, store, num_groups: int, num_ids: int, slots_per_group: int, numel: int, dtype,
+                 device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
+                 prefetch_chunk_bytes: Optional[int] = None, stage_guesses: bool = False):
+        super().__init__(num_groups, slots_per_group, num_ids, policy, write_back=False)
+        self.store = store
+        self.num_ids = int(num_ids)
+        self.slots_per_group = self.num_slots
+        self.numel, self.dtype = int(numel), dtype
+        self.entry_bytes = self.numel * dtype.itemsize
+        self.device = torch.device(device)
+        self.prefetch_chunk_bytes = prefetch_chunk_bytes  # None: a prefetch is one whole load
+        self.stage_guesses = stage_guesses
+        self.staged = (StagedGuess(prefetch_chunk_bytes, self.numel, dtype, self.device)
+                       if stage_guesses and prefetch_chunk_bytes else None)
+        if transfer is None:
+            transfer = CudaTransfer(self.device) if self.device.type == "cuda" else CpuTransfer()
+        self.transfer = transfer
+        self.groups = [_Group(m, self.num_slots, self.numel, dtype, self.device) for m in self.maps]
+        self.counters = CacheCounters()  # demand only: a right staged guess counts as a hit
+
+    # -- views -----------------------------------------------------------------------------
+    def slot_buffer(self, group: int) -> Tensor:
+        """All slots of a group, ``[slots, numel]``."""
+        return self.groups[group].buffer
+
+    def device_bytes(self) -> int:
+        """Bytes of the slots (and the staged guess's head) on the device."""
+        return sum(g.buffer.numel() * g.buffer.element_size() for g in self.groups) + self._stage_bytes()
+
+    def resident(self, group: int) -> List[int]:
+        return sorted(int(i) for i in self.groups[group].map.resident_ids())
+
+    def pinned_slots(self, group: int) -> List[int]:
+        return [int(s) for s in (self.groups[group].map.pin_count > 0).nonzero().flatten()]
+
+    # -- in-flight bookkeeping ---------------------------------------------------------------
+    def _reap(self, g: _Group) -> None:
+        """Unpin prefetches whose load has landed."""
+        done = [s for s, ev in g.inflight.items() if self.transfer.done(ev)]
+        for s in done:
+            del g.inflight[s]
+        if done:
+            g.map.unpin(torch.tensor(done, dtype=torch.long))
+
+    def _drain(self, g: _Group) -> None:
+        """Wait (host) for every prefetch of the group in flight, then unpin them."""
+        t0 = time.perf_counter()
+        for ev in g.inflight.values():
+            self.transfer.synchronize(ev)
+        self._host_stall(t0)
+        self._reap(g)
+
+    def _load(self, gi: int, g: _Group, slot: int, entry: int, head: Optional[Tensor] = None) -> object:
+        ev = self.transfer.load(g.buffer[slot], self.store, gi * self.num_ids + entry, g.use_ev[slot],
+                                head=head)
+        g.load_ev[slot] = ev
+        return ev
+
+    # -- staged guesses ---------------------------------------------------------------------
+    def _stage_guess(self, group: int, ids: Sequence[int]) -> Optional[int]:
+        """Stage the head of the first of ``ids`` not resident (replacing an unresolved guess);
+        None when the tier cannot stage (NVMe: the guess goes into a slot, read whole)."""
+        g = self.groups[group]
+        for e in (int(x) for x in ids):
+            if int(g.map.id_to_slot[e]) >= 0:
+                continue
+            uid = group * self.num_ids + e
+            if self.store.host_view(uid) is None:
+                return None
+            stage = self.staged
+            dropped = stage.cancelled
+            buf = stage.begin((group, e))
+            self.traffic.prefetch_cancelled += stage.cancelled - dropped
+            stage.event = self.transfer.load_head(buf, self.store, uid, stage.event)
+            self.traffic.prefetch_issued += 1
+            self.traffic.bytes_prefetch += self._stage_bytes()
+            self.traffic.bytes_h2d += self._stage_bytes()
+            return 1
+        return 0
+
+    def _stage_bytes(self) -> int:
+        return 0 if self.staged is None else self.staged.nbytes
+
+    def _take_staged(self, group: int, ids: Sequence[int], needed: Sequence[int]) -> Optional[int]:
+        """The staged guess's id if this round of ``group`` asks for it; a guess the group does not
+        need at all is dropped, one for a later round is kept."""
+        st = self.staged
+        if st is None or st.key is None or st.key[0] != group:
+            return None
+        e = st.key[1]
+        if e in ids:
+            st.take(st.key)
+            return e
+        if e not in needed:
+            st.drop()
+            self.traffic.prefetch_cancelled += 1
+        return None
+
+    def _drop_guesses(self, g: _Group, needed: Sequence[int]) -> None:
+        """Drop the group's prefetches in flight whose id is not in ``needed``; a dropped slot's
+        contents are partial, so its entry is forgotten (a later load into it queues behind its chunk)."""
+        want = set(int(e) for e in needed)
+        for s, h in list(g.inflight.items()):
+            e = int(g.map.slot_to_id[s])
+            if e in want or self.transfer.cancel(h):
+                continue
+            g.map.evict(torch.tensor([e]))
+            g.map.unpin(torch.tensor([s]))
+            del g.inflight[s]
+            g.prefetched[s] = False
+            self.traffic.prefetch_cancelled += 1
+            self.traffic.bytes_prefetch -= h.unqueued_bytes()
+            self.traffic.bytes_h2d -= h.unqueued_bytes()
+
+    # -- demand ----------------------------------------------------------------------------
+    def acquire(self, group: int, ids: Sequence[int], needed: Optional[Sequence[int]] = None) -> List[int]:
+        """Make ``ids`` (unique) of ``group`` resident and usable by the compute stream; returns their slots.
+
+        The slots stay pinned until :meth:`release`. Raises :class:`CapacityError` when more ids are asked
+        for at once than the group has slots (callers split into rounds of ``slots_per_group``).
+        ``needed``: every id this group computes with now (all rounds; default ``ids``): prefetches in
+        flight for any other id are dropped; when it is more than the slots, the first round counts the
+        overflow (``overflow_rows``: the ids beyond the slots, brought in by later rounds).
+        """
+        g = self.groups[group]
+        needed = ids if needed is None else needed
+        self._drop_guesses(g, needed)
+        staged = self._take_staged(group, ids, needed)
+        if len(ids) > self.slots_per_group:
+            raise CapacityError(f"{len(ids)} {self.entry_name} asked for at once in {self.group_name} {group}, but "
+                                f"the cache has {self.slots_per_group} slots per {self.group_name}; compute in rounds, "
+                                f"or raise {self.size_key}")
+        if len(needed) > self.slots_per_group and list(ids) == list(needed[:len(ids)]):
+            self.traffic.overflow_rows += len(needed) - self.slots_per_group
+            self.traffic.overflow_batches += 1
+        self._reap(g)
+        try:
+            a = g.map.assign(torch.tensor(list(ids), dtype=torch.long))
+        except CapacityError:
+            self._drain(g)   # every free slot was a prefetch in flight: let them land
+            a = g.map.assign(torch.tensor(list(ids), dtype=torch.long))
+        miss_slots = set(int(s) for s in a.miss_slots)
+        c, t = self.counters, self.traffic
+        c.lookups += len(ids)
+        c.misses += len(miss_slots)
+        c.hits += len(ids) - len(miss_slots)
+        c.evictions += int(a.evicted_ids.numel())
+        t.rows_evicted += int(a.evicted_ids.numel())
+        slots = [int(s) for s in a.slots]
+        for e, s in zip(ids, slots):
+            if s in miss_slots and int(e) == staged:  # the guess was right: only the rest crosses the link
+                g.prefetched[s] = False
+                self.staged.event = self._load(group, g, s, int(e), head=self.staged.buffer)
+                t.rows_fetched += 1
+                t.bytes_h2d += self.entry_bytes - self._stage_bytes()
+                c.misses -= 1
+                c.hits += 1
+                t.prefetch_used += 1
+                staged = None
+            elif s in miss_slots:
+                g.prefetched[s] = False
+                self._load(group, g, s, int(e))
+                t.rows_fetched += 1
+                t.bytes_h2d += self.entry_bytes
+            elif g.prefetched[s]:
+                g.prefetched[s] = False
+                t.prefetch_used += 1
+        if staged is not None:  # staged, but resident after all
+            t.prefetch_cancelled += 1
+        g.map.pin(torch.tensor(slots, dtype=torch.long))
+        for s in slots:
+            g.in_use[s] += 1
+            stall = self.transfer.wait(g.load_ev[s])
+            t.stall_ms += stall
+            t.host_stall_ms += stall
+        return slots
+
+    def release(self, group: int, slots: Sequence[int]) -> None:
+        """The compute queued so far is the last use of ``slots``; they may be evicted again."""
+        g = self.groups[group]
+        ev = self.transfer.record_use()
+        for s in slots:
+            g.use_ev[s] = ev
+            g.in_use[s] -= 1
+            assert g.in_use[s] >= 0, "release without acquire"
+        g.map.unpin(torch.tensor(list(slots), dtype=torch.long))
+
+    # -- speculation -----------------------------------------------------------------------
+    def prefetch(self, group: int, ids: Sequence[int], keep: Optional[Sequence[int]] = None) -> int:
+        """Start loading ``ids`` of ``group`` if absent (best effort); returns loads started.
+
+        Never evicts a pinned slot, nor a resident entry in ``keep``, and never loads more entries than
+        there are slots left to evict.
+        """
+        if self.staged is not None:
+            started = self._stage_guess(group, ids)
+            if started is not None:
+                return started
+        g = self.groups[group]
+        self._reap(g)
+        held = [int(g.map.id_to_slot[int(e)]) for e in (keep or ())]
+        held = torch.tensor([s for s in held if s >= 0], dtype=torch.long)
+        g.map.pin(held)  # for this call only: the victims come from the other slots
+        try:
+            free = self.slots_per_group - int((g.map.pin_count > 0).sum())
+            want = [int(e) for e in ids if int(g.map.id_to_slot[int(e)]) < 0]
+            want = want[:max(0, free)]
+            if not want:
+                return 0
+            a = g.map.assign(torch.tensor(want, dtype=torch.long), count=False)
+        except CapacityError:
+            return 0
+        finally:
+            g.map.unpin(held)
+        self.counters.evictions += int(a.evicted_ids.numel())
+        self.traffic.rows_evicted += int(a.evicted_ids.numel())
+        started = []
+        for e, s in zip(a.miss_ids.tolist(), a.miss_slots.tolist()):
+            h = self.transfer.prefetch(g.buffer[s], self.store, group * self.num_ids + e, g.use_ev[s],
+                                       self.prefetch_chunk_bytes)
+            g.inflight[s] = g.load_ev[s] = h
+            g.prefetched[s] = True
+            started.append(s)
+        if started:
+            g.map.pin(torch.tensor(started, dtype=torch.long))
+        t = self.traffic
+        t.prefetch_issued += len(started)
+        t.rows_fetched += len(started)
+        t.bytes_prefetch += len(started) * self.entry_bytes
+        t.bytes_h2d += len(started) * self.entry_bytes
+        return len(started)
+
+    # -- a user changed an entry in the store --------------------------------------------------
+    def write_slot(self, group: int, entry: int, src: Tensor, offset: int = 0) -> bool:
+        """If ``entry`` is resident, overwrite its slot from element ``offset`` with ``src`` (flat, any
+        dtype/device) on the compute stream, and mark that as the slot's last use (a later load into the
+        slot waits for it). Returns whether it was resident."""
+        g = self.groups[group]
+        self._drain(g)
+        s = int(g.map.id_to_slot[int(entry)])
+        if s < 0:
+            return False
+        g.buffer[s][offset:offset + src.numel()].copy_(src, non_blocking=True)
+        g.use_ev[s] = self.transfer.record_use()
+        return True
+
+    # -- reporting -------------------------------------------------------------------------
+    def resolve_stalls(self) -> None:
+        """Add the compute stream's measured waits on loads to ``traffic.stall_ms`` (CUDA)."""
+        if isinstance(self.transfer, CudaTransfer):
+            self.traffic.stall_ms += self.transfer.gpu_stall_ms()
+
+    def reset_stats(self) -> None:
+        if isinstance(self.transfer, CudaTransfer):
+            self.transfer.gpu_stall_ms()
+        self.counters = CacheCounters()
+        self.traffic = TrafficCounters()
+
+    def synchronize(self) -> None:
+        if self.staged is not None:
+            self.transfer.synchronize(self.staged.event)
+        for g in self.groups:
+            for ev in g.load_ev:
+                self.transfer.synchronize(ev)
+            self._reap(g)
+
+    def close(self) -> None:
+        self.synchronize()
+        self.transfer.close()

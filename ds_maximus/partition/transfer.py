@@ -1,19 +1,26 @@
-"""Copy engines of the expert cache: a CUDA side stream ordered by events, or a CPU worker thread.
+"""The one transfer engine of the partition core: side copy streams ordered by events, pinned staging,
+UVA row copies, and the stall clock; a CPU worker thread stands in for the copy stream on CPU machines.
 
-Both expose the same three calls, so the cache and prefetch logic are identical on GPU and CPU:
+Two shapes of copy share it. The row cache (:class:`~ds_maximus.partition.cache.PartitionCache`) moves
+batches of rows: fills on :attr:`CudaTransfer.stream`, dirty write-backs on :attr:`CudaTransfer.wb_stream`
+(fills H2D and write-backs D2H overlap on the full-duplex link), through pinned staging
+(:func:`host_staging`) or as single kernels reading/writing a pinned tier through its mapped address
+(:func:`row_copy_op`). The slot cache (:class:`~ds_maximus.partition.cache.SlotCache`, MoE experts) moves
+one flat entry per slot; for it :class:`CpuTransfer` and :class:`CudaTransfer` expose the same calls, so
+the cache and prefetch logic are identical on GPU and CPU:
 
-* ``load(dst, store, uid, after) -> Event`` starts filling the slot buffer ``dst`` with expert
+* ``load(dst, store, uid, after) -> Event`` starts filling the slot buffer ``dst`` with entry
   ``uid`` once ``after`` (the slot's last-use event, or ``None``) has passed; one flat copy.
 * ``wait(event)`` makes the *compute* stream wait for a load (CUDA: ``wait_event``, no host sync;
   CPU: blocks until the worker finished). Returns the host ms spent blocked (CPU only).
 * ``record_use() -> Event`` marks "the compute queued so far is done with the slot".
 
-Speculative loads (``prefetch(..., chunk_bytes)``) are :class:`PrefetchJob` handles instead of one
-copy: only the guess's first ``chunk_bytes`` are queued at once (sized to the link's idle gap before
-the next layer's routing is known); ``cancel`` drops the rest of a wrong guess, ``wait``/``synchronize``
-first queue the rest of a right one. A wrong guess thus costs one chunk of link time, not a whole
-expert, and no host thread is involved (a Python thread pumping chunks slowed the decode loop's host
-path by ~1 ms per layer through the GIL, measured on the H200).
+Speculative loads (``prefetch(..., chunk_bytes)``) are :class:`~ds_maximus.partition.speculation.PrefetchJob`
+handles instead of one copy: only the guess's first ``chunk_bytes`` are queued at once (sized to the link's
+idle gap before the next layer's routing is known); ``cancel`` drops the rest of a wrong guess,
+``wait``/``synchronize`` first queue the rest of a right one. A wrong guess thus costs one chunk of link
+time, not a whole entry, and no host thread is involved (a Python thread pumping chunks slowed the decode
+loop's host path through the GIL).
 
     >>> import torch
     >>> t = CpuTransfer()
@@ -28,49 +35,56 @@ path by ~1 ms per layer through the GIL, measured on the H200).
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-
-class PrefetchJob:
-    """One speculative load: a head of ``chunk`` elements first, the rest on ``finish`` (state guarded by
-    ``lock``)."""
-
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor, after, chunk: int):
-        self.dst, self.src = dst.view(-1), src.view(-1)
-        self.after = after
-        self.n = self.dst.numel()
-        self.chunk = max(1, int(chunk))
-        self.next = 0                 # first element not yet queued
-        self.cancelled = False
-        self.final = None             # set when the last chunk is queued: its event (CUDA) or True (CPU)
-        self.landed = threading.Event()  # CPU engine: the last chunk has been copied
-        self.lock = threading.Lock()
-
-    def claim(self, rest: bool = False) -> Optional[tuple]:
-        """The next range to queue (all that is left with ``rest``), or None when stopped or done."""
-        if self.cancelled or self.final is not None or self.next >= self.n:
-            return None
-        a = self.next
-        self.next = self.n if rest else min(self.n, a + self.chunk)
-        return a, self.next
-
-    def unqueued_bytes(self) -> int:
-        return (self.n - self.next) * self.dst.element_size()
+from ds_maximus.partition.speculation import PrefetchJob, cancel
 
 
-def _cancel(job) -> bool:
-    """Drop the unqueued rest of ``job``; True when it was already fully queued (it will land whole)."""
-    if not isinstance(job, PrefetchJob):
-        return True  # a plain load cannot be stopped
-    with job.lock:
-        if job.final is not None:
-            return True
-        job.cancelled = True
-        return False
+
+def host_staging(like: Dict[str, torch.Tensor], n: int, pin: bool) -> Dict[str, torch.Tensor]:
+    """Host buffers for ``n`` entries shaped like the tables ``like`` (``[slots, ...]`` each), pinned when
+    ``pin`` (so a copy to or from the device is asynchronous)."""
+    return {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=pin) for k, v in like.items()}
+
+
+def row_copy_op(tier, names: Sequence[str], device: torch.device):
+    """The CUDA op whose ``copy_rows`` kernel reads/writes rows of a pinned tier through its mapped address
+    (a fill or write-back is then one kernel, no host copy), or None where that path does not apply: not
+    CUDA, a tier that is not pinned tensors in memory, a table that is not fp32, or the op not built."""
+    if not (torch.device(device).type == "cuda" and getattr(tier, "pinned", False) and hasattr(tier, "tensors")):
+        return None
+    from ds_maximus.ops.row_ops import load_op
+    op = load_op("cuda")
+    ok = op is not None and hasattr(op, "copy_rows") and all(tier.tensors[n].dtype == torch.float32 for n in names)
+    return op if ok else None
+
+
+class StallClock:
+    """Time the compute stream waited on copies: ``(start, end)`` timing-event pairs recorded around its
+    waits, summed once both have completed."""
+
+    def __init__(self):
+        self.pairs: List[Tuple[object, object]] = []
+
+    def add(self, start, end) -> None:
+        self.pairs.append((start, end))
+
+    def resolve(self, block: bool) -> float:
+        """Milliseconds of the completed pairs (all of them with ``block``, which waits for each), dropped
+        once counted; at most the newest 1024 unresolved pairs are kept."""
+        total, keep = 0.0, []
+        for start, end in self.pairs:
+            if block:
+                end.synchronize()
+            if block or (end.query() and start.query()):
+                total += max(0.0, start.elapsed_time(end))
+            else:
+                keep.append((start, end))
+        self.pairs = keep[-1024:]
+        return total
 
 
 class CpuTransfer:
@@ -141,7 +155,7 @@ class CpuTransfer:
         if b == job.n:
             job.landed.set()
 
-    cancel = staticmethod(_cancel)
+    cancel = staticmethod(cancel)
 
     @staticmethod
     def done(event) -> bool:
@@ -179,17 +193,24 @@ class CpuTransfer:
 
 
 class CudaTransfer:
-    """Loads on a side stream; the compute stream waits on per-load events (never the host)."""
+    """Loads on a side stream; the compute stream waits on per-load events (never the host).
 
-    def __init__(self, device: torch.device, staging_buffers: int = 2, timing: bool = True):
+    ``priority``: of the copy streams (-1: high, their few copy blocks are scheduled ahead of the compute
+    stream's queued blocks); ``write_back``: also make :attr:`wb_stream`, the stream of a write-back cache's
+    device-to-host copies (so they overlap the fills).
+    """
+
+    def __init__(self, device: torch.device, staging_buffers: int = 2, timing: bool = True, priority: int = 0,
+                 write_back: bool = False):
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device)
+        self.stream = torch.cuda.Stream(device=self.device, priority=priority)
+        self.wb_stream = torch.cuda.Stream(device=self.device, priority=priority) if write_back else None
+        self.stalls = StallClock()
         self._staging: List[torch.Tensor] = []
         self._staging_ev: List[Optional[torch.cuda.Event]] = []
         self._n_staging = staging_buffers
         self._next = 0
         self.timing = timing
-        self.stall_events: List[tuple] = []
 
     def _staging_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A pinned staging buffer for the file tier; reused once its last copy has left it."""
@@ -266,7 +287,7 @@ class CudaTransfer:
             if r is not None:
                 self._queue(job, *r)
 
-    cancel = staticmethod(_cancel)
+    cancel = staticmethod(cancel)
 
     @staticmethod
     def done(event) -> bool:
@@ -286,7 +307,7 @@ class CudaTransfer:
             t0.record(cur)
             cur.wait_event(event)
             t1.record(cur)
-            self.stall_events.append((t0, t1))
+            self.stalls.add(t0, t1)
         else:
             cur.wait_event(event)
         return 0.0
@@ -305,12 +326,7 @@ class CudaTransfer:
 
     def gpu_stall_ms(self) -> float:
         """Sum of the compute stream's waits on loads (resolves the recorded event pairs)."""
-        total = 0.0
-        for t0, t1 in self.stall_events:
-            t1.synchronize()
-            total += t0.elapsed_time(t1)
-        self.stall_events.clear()
-        return total
+        return self.stalls.resolve(block=True)
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -9,7 +9,7 @@ from ds_maximus.errors import CapacityError
 from ds_maximus.experts.expert_cache import ExpertCache
 from ds_maximus.experts.expert_store import CpuExpertStore
 from ds_maximus.experts.layout import ExpertLayout
-from ds_maximus.experts.transfer import CpuTransfer
+from ds_maximus.partition.transfer import CpuTransfer
 
 G, E = 3, 6
 
@@ -29,11 +29,14 @@ def content(cache, g, s):
 
 def test_acquire_loads_then_hits_and_lru_evicts():
     c = make_cache(2)
-    s = c.acquire(0, [1, 4]); c.release(0, s)
+    s = c.acquire(0, [1, 4])
+    c.release(0, s)
     assert c.stats()["demand_misses"] == 2
-    s = c.acquire(0, [4]); c.release(0, s)
+    s = c.acquire(0, [4])
+    c.release(0, s)
     assert c.stats()["demand_hits"] == 1
-    s = c.acquire(0, [2]); c.release(0, s)        # evicts 1 (least recent), keeps 4
+    s = c.acquire(0, [2])  # evicts 1 (least recent), keeps 4
+    c.release(0, s)
     assert c.resident(0) == [2, 4]
     assert torch.all(content(c, 0, s[0]) == 2.0)
     assert c.stats()["bytes_demand"] == 3 * c.layout.nbytes
@@ -42,7 +45,8 @@ def test_acquire_loads_then_hits_and_lru_evicts():
 def test_lfu_keeps_the_frequent_expert():
     c = make_cache(2, CachePolicy.LFU)
     for e in [0, 0, 0, 1, 2]:
-        s = c.acquire(0, [e]); c.release(0, s)
+        s = c.acquire(0, [e])
+        c.release(0, s)
     assert 0 in c.resident(0)
 
 
@@ -61,9 +65,11 @@ def test_prefetch_precision_recall():
     c = make_cache(2, delay_s=0.01)
     assert c.prefetch(1, [3, 5]) == 2
     assert c.prefetch(1, [3]) == 0                 # already there (in flight)
-    s = c.acquire(1, [3]); c.release(1, s)        # useful prefetch, waits for the load in flight
+    s = c.acquire(1, [3])  # useful prefetch, waits for the load in flight
+    c.release(1, s)
     assert torch.all(content(c, 1, s[0]) == float(E + 3))
-    s = c.acquire(1, [0]); c.release(1, s)        # a miss: evicts the unused prefetch of 5
+    s = c.acquire(1, [0])  # a miss: evicts the unused prefetch of 5
+    c.release(1, s)
     st = c.stats()
     assert st["prefetch_issued"] == 2 and st["prefetch_useful"] == 1
     assert st["prefetch_precision"] == 0.5 and st["prefetch_recall"] == 0.5
