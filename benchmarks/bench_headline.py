@@ -231,7 +231,7 @@ def main(argv=None):
         if len(curves) == 2 and "losses" in curves["maximus"] and "losses" in curves["plain"]:
             c = compare_curves(curves["maximus"]["losses"], curves["plain"]["losses"])
             tail.append(
-                f"\n### loss curve: maximus (capped) vs plain ZeRO-2 (uncapped), same seed and data\n"
+                "\n### loss curve: maximus (capped) vs plain ZeRO-2 (uncapped), same seed and data\n"
                 + (f"maximus overrides: {', '.join(a.curve_maximus)}\n" if a.curve_maximus else "")
                 + f"sizes: vocab {a.vocab}, hidden {csizes['hidden']}, layers {csizes['layers']}, ffn {csizes['ffn']}, "
                 f"{csizes['micro']} x {csizes['seq']} tokens, {c['steps']} steps\n\n"

@@ -33,10 +33,10 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=100)
     a = ap.parse_args(argv)
 
-    from ds_maximus.partition.policy import SlotMap
     from ds_maximus.config import CachePolicy
-    from ds_maximus.vocab.function import BatchPlanner
     from ds_maximus.ops.row_ops import host_op
+    from ds_maximus.partition.policy import SlotMap
+    from ds_maximus.vocab.function import BatchPlanner
 
     torch.set_num_threads(1)  # the host work is single-threaded; keep torch's pool out of the reference
     V, S = a.vocab, int(a.vocab * a.cache_frac)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from benchmarks.harness import GIB, Bench, Budget, progress
 from ds_maximus.vocab import ShardedLMHead, linear_cross_entropy
-from ds_maximus.vocab.linear_cross_entropy import token_block_for, LCEOptions
+from ds_maximus.vocab.linear_cross_entropy import LCEOptions, token_block_for
 
 
 def _args():
@@ -121,7 +121,7 @@ def main():
         head.flush()
         c = head.stats()
         bench.results[-1].extra["H2D GiB/step"] = round(c["bytes_h2d"] / GIB / max(1, a.warmup + a.repeat), 2)
-        del head
+        head = None
 
     def floor_row():
         buf = torch.empty(tb, a.vocab, dtype=dtype, device=dev)
@@ -142,7 +142,7 @@ def main():
         res = bench.measure("GEMMs of our tiling only (floor)", gemms, warmup=a.warmup, repeat=a.repeat)
         if res.ms:
             res.extra["TFLOP/s"] = round(flops / (res.ms * 1e-3) / 1e12, 2)
-        del buf
+        buf = None
 
     def untiled_row():
         if dev.type != "cuda" or torch.cuda.mem_get_info()[0] <= 3 * a.tokens * a.vocab * h.element_size():

@@ -90,9 +90,7 @@ def ds_config(a, kind, bf16):
                                   "optimizer_device": {"ours_cpu": "cpu", "ours_split": "split",
                                                        "ours_split_sync": "split"}.get(kind, "compute"),
                                   "overlap_step": kind != "ours_split_sync",
-                                  "speculative_prefetch": True,
-                                  "host_grad_accumulate": a.host_grad_accumulate,
-                                  "host_grad_parts": a.host_grad_parts}}
+                                  "speculative_prefetch": True}}
         if a.state_experts and kind.startswith("ours_split"):
             cfg["maximus"]["moe"]["gpu_state_experts"] = a.state_experts
         if a.cpu_share is not None:
@@ -144,6 +142,7 @@ def run_peer(a, kind) -> dict:
         os.environ.setdefault(k, v)  # the parent gives each child a free port (_child); a hand-run --peer takes one
     import deepspeed
     import transformers.models.mixtral.modeling_mixtral  # noqa: F401  (seconds of import: not the model build)
+
     import ds_maximus
     _log_to_stdout()
     cuda = torch.cuda.is_available()
@@ -188,7 +187,6 @@ def run_peer(a, kind) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    hg0 = moe.stats().get("host_grad_accumulate") if moe is not None else None  # the warm-up's, subtracted below
     # the timed steps, traced on the GPU (--trace) and profiled on the host (--profile: where a step's seconds go)
     with observed(f"{a.trace}_{kind}.json" if a.trace else None, a.profile):
         t0 = time.perf_counter()
@@ -198,10 +196,6 @@ def run_peer(a, kind) -> dict:
         if moe is not None:  # a split step runs on into the next forward: the last one's tail is timed too
             last = dict(moe.stats()["last_step"])
             moe.finish_step()
-            host_grads = moe.stats().get("host_grad_accumulate")
-            if host_grads is not None:  # a timed step's mean (the warm-up allocates every pinned buffer first)
-                phase("HOST GRADS per timed step " + str({k: round((v - hg0[k]) / a.steps, 1)
-                                                          for k, v in host_grads.items()}))
         if cuda:
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / a.steps
@@ -324,10 +318,6 @@ def main(argv=None):
                    "gives 4 to the Mixtral shape: 14.5 GiB peak under the 15.8 GiB cap, fewer loads)")
     p.add_argument("--grad-experts", type=int, default=None, help="expert gradients kept on the GPU (ours; "
                    "default: as many fp32 gradients as fit in a quarter of --cap-gib)")
-    p.add_argument("--host-grad-accumulate", action="store_true", help="ours: moe.host_grad_accumulate (with "
-                   "--gas > 1; prints a HOST GRADS line of its timings)")
-    p.add_argument("--host-grad-parts", action="store_true", help="ours: moe.host_grad_parts (with --gas > 1; "
-                   "prints the HOST GRADS line too)")
     p.add_argument("--state-experts", type=int, default=0, help="ours_split*: moe.gpu_state_experts, experts whose "
                    "fp32 master and moments stay on the GPU (12 B a parameter each)")
     p.add_argument("--cpu-share", type=float, default=None, help="ours_split*: a fixed moe.cpu_step_share "
@@ -375,11 +365,9 @@ def main(argv=None):
                   sizes={"layers": a.layers, "H": a.hidden, "F": a.ffn, "E": a.experts, "top_k": a.top_k,
                          "tokens/step": a.micro_batch * a.seq * a.gas, "expert GiB (bf16)": round(expert_gib, 2),
                          "cap GiB": a.cap_gib if set(keys) - UNCAPPED else "none", "slots/layer": a.slots,
-                         **({"state experts": a.state_experts} if a.state_experts else {}),
-                         **({"host grad accumulate": True} if a.host_grad_accumulate else {}),
-                         **({"host grad parts": True} if a.host_grad_parts else {})},
-                  notes="ms = one optimizer step (a split step that overlaps the next forward: none runs when the clock "
-                        "starts, the last one's tail is timed; "
+                         **({"state experts": a.state_experts} if a.state_experts else {})},
+                  notes="ms = one optimizer step (a split step that overlaps the next forward: none runs when the "
+                        "clock starts, the last one's tail is timed; "
                         "step ms: host time in the expert step, wait ms: the forward's waits for the last step's "
                         "updates); offloading peers capped with set_per_process_memory_fraction")
     slots = _slots(a.slot_s, keys)

@@ -177,9 +177,8 @@ def device_rows(bench_rows, loader, files, repeat, raw_gbps):
     def loop(n=60):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        c = a
         for _ in range(n):
-            c = a @ a
+            a @ a
         end.record()
         end.synchronize()
         return start.elapsed_time(end)
@@ -255,8 +254,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--block-bytes", type=int, default=1 << 20)
     ap.add_argument("--queue-depth", type=int, default=32)
-    ap.add_argument("--dir", default=os.environ.get("MAXIMUS_BENCH_NVME_DIR",
-                                                    str(Path(__file__).resolve().parent.parent / "build" / "bench_nvme")))
+    default_dir = str(Path(__file__).resolve().parent.parent / "build" / "bench_nvme")
+    ap.add_argument("--dir", default=os.environ.get("MAXIMUS_BENCH_NVME_DIR", default_dir))
     ap.add_argument("--budget-s", type=float, default=70.0, help="wall-clock budget; rows that no longer fit "
                     "are rows that say so")
     ap.add_argument("--out", default=None, help="also write the markdown table here")

@@ -163,7 +163,7 @@ def run_batch(base, args, dev, batch, new, repeat, budget, checkpoint) -> str:
                 ref_tokens = gen
             res.extra["same tokens"] = f"{float((gen == ref_tokens).float().mean()):.3f}"
         progress(f"B{batch} {name}: {f'{res.ms:.1f} ms per generate' if res.ms else res.error}")
-        del model, out
+        model = out = None
         gc.collect()
         checkpoint(bench.checkpoint(None, baseline="plain"))
     return bench.report(baseline="plain")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.harness import Budget, Bench, progress
+from benchmarks.harness import Bench, Budget, progress
 
 
 def zipf_batches(vocab: int, tokens: int, n: int, s: float, seed: int = 0):
@@ -137,7 +137,7 @@ def main(argv=None):
                           "H2D MiB/step": round(per["bytes_h2d"] / 2 ** 20, 1),
                           "D2H MiB/step": round(per["bytes_d2h"] / 2 ** 20, 1),
                           "row sparsity": round(s["row_sparsity"], 4), "cache warm-up steps": cache_warmup})
-        del emb
+        emb = None  # drops the module (the step closures refer to the variable, not the object)
 
     # -- dense peers -----------------------------------------------------------------------------------
     def run_dense(sparse: bool):
@@ -154,7 +154,7 @@ def main(argv=None):
         name = "nn.Embedding(sparse) + SparseAdam" if sparse else \
             ("nn.Embedding + fused AdamW" if cuda else "nn.Embedding + AdamW")
         bench.measure(name, step, warmup=a.warmup, repeat=a.repeat)
-        del emb, opt
+        emb = opt = None
 
     def run_deepspeed(offload: bool):
         import deepspeed
@@ -188,7 +188,7 @@ def main(argv=None):
             engine.step()
         bench.measure(name, step, warmup=1 if offload else a.warmup, repeat=3 if offload else a.repeat)
         engine.destroy() if hasattr(engine, "destroy") else None
-        del engine, emb
+        engine = emb = None
 
     base = "nn.Embedding + fused AdamW" if cuda else "nn.Embedding + AdamW"
     runs = [("maximus ShardedEmbedding (exact AdamW)", "ours", run_ours),
@@ -210,7 +210,8 @@ def main(argv=None):
         verdict = (f"\nvs dense: {dense.ms / ours.ms:.2f}x faster (target >= 4x), peak memory "
                    f"{(ours.peak_gib or 0) / max(dense.peak_gib or 1e-9, 1e-9):.1%} of dense (target <= 15%); "
                    f"vs SparseAdam: {sparse.ms / ours.ms:.2f}x faster (target >= 1.5x)"
-                   + (f"; lazy mode (SparseAdam's own semantics) {sparse.ms / lazy.ms:.2f}x SparseAdam" if lazy else ""))
+                   + (f"; lazy mode (SparseAdam's own semantics) {sparse.ms / lazy.ms:.2f}x SparseAdam"
+                      if lazy else ""))
         print(verdict)
         text += "\n" + verdict
     if a.out:

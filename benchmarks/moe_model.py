@@ -36,6 +36,7 @@ def build_model(a, dtype, zero3_config=None):
     partitioned and offloaded as they are made: ZeRO-3 + offload_param never holds the model on the GPU,
     which DeepSpeed would otherwise do in ``initialize`` before partitioning)."""
     import contextlib
+
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.initialization import no_init_weights
     cfg = MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,

@@ -57,19 +57,31 @@ def link_table(d: int, rows: int, table_rows: int) -> str:
         torch.cuda.current_stream().wait_stream(s1)
         torch.cuda.current_stream().wait_stream(s2)
 
+    def h2d():
+        op.copy_rows(host, ids, dev, slots)
+
+    def d2h():
+        op.copy_rows(dev2, slots, host, ids)
+
+    def flat_d2h():
+        host_flat.copy_(dev2, non_blocking=True)
+
+    def flat_h2d():
+        dev.copy_(host_flat, non_blocking=True)
+
     lines = [f"link: {rows} rows x {d} fp32 ({nbytes / 2**20:.0f} MiB) per copy",
-             f"  copy_rows H2D (UVA gather from pinned)  {_bw(lambda: op.copy_rows(host, ids, dev, slots), nbytes):6.1f} GB/s",
-             f"  copy_rows D2H (UVA scatter to pinned)   {_bw(lambda: op.copy_rows(dev2, slots, host, ids), nbytes):6.1f} GB/s",
+             f"  copy_rows H2D (UVA gather from pinned)  {_bw(h2d, nbytes):6.1f} GB/s",
+             f"  copy_rows D2H (UVA scatter to pinned)   {_bw(d2h, nbytes):6.1f} GB/s",
              f"  copy_rows both directions at once       {_bw(both, 2 * nbytes):6.1f} GB/s (sum)",
              f"  copy_rows H2D + DMA copy_ D2H at once   {_bw(uva_h2d_dma_d2h, 2 * nbytes):6.1f} GB/s (sum)",
-             f"  pinned contiguous copy_ D2H             {_bw(lambda: host_flat.copy_(dev2, non_blocking=True), nbytes):6.1f} GB/s",
-             f"  pinned contiguous copy_ H2D             {_bw(lambda: dev.copy_(host_flat, non_blocking=True), nbytes):6.1f} GB/s"]
+             f"  pinned contiguous copy_ D2H             {_bw(flat_d2h, nbytes):6.1f} GB/s",
+             f"  pinned contiguous copy_ H2D             {_bw(flat_h2d, nbytes):6.1f} GB/s"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for blocks in (8, 16, max(8, sms // 4), sms, 8 * sms):  # the default cap is a quarter of the SMs
         lines.append(f"  copy_rows H2D, {blocks:4d} blocks            "
                      f"{_bw(lambda: op.copy_rows(host, ids, dev, slots, max_blocks=blocks), nbytes):6.1f} GB/s")
     lines += contention_lines(op, host, dev, dev2, host_flat, ids, slots, sms)
-    del host, dev, dev2, host_flat
+    host = dev = dev2 = host_flat = None
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from typing import List, Tuple
 def builders():
     """One instance of every maximus op builder (every builder class in ``op_builder/``)."""
     import pkgutil
+
     from ds_maximus.ops import op_builder_module
     pkg = op_builder_module()
     from ds_maximus.op_builder.builder import MaximusCUDAOpBuilder, MaximusOpBuilder

@@ -10,7 +10,6 @@ side-stream loads and speculative prefetch, and that greedy tokens equal the un-
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 

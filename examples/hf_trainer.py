@@ -32,8 +32,14 @@ def main(argv=None):
     from ds_maximus.integrations.launch_env import single_process_env
     single_process_env()
 
-    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Trainer,
-                              TrainingArguments)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Trainer,
+        TrainingArguments,
+    )
     ds_maximus.enable()
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

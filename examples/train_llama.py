@@ -20,8 +20,9 @@ layer's recompute (~1.3 GiB). The embedding (CPU tier, 16K-row GPU cache: 384 Mi
 master + moments in pinned RAM, 16K-row bf16 chunks streamed, AdamW on the GPU in 4K-row blocks:
 ~0.7 GiB of staging) add ~1 GiB: ~13 GiB, a ~3 GiB margin under 16 GiB. With ffn 4096 (671M block
 params) the margin falls under 1 GiB; offloading the blocks' optimizer too would cost a CPU Adam over
-545M params every step (~1 s), far from the throughput target, so the blocks stay on the GPU. Data: Zipf-distributed ids over a frequency-ordered vocabulary, or real text
-(``pydoc_data.topics``) through a tokenizer folder written by ``maximus-tokenizer build`` (``--tokenizer``).
+545M params every step (~1 s), far from the throughput target, so the blocks stay on the GPU.
+Data: Zipf-distributed ids over a frequency-ordered vocabulary, or real text (``pydoc_data.topics``)
+through a tokenizer folder written by ``maximus-tokenizer build`` (``--tokenizer``).
 Prints the loss, tokens/s and the maximus stats line.
 """
 from __future__ import annotations
@@ -95,6 +96,7 @@ def zipf_stream(vocab: int, batch: int, seq: int, s: float, seed: int, rank: int
 
 def text_stream(tok_dir: str, batch: int, seq: int, rank: int, world: int):
     from pydoc_data.topics import topics
+
     from transformers import PreTrainedTokenizerFast
     tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     ids = []
@@ -162,6 +164,7 @@ def main(argv=None):
 
 def train(args):
     import deepspeed
+
     import ds_maximus
     with open(args.deepspeed_config) as f:
         ds_cfg = apply_overrides(json.load(f), args)

@@ -54,6 +54,7 @@ def build_model(a):
 
 def main(argv=None):
     import deepspeed
+
     import ds_maximus
     a = parse_args(argv)
     with open(a.deepspeed_config) as f:
@@ -97,7 +98,8 @@ def main(argv=None):
         experts = [t.expert_tensors(i) for i in range(t.num_layers)]
         if rank == 0:
             s = t.stats()
-            print(f"maximus moe: hit rate {s['hit_rate']:.3f}, experts moved {s['demand_misses'] + s['prefetch_issued']},"
+            moved = s['demand_misses'] + s['prefetch_issued']
+            print(f"maximus moe: hit rate {s['hit_rate']:.3f}, experts moved {moved},"
                   f" stepped {s['experts_stepped']}, {s['bytes_moved'] / 2**20:.1f} MiB loaded", flush=True)
     else:
         experts = []

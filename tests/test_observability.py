@@ -95,6 +95,7 @@ def test_trainer_callback_puts_the_figures_in_the_logs(capsys):
     """MaximusTrainerCallback adds the stats line's figures to the Trainer's logs and its log history, and
     the engine stops printing its own line (no raw prints inside tqdm bars)."""
     from transformers import TrainerControl, TrainerState
+
     from ds_maximus.integrations.trainer_callback import MaximusTrainerCallback
     from ds_maximus.observability import format_line
     e = _engine(1)
@@ -122,8 +123,9 @@ def test_trainer_callback_puts_the_figures_in_the_logs(capsys):
 
 def test_enable_adds_the_callback_to_every_trainer():
     from transformers import trainer
-    from ds_maximus.integrations.trainer_callback import MaximusTrainerCallback
+
     from ds_maximus.engine.initialize import disable, enable
+    from ds_maximus.integrations.trainer_callback import MaximusTrainerCallback
     enable()
     try:
         enable()

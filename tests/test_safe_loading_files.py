@@ -11,6 +11,7 @@ from ds_maximus.errors import ConfigError, TokenMapError
 @pytest.fixture
 def token_map_dir(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     from ds_maximus.tokenmap.token_map import TokenMap
     words = [f"w{i}" for i in range(30)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>"] + words)}, unk_token="<unk>"))
@@ -41,6 +42,7 @@ def test_token_map_meta_fields_are_checked(token_map_dir, field, value):
 
 def test_token_map_maps_must_be_a_permutation(token_map_dir):
     from safetensors.torch import load_file, save_file
+
     from ds_maximus.tokenmap.token_map import MAPS_FILE, TokenMap
     p = os.path.join(token_map_dir, MAPS_FILE)
     maps = load_file(p)

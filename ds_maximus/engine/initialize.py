@@ -14,7 +14,6 @@ included) go through here.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import os
 from typing import Any, Optional
@@ -22,10 +21,12 @@ from typing import Any, Optional
 import deepspeed
 import torch
 
-from ds_maximus.config import ExpertOptimizerDevice, MaximusConfig, SECTION
+from ds_maximus.config import SECTION, ExpertOptimizerDevice, MaximusConfig
 from ds_maximus.distributed import shm_buffers as _shm_buffers
-from ds_maximus.errors import ConfigError
+from ds_maximus.engine import adapters
+from ds_maximus.engine.protocol import MaximusModule, ModuleRole
 from ds_maximus.engine.swap import remove_params_from_optimizer, swap_embeddings
+from ds_maximus.errors import ConfigError
 
 logger = logging.getLogger("ds_maximus")
 _DEEPSPEED_INITIALIZE = deepspeed.initialize
@@ -98,17 +99,17 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     _init_distributed(cfg, kwargs)
     plan = swap_embeddings(model, cfg)
     modules = dict(plan.swapped)
-    if cfg.lm_head.enabled:
-        from ds_maximus.integrations.hf import attach_lm_head
-        head = attach_lm_head(model, cfg)
-        if head is not None and hasattr(head, "sparse_step") and getattr(head, "owns_weights", False):
+    if cfg.lm_head.enabled:  # the model family's adapter (registered by its integration) patches the loss
+        head = adapters.attach_lm_head(model, cfg)
+        if isinstance(head, MaximusModule) and head.engine_driven:
             modules["lm_head"] = head
     if cfg.moe.enabled and cfg.moe.train:  # experts become a runtime module; their params leave the model
         from ds_maximus.experts.training import attach_expert_training
         modules["moe"] = attach_expert_training(model, cfg)
-    # the replaced head's weight (placement cpu) leaves the model like the embedding's
-    removed = list(plan.removed_params) + list(getattr(modules.get("lm_head"), "removed_params", None) or [])
-    removed += list(getattr(modules.get("moe"), "removed_params", None) or [])
+    # the replaced head's weight (placement cpu) and the trained experts leave the model like the embedding's
+    removed = list(plan.removed_params)
+    for m in modules.values():
+        removed += list(m.removed_params)
     if isinstance(optimizer, torch.optim.Optimizer) and removed:
         remove_params_from_optimizer(optimizer, removed)
     # parameters that left the model must not reach DeepSpeed either
@@ -117,14 +118,13 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         model_parameters = _filter_params(model_parameters, gone)
     runtime = None
     if modules:
-        from ds_maximus.engine.runtime import MaximusRuntime
         from ds_maximus.engine.norm_carrier import attach_carrier
+        from ds_maximus.engine.runtime import MaximusRuntime
         runtime = MaximusRuntime(None, modules, cfg)
         # the embedding runs last in backward: it carries the norm of every module's sparse grads
         # (else the experts' layer-0 module: every layer's backward feeds its anchor)
-        host = next(iter(plan.swapped.values())) if plan.swapped else \
-            modules["moe"].carrier_host if "moe" in modules else next(iter(modules.values()))
-        carrier = attach_carrier(host, runtime)
+        hosts = runtime.of_role(ModuleRole.ROWS) or runtime.of_role(ModuleRole.EXPERTS) or list(modules.values())
+        carrier = attach_carrier(hosts[0].grad_anchor_host(), runtime)
         if model_parameters is not None:
             model_parameters = _add_param(model_parameters, carrier)
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -139,9 +139,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         loader = wrap_loader(loader, plan.swapped.values())
         runtime.engine = engine
         for m in modules.values():
-            _configure_from_engine(m, engine, cfg)
-        if "moe" in modules:
-            modules["moe"].configure_from_engine(engine)
+            m.configure_from_engine(engine, cfg)
         runtime.install()
         from ds_maximus.engine.consolidated_state import own_keys_consolidated_state_dict
         own_keys_consolidated_state_dict(engine)
@@ -200,33 +198,14 @@ def _add_param(params, carrier):
     return params + [carrier]
 
 
-def _configure_from_engine(module, engine, cfg: MaximusConfig) -> None:
-    """Sparse optimizer betas/eps default to the DeepSpeed optimizer's (so exact mode equals it)."""
-    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
-    groups = getattr(opt, "param_groups", None)
-    row_opt = getattr(module, "optimizer", None)
-    if not groups or row_opt is None or not hasattr(row_opt, "beta1"):
-        return
-    g = groups[0]
-    oc = cfg.embedding.optimizer
-    if "betas" not in oc.model_fields_set and "betas" in g:
-        row_opt.beta1, row_opt.beta2 = (float(b) for b in g["betas"])
-    if "eps" not in oc.model_fields_set and "eps" in g:
-        row_opt.eps = float(g["eps"])
-
-
 def enable() -> None:
-    """Route every later ``deepspeed.initialize`` through ``ds_maximus.initialize`` (HF Trainer, accelerate).
-    With transformers installed, every later ``Trainer`` also logs the maximus figures with its own logs
-    (:class:`ds_maximus.integrations.trainer_callback.MaximusTrainerCallback`)."""
+    """Route every later ``deepspeed.initialize`` through ``ds_maximus.initialize`` (HF Trainer, accelerate),
+    and run the model adapters' ``on_enable`` hooks: with transformers installed, every later ``Trainer`` then
+    logs the maximus figures with its own logs (the Hugging Face adapter's Trainer callback)."""
     deepspeed.initialize = initialize
-    if importlib.util.find_spec("transformers") is not None:
-        from ds_maximus.integrations.trainer_callback import install_default_callback
-        install_default_callback()
+    adapters.run_enable_hooks()
 
 
 def disable() -> None:
     deepspeed.initialize = _DEEPSPEED_INITIALIZE
-    if importlib.util.find_spec("transformers") is not None:
-        from ds_maximus.integrations.trainer_callback import remove_default_callback
-        remove_default_callback()
+    adapters.run_disable_hooks()

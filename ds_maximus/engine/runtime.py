@@ -15,16 +15,20 @@ import logging
 import math
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
-from torch import nn
 
 from ds_maximus.config import MaximusConfig, ShardMode
-from ds_maximus.distributed.sparse_grads import allreduce_sparse_rows
+from ds_maximus.engine.checkpoint_space import (
+    check_free_space,
+    disk_full_reported,
+    engine_bytes,
+    remove_quietly,
+    state_bytes,
+)
+from ds_maximus.engine.protocol import MaximusModule, ModuleRole
 from ds_maximus.errors import ShardStoreError
-from ds_maximus.engine.checkpoint_space import (check_free_space, disk_full_reported, engine_bytes, remove_quietly,
-                                              state_bytes)
 
 logger = logging.getLogger("ds_maximus")
 STATE_FILE = "maximus_states.pt"
@@ -44,9 +48,14 @@ def _atomic_torch_save(obj, path: str) -> None:
 
 
 class MaximusRuntime:
-    """Owns the engine hooks. ``engine.maximus`` points at it."""
+    """Owns the engine hooks. ``engine.maximus`` points at it. Every module it drives is a
+    :class:`~ds_maximus.engine.protocol.MaximusModule`, reached through that class's methods only."""
 
-    def __init__(self, engine, modules: Dict[str, nn.Module], cfg: MaximusConfig):
+    def __init__(self, engine, modules: Dict[str, MaximusModule], cfg: MaximusConfig):
+        wrong = {n: type(m).__name__ for n, m in modules.items() if not isinstance(m, MaximusModule)}
+        if wrong:
+            raise TypeError(f"MaximusRuntime drives MaximusModule subclasses only; {wrong} are not "
+                            "(subclass ds_maximus.engine.protocol.MaximusModule and implement its abstract methods)")
         self.engine = engine
         self.modules = modules
         self.cfg = cfg
@@ -73,23 +82,21 @@ class MaximusRuntime:
         dtype = torch.bfloat16 if e.bfloat16_enabled() else torch.float16 if e.fp16_enabled() else None
         if dtype is not None:
             for m in self.modules.values():
-                if hasattr(m, "out_dtype"):
-                    m.out_dtype = dtype
+                m.set_out_dtype(dtype)
+
+    def of_role(self, role: ModuleRole) -> List[MaximusModule]:
+        """The driven modules of ``role``, in the order they were handed over."""
+        return [m for m in self.modules.values() if m.role is role]
 
     def _defer_head_steps(self) -> None:
-        """With a sharded embedding beside a CPU-tier LM head, the head's device step (its moments and
-        gradient streamed through the GPU, ~20 B per head parameter) starts its copies when the next
-        forward's embedding has issued its own, not at ``engine.step()``: queued there, they held up the
-        next step's first host-to-device copies while the compute stream idled (H200 profile,
-        docs/bench/headline_profile.md). The head's forward still waits for the step's end."""
-        from ds_maximus.vocab.lm_head_tier import HeadTier
-        head = self.modules.get("lm_head")
-        tier = getattr(head, "tier", None)
-        embs = [m for n, m in self.modules.items() if n not in ("lm_head", "moe")]
-        if not isinstance(tier, HeadTier) or not embs:
+        """With a sharded embedding beside a head whose step streams its state through the GPU, the head's
+        step copies start at the embedding's next forward instead of at ``engine.step()`` (see
+        :meth:`~ds_maximus.engine.protocol.MaximusModule.defer_step_to`; docs/bench/headline_profile.md)."""
+        embs = self.of_role(ModuleRole.ROWS)
+        if not embs:
             return
-        tier.defer_steps = True
-        embs[0].register_forward_hook(lambda *_: tier.launch_deferred_step())
+        for head in self.of_role(ModuleRole.HEAD):
+            head.defer_step_to(embs[0])
 
     # -- groups / scalars ---------------------------------------------------------------------
     def _dp_group(self):
@@ -117,22 +124,17 @@ class MaximusRuntime:
     # -- the carrier's callback ----------------------------------------------------------------
     def on_sparse_backward_done(self) -> float:
         """Called at the end of the sharded modules' backward; returns the carrier increment."""
-        owned = [m for m in self.modules.values() if hasattr(m, "partition")]  # partitioned: grads at owners
-        shared = [m for m in self.modules.values() if not hasattr(m, "partition")]
+        owned = [m for m in self.modules.values() if m.owns_partition]  # partitioned: grads at owners
+        shared = [m for m in self.modules.values() if not m.owns_partition]
         if self._boundary and shared:
             group = self._dp_group()
             for m in shared:
-                if hasattr(m, "allreduce_sparse_grads_"):  # modules with their own dense-per-entry reduction
-                    m.allreduce_sparse_grads_(group)
-                    continue
-                ids, rows = m.sparse_grads()
-                ids, rows = allreduce_sparse_rows(ids, rows, group=group)
-                m.set_sparse_grads_(ids, rows)
+                m.reduce_grads(group)
         sq = sum(float(m.sparse_grad_norm_sq()) for m in shared)
         if owned:
             local = torch.stack([m.sparse_grad_norm_sq().float().cpu() for m in owned]).sum().reshape(1)
             # each rank holds the grads of its own rows: the global norm sums every rank's share
-            sq += float(owned[0].comm.all_reduce("sparse grad norm", local)) if self._boundary else float(local)
+            sq += float(owned[0].reduce_norm_sq(local)) if self._boundary else float(local)
         norm = math.sqrt(sq) if math.isfinite(sq) else sq
         inc = norm - self._carrier_sent
         self._carrier_sent = norm

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from ds_maximus.config import HeadPlacement, LMHeadConfig, MaximusConfig
-from ds_maximus.vocab.linear_cross_entropy import linear_cross_entropy
 from ds_maximus.errors import ConfigError
+from ds_maximus.vocab.linear_cross_entropy import linear_cross_entropy
 
 _ATTR = "_maximus_lm_head_patch"
 

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from ds_maximus.config import EmbeddingOptimizerConfig, OptimizerType, SparseMode
-from ds_maximus.optim.sparse_adamw import ADAGRAD, ADAMW
 from ds_maximus.errors import ConfigError
 from ds_maximus.ops import index_array
+from ds_maximus.optim.sparse_adamw import ADAGRAD, ADAMW
 
 
 class RowOptimizer:

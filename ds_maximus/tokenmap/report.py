@@ -47,8 +47,8 @@ def format_report(rep: dict) -> str:
                   f"dim {s['dim']}, {s['dtype']}, states {s['state_names'] or '-'}, {s['bytes'] / 2**20:.1f} MiB, "
                   f"matches token map: {s['matches_token_map']}",
                   "", "| shard | rows | MiB | share of corpus tokens |", "|---|---|---|---|"]
-        lines += [f"| {x['id']} | [{x['rows'][0]}, {x['rows'][1]}) | {x['bytes'] / 2**20:.2f} | {x['corpus_share']:.4f} |"
-                  for x in s["shards"]]
+        lines += [f"| {x['id']} | [{x['rows'][0]}, {x['rows'][1]}) | {x['bytes'] / 2**20:.2f} "
+                  f"| {x['corpus_share']:.4f} |" for x in s["shards"]]
     lines += ["", "## coverage (share of corpus tokens in rows [0, K))", "| K | build corpus |"
               + (" given corpus |" if "corpus_coverage" in rep else ""),
               "|---|---|" + ("---|" if "corpus_coverage" in rep else "")]

@@ -45,7 +45,8 @@ def model_vocab_ids(tok: dict) -> Dict[str, int]:
     elif kind in ("BPE", "WordPiece", "WordLevel"):
         vocab = dict(model["vocab"])
     else:
-        raise TokenMapError(f"tokenizer model type {kind!r} is not supported; allowed: BPE, WordPiece, WordLevel, Unigram")
+        raise TokenMapError(f"tokenizer model type {kind!r} is not supported; "
+                            "allowed: BPE, WordPiece, WordLevel, Unigram")
     for a in tok.get("added_tokens") or []:
         vocab[a["content"]] = a["id"]
     return vocab

@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_maximus.config import EmbeddingOptimizerConfig, HeadPlacement, LMHeadConfig, MaximusConfig
+from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_with_engine
+from ds_maximus.errors import ConfigError
 from ds_maximus.vocab.linear_cross_entropy import MIB, LCEOptions, linear_cross_entropy
 from ds_maximus.vocab.lm_head_stream import streamed_linear_cross_entropy, streamed_logits
 from ds_maximus.vocab.lm_head_tier import HeadTier, TiedSource
-from ds_maximus.errors import ConfigError
 
 
 def _configs(config) -> tuple:
@@ -61,7 +62,7 @@ def _configs(config) -> tuple:
                       f"'lm_head' section, got {type(config).__name__}", "maximus.lm_head")
 
 
-class ShardedLMHead(nn.Module):
+class ShardedLMHead(MaximusModule, nn.Module):
     """An LM head computing ``cross_entropy(hidden @ W.T, labels)`` by streaming vocab chunks (see module doc).
 
     ``forward(hidden, labels)`` returns the fp32 loss; ``forward(hidden)`` returns logits (a streamed head
@@ -167,6 +168,29 @@ class ShardedLMHead(nn.Module):
         return streamed_logits(hidden, self.source, self.chunk_rows, anchor)
 
     # -- maximus module protocol (CPU-placed heads) ---------------------------------------------
+    role = ModuleRole.HEAD
+
+    @property
+    def engine_driven(self) -> bool:
+        """The engine steps this head when it keeps its rows in the CPU tier (:attr:`owns_weights`)."""
+        return self.owns_weights
+
+    def configure_from_engine(self, engine, cfg: MaximusConfig) -> None:
+        """The tier's AdamW betas/eps follow DeepSpeed's unless ``embedding.optimizer`` sets them."""
+        align_adam_with_engine(self.tier, engine, cfg.embedding.optimizer)
+
+    def defer_step_to(self, module: nn.Module) -> bool:
+        """Beside a sharded embedding, the tier's device step (moments and gradient streamed through the GPU)
+        starts its copies when ``module``'s next forward has issued its own, not at ``engine.step()``, where
+        they held up the next step's first host-to-device copies while the compute stream idled. The head's
+        forward still waits for the step's end."""
+        tier = self.tier
+        if not isinstance(tier, HeadTier):
+            return False
+        tier.defer_steps = True
+        module.register_forward_hook(lambda *_: tier.launch_deferred_step())
+        return True
+
     def _tier(self) -> HeadTier:
         if self.tier is None:
             raise RuntimeError(f"this ShardedLMHead (placement={self.placement}) owns no offloaded rows: its "

@@ -25,10 +25,19 @@ from typing import Optional, Protocol
 
 import torch
 
+from ds_maximus.vocab.linear_cross_entropy import (
+    LCEOptions,
+    _acc_mm_,
+    mm_f32,
+    prepare,
+    reduce_loss,
+    row_weights,
+    scatter_rows,
+    stat_dtype,
+    token_block_for,
+    token_losses,
+)
 from ds_maximus.vocab.lm_head_tiles import KERNELS
-from ds_maximus.vocab.linear_cross_entropy import (LCEOptions, _acc_mm_, mm_f32, prepare, reduce_loss,
-                                                        row_weights, scatter_rows, stat_dtype, token_block_for,
-                                                        token_losses)
 
 
 class ChunkSource(Protocol):

@@ -187,8 +187,8 @@ class HeadTier(HeadGradients):
     # -- optimizer -----------------------------------------------------------------------------
     def step_(self, lr: Optional[float], weight_decay: Optional[float]) -> bool:
         """One AdamW step over every row (rows without a gradient take a zero-gradient step)."""
-        from ds_maximus.optim.sparse_adamw import adamw_rows_
         from ds_maximus.errors import ConfigError
+        from ds_maximus.optim.sparse_adamw import adamw_rows_
         dev = self._device_update()
         if dev is None:
             self._apply_scale()

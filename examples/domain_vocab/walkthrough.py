@@ -49,6 +49,7 @@ def _hashes(store_dir: str) -> dict:
 def base_tokenizer(out: str, vocab: int) -> str:
     """A BPE tokenizer trained on the pydoc topics and its token map, by ``maximus-tokenizer build``."""
     from pydoc_data.topics import topics
+
     from ds_maximus.tokenmap.cli import main as maximus_tokenizer
     corpus = os.path.join(out, "corpus.txt")
     with open(corpus, "w", encoding="utf-8") as f:
@@ -63,6 +64,7 @@ def base_tokenizer(out: str, vocab: int) -> str:
 def domain_terms(tm_dir: str, n: int) -> list:
     """Dotted standard-library names the token map's tokenizer splits into >= 3 pieces."""
     import importlib
+
     from ds_maximus.tokenmap.token_map import TokenMap
     tm = TokenMap.load(tm_dir)
     seen, terms = set(), []
@@ -89,6 +91,7 @@ def domain_terms(tm_dir: str, n: int) -> list:
 
 def base_model(out: str, tm_dir: str, hidden: int):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from ds_maximus.tokenmap.cli import main as maximus_tokenizer
     from ds_maximus.tokenmap.token_map import TokenMap
     vocab = TokenMap.load(tm_dir).vocab_size
@@ -105,11 +108,12 @@ def base_model(out: str, tm_dir: str, hidden: int):
 
 
 def fine_tune(ckpt: str, store: str, tm_dir: str, new_ids: list, steps: int, seq: int = 16, batch: int = 4):
-    import ds_maximus
     from transformers import LlamaForCausalLM
+
+    import ds_maximus
     from ds_maximus.config import EmbeddingConfig
-    from ds_maximus.vocab import ShardedEmbedding
     from ds_maximus.tokenmap.token_map import TokenMap
+    from ds_maximus.vocab import ShardedEmbedding
     vocab = TokenMap.load(tm_dir).vocab_size
     model = LlamaForCausalLM.from_pretrained(ckpt)
     model.resize_token_embeddings(vocab, mean_resizing=False)   # the head grows; the embedding is the store:

@@ -1,13 +1,15 @@
 """The maximus twin of train_plain.py: only the initialize line and the config differ (the "after").
 
-    deepspeed --num_gpus 1 examples/existing_script/train_maximus.py --deepspeed_config examples/existing_script/ds_config_maximus.json
+    deepspeed --num_gpus 1 examples/existing_script/train_maximus.py \\
+        --deepspeed_config examples/existing_script/ds_config_maximus.json
 """
 import argparse
 
 import deepspeed
-import ds_maximus
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+import ds_maximus
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int, default=0)

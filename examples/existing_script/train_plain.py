@@ -1,6 +1,7 @@
 """A plain DeepSpeed training script, as users already have (the "before").
 
-    deepspeed --num_gpus 1 examples/existing_script/train_plain.py --deepspeed_config examples/existing_script/ds_config.json
+    deepspeed --num_gpus 1 examples/existing_script/train_plain.py \\
+        --deepspeed_config examples/existing_script/ds_config.json
 """
 import argparse
 

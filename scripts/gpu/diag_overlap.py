@@ -3,6 +3,7 @@ experts each side stepped in each run and which rows of the final masters and mo
 ``3400475``: the CPU and CUDA ops give the same bits). On the GPU machine, after ``. .device/env.sh``:
 ``python scripts/gpu/diag_overlap.py`` (runs on the CPU too)."""
 import torch
+
 import ds_maximus.experts.training.step as step_mod
 from tests.experts.training.moe_utils import batches, build, moe_section, tiny_mixtral, train
 

@@ -132,7 +132,8 @@ def main(argv=None):
         "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if torch.device(args.device).type == "cuda" else None,
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "first_token_s": first_token_s, "hit_rate": round(stats["hit_rate"], 3), "stall_ms": round(stats.get("stall_ms", 0.0), 1),
+        "first_token_s": first_token_s, "hit_rate": round(stats["hit_rate"], 3),
+        "stall_ms": round(stats.get("stall_ms", 0.0), 1),
     }
     if ref is not None:
         figures["tokens_equal_before_offload"] = bool(torch.equal(out.cpu(), ref.cpu()))

@@ -118,7 +118,8 @@ def main():
     # correctness of both paths: a row's bytes arrive where they should
     for t in tier:
         t[ids_in[:4]] = torch.randn(4, a.dim)
-    b_h2d(); torch.cuda.synchronize()
+    b_h2d()
+    torch.cuda.synchronize()
     assert all(torch.equal(s[d_sl[:4]].cpu(), t[ids_in[:4]]) for s, t in zip(slots, tier))
     rows = []
     for name, f, sts in [("copy_rows H2D", k_h2d, [h2d_s]), ("copy_rows D2H", k_d2h, [d2h_s]),

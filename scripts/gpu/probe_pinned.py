@@ -2,7 +2,6 @@
 
     python scripts/gpu/probe_pinned.py
 """
-import os
 import threading
 import time
 
@@ -52,7 +51,8 @@ print("grad_sum on host_tensor (registered) memory:", t(lambda: grad_sum(hb, hb,
 print("torch mul_ on torch-pinned fp32:", t(lambda: base.mul_(1.0001)), "| on unpinned:", t(lambda: pb.mul_(1.0001)))
 res = []
 th = threading.Thread(target=lambda: res.append(t(lambda: grad_sum(base, base, 0.5, add))))
-th.start(); th.join()
+th.start()
+th.join()
 print("grad_sum in a worker thread:", res[0])
 # two threads at once, both using the intra-op pool (the CPU step's team beside the worker's)
 big = torch.randn(8 * N)

@@ -82,6 +82,7 @@ def zipf_ids(n: int, batch: int, seqlen: int, vocab: int, seed: int = 1, low: in
 def initialize(model: torch.nn.Module, cfg: dict):
     """``ds_maximus.initialize`` when ``cfg`` has a ``"maximus"`` section, else plain ``deepspeed.initialize``."""
     import deepspeed
+
     import ds_maximus
     fn = ds_maximus.initialize if "maximus" in cfg else deepspeed.initialize
     engine, *_ = fn(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_maximus.config import MaximusConfig
-from ds_maximus.errors import ConfigError
 from ds_maximus.engine.swap import swap_embeddings
+from ds_maximus.errors import ConfigError
 from tests.conformance.families import FAMILIES, VOCAB
 from tests.conformance.helpers import ds_config, initialize, load_in_fresh_process, maximus_section, train, zipf_ids
 

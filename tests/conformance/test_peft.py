@@ -14,8 +14,8 @@ head (PEFT without ``modules_to_save``: maximus would train rows PEFT froze).
 import pytest
 import torch
 
-from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
 from ds_maximus.errors import ConfigError
+from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
 from tests.conformance.helpers import ds_config, initialize, train, zipf_ids
 
 VOCAB = 384

@@ -14,9 +14,10 @@ from tests.conformance.helpers import load_in_fresh_process, zipf_ids
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_trainer_save_model_reloads_tied(stage, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
     import ds_maximus
     from ds_maximus.engine.initialize import disable
-    from transformers import Trainer, TrainingArguments
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True

@@ -69,8 +69,9 @@ def train(engine, batches, gas: int):
 
 
 def build(stage, dtype, gas=1, clip=0.0, maximus=None, seed=0, tie=False, init=None, **kw):
-    import ds_maximus
     import deepspeed
+
+    import ds_maximus
     model = tiny_llama(seed, tie=tie)
     if init is not None:
         model.load_state_dict(copy.deepcopy(init))

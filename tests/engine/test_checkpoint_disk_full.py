@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from ds_maximus.errors import ShardStoreError
 from ds_maximus.engine import checkpoint_space, runtime
 from ds_maximus.engine.checkpoint_space import disk_full_reported, engine_bytes, is_disk_full, state_bytes
+from ds_maximus.errors import ShardStoreError
 from tests.engine.llama_utils import build, maximus_section, train, zipf_batches
 
 

@@ -9,8 +9,7 @@ keeps the table fp32 and casts rows to bf16 on lookup, as DeepSpeed's module cop
 import pytest
 import torch
 
-from tests.engine.llama_utils import (assert_weights_close, build, embedding_weight, maximus_section, train,
-                                    zipf_batches)
+from tests.engine.llama_utils import assert_weights_close, build, embedding_weight, maximus_section, train, zipf_batches
 
 GAS = 4
 STEPS = 20

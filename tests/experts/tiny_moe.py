@@ -6,8 +6,14 @@ import torch
 
 def tiny_model(kind: str, experts_impl: str = "grouped_mm", layers: int = 2, num_experts: int = 8,
                top_k: int = 2, dtype=torch.float32, seed: int = 0):
-    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
     torch.manual_seed(seed)
     common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=128, max_position_embeddings=256, num_experts_per_tok=top_k)

@@ -5,8 +5,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from ds_maximus.vocab import ShardedLMHead  # noqa: E402
 from ds_maximus.integrations.hf_lm_head import patch_causal_lm_loss  # noqa: E402
+from ds_maximus.vocab import ShardedLMHead  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

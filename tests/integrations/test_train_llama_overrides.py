@@ -37,6 +37,7 @@ def test_offload_peer_drops_the_torch_adam_options():
     (``torch_adam``, ``fused``) must not reach it (``fused`` is no argument of DeepSpeedCPUAdam)."""
     import inspect
     import json
+
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     tl = _train_llama()
     cfg = json.loads((ROOT / "ds_configs" / "llama_262k_16gib.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ds_maximus
-from tests.distributed.ranks import ROOT, clean_env
+from tests.distributed.ranks import clean_env
 from tests.engine.llama_utils import VOCAB, tiny_llama, zipf_batches
 
 RELOAD = r"""

@@ -17,7 +17,8 @@ import threading
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len, opcode, unique, nodeid, uid, gid, pid, total_extlen, padding
 OUT_HEADER = struct.Struct("<IiQ")       # len, error, unique
-ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # ino size blocks atime mtime ctime, 3 nsec, mode nlink uid gid rdev blksize flags
+# ino size blocks atime mtime ctime, 3 nsec, mode nlink uid gid rdev blksize flags
+ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
 LOOKUP, FORGET, GETATTR, OPEN, READ, RELEASE, FLUSH, INIT, BATCH_FORGET = 1, 2, 3, 14, 15, 18, 25, 26, 42
 FILE_NAME, FILE_BYTES, ROOT, FILE = "bad.bin", 1 << 20, 1, 2
 

@@ -72,6 +72,7 @@ def test_stale_build_locks_are_removed_and_live_ones_kept(tmp_path):
     import subprocess
     import sys
     import time
+
     from ds_maximus.op_builder.builder import clear_stale_build_locks
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from ds_maximus.vocab import reference as ref
 from ds_maximus.ops import row_ops as ops
+from ds_maximus.vocab import reference as ref
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,8 @@ def test_the_wrapper_falls_back_to_the_reference(monkeypatch):
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
 @pytest.mark.parametrize("factor", [1.0, 0.37])
 def test_grad_sum_parts_equals_the_reference_and_one_addition_at_a_time(op, base_dtype, add_dtype, k, factor):
-    """A sum of k micro-batch parts in one pass has the bits of adding them one after another (ExpertGrads'
-    ``host_grad_parts`` relies on it to train the same bits as the device's running sum)."""
+    """A sum of k micro-batch parts in one pass has the bits of adding them one after another (the fp32 running
+    sum a device accumulates)."""
     g = torch.Generator().manual_seed(k)
     n = 70_001  # several chunks and a ragged end
     base = (torch.randn(n, generator=g) * 3).to(base_dtype)

@@ -14,8 +14,7 @@ import torch
 
 from ds_maximus.config import MaximusConfig
 from ds_maximus.errors import NVMeIOError
-from ds_maximus.ops.nvme_loader import (ALIGN_BYTES, NVMeLoader, PinnedBufferPool, aligned_empty,
-                                        nvme_loader_available)
+from ds_maximus.ops.nvme_loader import ALIGN_BYTES, NVMeLoader, PinnedBufferPool, aligned_empty, nvme_loader_available
 
 pytestmark = pytest.mark.nvme
 
@@ -352,6 +351,7 @@ def test_forked_child_gets_a_clear_error_and_exits(tmp_path):
 
 def test_docstring_examples():
     import doctest
+
     import ds_maximus.ops.nvme_loader as mod
     res = doctest.testmod(mod)
     assert res.attempted >= 5 and res.failed == 0

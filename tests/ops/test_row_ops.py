@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from ds_maximus.vocab import reference as ref
 from ds_maximus.ops import row_ops as ops
+from ds_maximus.vocab import reference as ref
+
 
 def _op(kind):
     op = ops.load_op(kind)
@@ -120,8 +121,9 @@ def test_bf16_shadow_rounds_every_bit_pattern_like_torch(dim):
         pytest.skip("the CPU op is not built")
     g = torch.Generator().manual_seed(11)
     bits = torch.randint(-2**31, 2**31 - 1, (24, dim), generator=g, dtype=torch.int64).to(torch.int32)
+    # ties, +-inf, NaNs...: rows 0-1
     bits.view(-1)[:8] = torch.tensor([0x3F808000, 0x3F818000, 0x7F800000, -0x800000, 0x7FC00001, -0x400000,
-                                0x00008000, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32)  # ties, +-inf, NaNs...: rows 0-1
+                                      0x00008000, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32)
     w = bits.view(torch.float32).clone()
     s0, s1 = torch.zeros(24, dim), torch.zeros(24, dim)
     slots = torch.tensor([0, 3, 17, 9, 1])

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from ds_maximus.config import EmbeddingConfig
-from ds_maximus.vocab import ShardedEmbedding
 from ds_maximus.errors import CapacityError
 from ds_maximus.partition import host_memory
+from ds_maximus.vocab import ShardedEmbedding
 
 
 @pytest.fixture

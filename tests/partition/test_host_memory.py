@@ -5,8 +5,15 @@ import torch
 
 from ds_maximus.errors import CapacityError
 from ds_maximus.partition import host_memory as hm
-from ds_maximus.partition.host_memory import (GiB, HostMemoryPlan, HostResources, HostTier, PiecedHostTable,
-                                              TierDemand, host_tensor)
+from ds_maximus.partition.host_memory import (
+    GiB,
+    HostMemoryPlan,
+    HostResources,
+    HostTier,
+    PiecedHostTable,
+    TierDemand,
+    host_tensor,
+)
 
 
 def cpu(nbytes, reclaim=0, what="a table", fix="use NVMe"):

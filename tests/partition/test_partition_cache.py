@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from ds_maximus.partition import PartitionCache, TensorTier
-from ds_maximus.partition.store_tier import ShardStoreTier
 from ds_maximus.config import CachePolicy
 from ds_maximus.errors import CapacityError
+from ds_maximus.partition import PartitionCache, TensorTier
+from ds_maximus.partition.store_tier import ShardStoreTier
 
 
 def _tier(n=20, d=3):

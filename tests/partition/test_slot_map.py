@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from ds_maximus.partition import SlotMap
 from ds_maximus.config import CachePolicy
 from ds_maximus.errors import CapacityError
+from ds_maximus.partition import SlotMap
 
 
 def _check_consistent(m: SlotMap):

@@ -12,8 +12,9 @@ and resumed from its latest checkpoint. Then:
   the samples just after warm-up).
 
 It runs only with ``MAXIMUS_SOAK=1`` (``scripts/soak.sh`` sets it): three 2,000-step runs take tens of
-minutes on a 2-core machine, far over CI's budget. ``SOAK_STEPS`` (default 2000), ``SOAK_DIR`` (default a pytest temporary folder) and ``SOAK_KILL_SEED`` (default
-random, printed) change the run; ``SOAK_REPORT`` names a JSON file for the figures.
+minutes on a 2-core machine, far over CI's budget. ``SOAK_STEPS`` (default 2000), ``SOAK_DIR`` (default a
+pytest temporary folder) and ``SOAK_KILL_SEED`` (default random, printed) change the run; ``SOAK_REPORT``
+names a JSON file for the figures.
 """
 from __future__ import annotations
 

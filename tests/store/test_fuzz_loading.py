@@ -257,6 +257,7 @@ def test_fuzz_pickled_checkpoints(tmp_path):
 @pytest.fixture
 def token_map_dir(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     from ds_maximus.tokenmap.token_map import TokenMap
     words = [f"w{i}" for i in range(60)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>"] + words)}, unk_token="<unk>"))
@@ -267,8 +268,9 @@ def token_map_dir(tmp_path):
 
 
 def test_fuzz_token_map(token_map_dir, tmp_path):
-    from ds_maximus.tokenmap.token_map import MAPS_FILE, META_FILE, TokenMap
     from safetensors.torch import load_file, save_file
+
+    from ds_maximus.tokenmap.token_map import MAPS_FILE, META_FILE, TokenMap
     pristine = tmp_path / "pristine"
     shutil.copytree(token_map_dir, pristine)
     meta = json.load(open(pristine / META_FILE))

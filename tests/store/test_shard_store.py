@@ -38,8 +38,8 @@ def store(tmp_path):
 @pytest.mark.parametrize("vocab,rps", [(1, 4), (37, 16), (64, 16), (100, 7)])
 def test_round_trip_and_layout(tmp_path, dtype, vocab, rps):
     dim = 5
-    s = ShardStore.create(str(tmp_path / "s"), vocab, dim, dtype=dtype, rows_per_shard=rps,
-                          state_names=("m",), init=_init(dim, ("m",)), loader=False)
+    ShardStore.create(str(tmp_path / "s"), vocab, dim, dtype=dtype, rows_per_shard=rps,
+                      state_names=("m",), init=_init(dim, ("m",)), loader=False)
     s2 = ShardStore.open(str(tmp_path / "s"), loader=False)
     assert (s2.vocab_size, s2.dim, s2.dtype, s2.rows_per_shard, s2.state_names) == (vocab, dim, dtype, rps, ("m",))
     assert s2.num_shards == -(-vocab // rps)

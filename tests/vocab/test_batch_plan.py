@@ -9,7 +9,8 @@ from ds_maximus.vocab.function import BatchPlanner
 def _want(flat: torch.Tensor):
     uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
     order = torch.sort(flat, stable=True).indices
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(torch.bincount(inverse, minlength=uniq.numel()), 0)])
+    counts = torch.bincount(inverse, minlength=uniq.numel())
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
     return uniq, inverse, order, offsets
 
 

@@ -363,6 +363,7 @@ def test_launching_a_deferred_step_does_not_wait_for_its_issue_thread():
     the state joins it, and a worker's error reaches the caller there."""
     import threading
     import time
+
     from ds_maximus.vocab.lm_head_update import PendingStep
     tier = HeadTier(torch.randn(V, D), CHUNK, update_device="cpu", update_rows=7)
     release = threading.Event()
@@ -389,6 +390,7 @@ def test_runtime_defers_the_head_step_to_the_embeddings_forward(tmp_path):
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
     from llama_utils import build, maximus_section, zipf_batches
+
     from ds_maximus.vocab.lm_head_tier import HeadTier
     section = maximus_section(cache_rows=64)
     section["lm_head"] = {"enabled": True, "placement": "cpu", "chunk_rows": 100}

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ds_maximus.config import EmbeddingConfig
-from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
 from ds_maximus.errors import CapacityError
+from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
 
 VOCAB, DIM = 600, 12
 
@@ -189,7 +189,8 @@ def test_deepspeed_engine_with_overflowing_batches_equals_a_large_cache(mode, ti
     """Through ``ds_maximus.initialize`` (ZeRO 2, gradient accumulation 2, clipping, a scheduler): a 16-row cache
     under batches of ~40 distinct ids gives the losses and table of a vocabulary-sized cache, bit for bit; with
     ``tie`` a tied ShardedLMHead shares the table."""
-    from tests.engine.llama_utils import VOCAB as V, build, embedding_weight, maximus_section, train, zipf_batches
+    from tests.engine.llama_utils import VOCAB as V
+    from tests.engine.llama_utils import build, embedding_weight, maximus_section, train, zipf_batches
     batches = zipf_batches(12, batch=2, seqlen=32)
     runs = []
     for rows in (16, V):

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from ds_maximus.vocab import ShardedEmbedding
 from ds_maximus.errors import CapacityError
+from ds_maximus.vocab import ShardedEmbedding
 from emb_helpers import make_config, train_pair, zipf_batch
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from ds_maximus.config import MaximusConfig
 from ds_maximus.vocab import ShardedEmbedding
-from emb_helpers import make_config, train_pair, zipf_batch
+from emb_helpers import make_config, zipf_batch
 
 
 def _train(emb, seed, steps, vocab):

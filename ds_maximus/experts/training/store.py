@@ -25,11 +25,11 @@ from typing import Dict, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ds_maximus.partition import TensorTier
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts.expert_store import ExpertStore
 from ds_maximus.experts.layout import ExpertLayout
 from ds_maximus.experts.training.host_memory import host_tensor
+from ds_maximus.partition import TensorTier
 
 
 class ExpertTrainStore(ExpertStore):
@@ -71,6 +71,14 @@ class ExpertTrainStore(ExpertStore):
     @property
     def in_memory(self) -> bool:
         return isinstance(self._tier, TensorTier)
+
+    @property
+    def tables(self) -> Dict[str, Tensor]:
+        """The in-memory tier's tables ``{name: [num_uids, numel] fp32}``, which an optimizer step updates in
+        place (the rows of ``moe.gpu_state_experts`` experts are current after :meth:`pull`)."""
+        if not self.in_memory:
+            raise ConfigError("the experts' tier is on NVMe: read its rows with read_rows, write them with write_rows")
+        return self._tier.tensors
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
         """Compute copies in ``dtype`` (a shadow is built from the masters when it is not fp32 in memory)."""

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ds_maximus.config import ExpertOptimizerDevice, MaximusConfig, OffloadDevice
+from ds_maximus.engine.protocol import MaximusModule, ModuleRole
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts.compute import rounds
 from ds_maximus.experts.expert_cache import ExpertCache
@@ -34,6 +35,7 @@ from ds_maximus.experts.training.function import ExpertKind, ExpertRound
 from ds_maximus.experts.training.grads import ExpertGrads
 from ds_maximus.experts.training.state import ExpertStateMixin
 from ds_maximus.experts.training.stats import ExpertTrainStats
+from ds_maximus.experts.training.step import InPlaceStep, SplitStep, StagedStep, StepParts
 from ds_maximus.experts.training.store import ExpertTrainStore
 from ds_maximus.optim import RowOptimizer
 
@@ -62,7 +64,7 @@ def _subrow(numel: int) -> int:
     return 256 * max(k for k in range(1, cap + 1) if units % k == 0)
 
 
-class ExpertTrainer(ExpertStateMixin, nn.Module):
+class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
     """The experts of every MoE layer of a model, trained through an expert cache (see module docstring)."""
 
     def __init__(self, layers: Sequence[LayerSpec], cfg: MaximusConfig, device, dtype=torch.float32):
@@ -113,6 +115,7 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
             self.store.make_resident(range(min(mcfg.gpu_state_experts, self.num_uids)), self.compute_device)
         self.cache: Optional[ExpertCache] = None
         self._pending = None  # split: the step still running into the next forward (pending.py)
+        self._step_parts: Optional[StepParts] = None  # what the step variants work on (step.py)
         self._build_cache()
         # the fused row-update op is JIT-built once per machine (~70 s cold for CUDA): load it here, where
         # set-up time is expected and logged, not inside the first training step
@@ -123,11 +126,16 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
             load_op("cpu")
         logger.info("ExpertTrainer: compute copy, expert cache and optimizer op in %.1f s (set-up %.1f s)",
                     time.perf_counter() - t2, time.perf_counter() - t0)
-        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots, mcfg.host_grad_accumulate,
-                                 host_parts=mcfg.host_grad_parts)
-        self.cpu_step_share: Optional[float] = None  # split: the measured share of the CPU side (step.py)
-        self._step_pool = None                       # split: the CPU side's worker thread
+        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots)
         self.counters = ExpertTrainStats(self.num_layers, self.num_experts)
+        # the optimizer step's variants (step.py), over the store, gradients, optimizer, counters and cache
+        self._step_parts = StepParts(store=self.store, grads=self.grads, optimizer=self.row_optimizer,
+                                     counters=self.counters, num_layers=self.num_layers, num_experts=self.num_experts,
+                                     numel=self.numel, sub=self.sub, step_chunk_bytes=mcfg.step_chunk_bytes,
+                                     cache=self.cache)
+        self.in_place_step = InPlaceStep(self._step_parts)
+        self.staged_step = StagedStep(self._step_parts)
+        self.split_step = SplitStep(self._step_parts, self.in_place_step, self.staged_step, mcfg.cpu_step_share)
         self.log_interval_steps = cfg.logging.interval_steps
         self.carrier_host: Optional[nn.Module] = None
         self._anchor_fn = None
@@ -143,6 +151,8 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
             self.cache.close()
         self.cache = ExpertCache(self.store, self.num_layers, self.num_experts, self.slots, self.compute_device,
                                  self.cfg.moe.cache_policy)
+        if self._step_parts is not None:
+            self._step_parts.cache = self.cache
 
     @property
     def out_dtype(self) -> torch.dtype:
@@ -181,7 +191,7 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         """Routing of layer ``group`` is known (``counts`` tokens per expert): record it, bring routed experts
         that skipped steps up to date, plan the next layer's prefetch. Returns the routed experts."""
         used = [e for e in range(self.num_experts) if counts[e] > 0]
-        if self._pending is not None and self._pending.await_layer(self, group):  # the last step's updates
+        if self._pending is not None and self._pending.await_layer(group):  # the last step's updates
             self.counters.overlapped_layers += 1                                   # of this layer, just in time
         self.counters.route(group, counts)
         self._used[group] = used
@@ -222,11 +232,10 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
     def backward_round(self, group: int, experts: List[int], counts: List[int], x: Tensor,
                        grad_out: Tensor) -> Optional[Tensor]:
         if self._pending is not None:  # a backward without its forward's begin_layer (never in a model)
-            self._pending.await_layer(self, group)
+            self._pending.await_layer(group)
         slots = self.cache.acquire(group, experts)   # a reload if it was evicted since forward
         self._prefetch_backward(group)
         try:
-            self.grads.settle_copies()  # the last round's gradients out: its buffer is reused for this one's
             with torch.enable_grad():
                 buf = self.cache.slot_buffer(group).detach().requires_grad_(True)
                 xl = x.detach().requires_grad_(x.requires_grad)
@@ -268,7 +277,7 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         if self._pending is not None:  # the layer's updates may still run: guess only once they are done
             if not self._pending.ready(group):
                 return
-            self._pending.await_layer(self, group)
+            self._pending.await_layer(group)
         uids = torch.tensor([group * self.num_experts + e for e in experts])
         lag = self.row_optimizer.lagging(uids)
         self.cache.prefetch(group, [e for e, stale in zip(experts, lag.tolist()) if not stale])
@@ -305,7 +314,7 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         opt, names = self.row_optimizer, self.row_optimizer.state_names
         if self.store.in_memory:  # (resident experts: caught up on the tier, as the CPU side would, then copied)
             self.store.pull(uids.tolist())
-            t = self.store._tier.tensors
+            t = self.store.tables
             opt.catch_up(self._row_views(t["weight"]), [self._row_views(t[n]) for n in names],
                          self._sub_slots(uids), self._sub_ids(uids))
             masters = [t["weight"][u] for u in uids.tolist()]
@@ -324,13 +333,16 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
     def refresh(self, uid: int, master: Tensor, offset: int = 0) -> None:
         """Elements ``offset:`` of ``uid``'s master were updated to ``master``: refresh the shadow and, when
         resident, the cache slot (so no stale copy is ever computed with)."""
-        self.store.refresh(uid, master, offset)
-        self.refresh_slot(uid, master, offset)
+        self._step_parts.refresh(uid, master, offset)
 
     def refresh_slot(self, uid: int, src: Tensor, offset: int = 0) -> None:
         """If ``uid`` is resident, overwrite its cache slot from element ``offset`` with ``src``."""
-        if self.cache.write_slot(uid // self.num_experts, uid % self.num_experts, src, offset):
-            self.counters.bytes_refresh += src.numel() * self.cache.layout.nbytes // self.numel
+        self._step_parts.refresh_slot(uid, src, offset)
+
+    @property
+    def cpu_step_share(self) -> Optional[float]:
+        """The split step's measured share of the CPU side (``None`` before its first measurement)."""
+        return self.split_step.share
 
     def _step_device(self) -> torch.device:
         if self.cfg.moe.optimizer_device == ExpertOptimizerDevice.CPU:
@@ -339,7 +351,6 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
 
     def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
         """Step every expert with gradient (AdamW on the compute device by default), refresh its copies."""
-        from ds_maximus.experts.training.step import step_in_place, step_split, step_staged
         t0 = time.perf_counter()
         self.finish_step()
         opt = self.row_optimizer
@@ -349,13 +360,13 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         dev = self._step_device()
         split = self.cfg.moe.optimizer_device == ExpertOptimizerDevice.SPLIT and self.store.in_memory
         if uids and split:
-            self._pending = step_split(self, uids, dev)
+            self._pending = self.split_step.run(uids, dev)
             if not self.cfg.moe.overlap_step:
                 self.finish_step()
         elif uids and dev.type == "cpu" and self.store.in_memory:
-            step_in_place(self, uids)
+            self.in_place_step.run(uids, dev)
         elif uids:
-            step_staged(self, uids, dev)
+            self.staged_step.run(uids, dev)
         self.grads.clear()
         self.counters.end_step(self.cache, (time.perf_counter() - t0) * 1e3)
         if opt.step % self.log_interval_steps == 0:
@@ -368,15 +379,15 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         if p is None:
             return
         try:
-            t_cpu, t_dev = p.finish(self)
+            t_cpu, t_dev = p.finish()
         finally:
             self.counters.step_wait_ms += p.wait_s * 1e3
         self.counters.split_sides = (t_cpu * 1e3, t_dev * 1e3, p.n_cpu, p.n_dev)
-        from ds_maximus.experts.training.step import rebalance
-        rebalance(self, p, t_cpu, t_dev)
+        self.split_step.rebalance(p, t_cpu, t_dev)
 
-    def configure_from_engine(self, engine) -> None:
-        """Betas/eps follow the DeepSpeed optimizer's unless ``moe.optimizer`` sets them (exact equals dense)."""
+    def configure_from_engine(self, engine, cfg: Optional[MaximusConfig] = None) -> None:
+        """Betas/eps follow the DeepSpeed optimizer's unless ``moe.optimizer`` sets them (exact equals dense).
+        ``cfg`` is the protocol's argument; the trainer reads its own ``moe`` section."""
         opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
         groups = getattr(opt, "param_groups", None)
         if not groups:
@@ -388,6 +399,15 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
             ro.eps = float(g["eps"])
 
     # -- the maximus module protocol ------------------------------------------------------------------
+    role = ModuleRole.EXPERTS
+
+    def set_out_dtype(self, dtype: torch.dtype) -> None:
+        self.out_dtype = dtype
+
+    def grad_anchor_host(self) -> nn.Module:
+        """The first MoE layer's experts module: every layer's backward feeds its anchor."""
+        return self.carrier_host
+
     def set_grad_anchor(self, fn) -> None:
         self._anchor_fn = fn
 
@@ -403,7 +423,8 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         for u, r in zip(ids.tolist(), rows):
             self.grads.add(int(u), r.to(self.compute_device))
 
-    def allreduce_sparse_grads_(self, group=None) -> None:
+    def reduce_grads(self, group=None) -> None:
+        """Each expert's gradient summed over the ranks as one dense buffer per expert (no id exchange)."""
         self.grads.allreduce_(self.num_uids, group)
 
     def sparse_grad_norm_sq(self) -> Tensor:
@@ -428,16 +449,10 @@ class ExpertTrainer(ExpertStateMixin, nn.Module):
         model's dense part and the activations."""
         def size(ts) -> int:
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
-        pl = getattr(self, "_step_pipeline", None)
-        staging = [] if pl is None else [b for s in pl.bufs for b in s.values()] + pl.low + pl.grad_low
         return {"expert slots": self.cache.device_bytes(),
                 "device-state experts": size(self.store.device_tables.values()),
-                "step pipeline": size(staging), **self.grads.device_bytes()}
+                "step pipeline": self.staged_step.device_bytes(), **self.grads.device_bytes()}
 
     def stats(self) -> dict:
-        """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing); with
-        ``moe.host_grad_accumulate`` or ``moe.host_grad_parts``, ``"host_grad_accumulate"``: :meth:`ExpertGrads.timings`."""
-        out = self.counters.as_dict(self.cache)
-        if self.grads.host_accumulate or self.grads.host_parts:
-            out["host_grad_accumulate"] = self.grads.timings()
-        return out
+        """Cumulative figures and ``"last_step"`` (experts moved, bytes, stall ms, hit rate, routing)."""
+        return self.counters.as_dict(self.cache)

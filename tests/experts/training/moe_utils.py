@@ -91,6 +91,7 @@ def moe_section(slots: int = 1, **moe):
 
 def build(model, stage, maximus=None, dtype="fp32", **kw):
     import deepspeed
+
     import ds_maximus
     cfg = ds_config(stage, dtype, maximus=maximus, **kw)
     fn = ds_maximus.initialize if maximus is not None else deepspeed.initialize

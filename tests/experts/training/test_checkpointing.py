@@ -3,8 +3,16 @@ expert cache again (a second forward per layer in backward) and still equals pla
 checkpointing (fp32, exact mode, ZeRO-2, a cache smaller than one layer's experts)."""
 import pytest
 
-from tests.experts.training.moe_utils import (assert_close, assert_experts_close, batches, build, dense_params, moe_section,
-                                          tiny_mixtral, train)
+from tests.experts.training.moe_utils import (
+    assert_close,
+    assert_experts_close,
+    batches,
+    build,
+    dense_params,
+    moe_section,
+    tiny_mixtral,
+    train,
+)
 
 
 def _checkpointed(**kw):

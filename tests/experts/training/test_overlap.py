@@ -13,17 +13,17 @@ from tests.experts.training.moe_utils import batches, build, mixtral_experts, mo
 
 
 def _slow_cpu_side(monkeypatch, delay_s=0.02, fail_at=None):
-    import ds_maximus.experts.training.step as step_mod
-    real = step_mod._update_in_place
+    from ds_maximus.experts.training.step import InPlaceStep
+    real = InPlaceStep.update
     calls = []
 
-    def slow(tr, uid, grad, grad_scale=1.0):
+    def slow(step, uid, grad, grad_scale=1.0):
         calls.append(uid)
         time.sleep(delay_s)
         if fail_at is not None and len(calls) == fail_at:
             raise OSError("simulated failure in the CPU side")
-        real(tr, uid, grad, grad_scale)
-    monkeypatch.setattr(step_mod, "_update_in_place", slow)
+        real(step, uid, grad, grad_scale)
+    monkeypatch.setattr(InPlaceStep, "update", slow)
     return calls
 
 
@@ -55,13 +55,13 @@ def test_overlapped_step_equals_the_synchronous_one(monkeypatch, dtype):
     assert t.counters.overlapped_layers >= len(data) - 1
     assert t.counters.step_wait_ms > 0 and sync.maximus.modules["moe"].counters.overlapped_layers == 0
     ts = sync.maximus.modules["moe"]
-    for n, v in ts.store._tier.tensors.items():
-        assert torch.equal(t.store._tier.tensors[n], v), n
+    for n, v in ts.store.tables.items():
+        assert torch.equal(t.store.tables[n], v), n
     for g in range(t.num_layers):  # every resident slot holds its expert's current copy
         for e, s in enumerate(t.cache.groups[g].map.id_to_slot.tolist()):
             if s >= 0:
                 want = t.store.shadow[g * t.num_experts + e] if t.store.shadow is not None else \
-                    t.store._tier.tensors["weight"][g * t.num_experts + e]
+                    t.store.tables["weight"][g * t.num_experts + e]
                 assert torch.equal(t.cache.slot_buffer(g)[s], want)
 
 
@@ -91,8 +91,8 @@ def test_a_failed_cpu_side_stops_the_next_forward(monkeypatch):
 def test_deepspeed_throughput_timer_does_not_wait_for_the_step(overlap, user, want):
     """DeepSpeed's throughput timer syncs the device at every forward unless told not to: with an overlapped
     split step it is told not to, unless the config sets it."""
-    from tests.experts.training.moe_utils import ds_config
     import ds_maximus
+    from tests.experts.training.moe_utils import ds_config
     sec = moe_section(slots=2, optimizer_device="split", overlap_step=overlap)
     cfg = ds_config(2, maximus=sec)
     if user is not None:

@@ -2,8 +2,16 @@
 under one engine (one norm carrier for both, one clipping coefficient) equal plain DeepSpeed (fp32, exact)."""
 import pytest
 
-from tests.experts.training.moe_utils import (assert_close, assert_experts_close, batches, build, dense_params, moe_section,
-                                          tiny_mixtral, train)
+from tests.experts.training.moe_utils import (
+    assert_close,
+    assert_experts_close,
+    batches,
+    build,
+    dense_params,
+    moe_section,
+    tiny_mixtral,
+    train,
+)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
