@@ -28,7 +28,7 @@ import enum
 import mmap
 import os
 import shutil
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -275,6 +275,8 @@ class PiecedHostTable:
     def __init__(self, num_rows: int, row_numel: int, dtype: torch.dtype, pin: bool = False,
                  piece_bytes: Optional[int] = None):
         piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
+        if int(num_rows) < 0 or int(row_numel) < 0:
+            raise ValueError(f"a host table of {num_rows} rows of {row_numel} elements: both must be >= 0")
         self.num_rows = int(num_rows)
         self.row_numel = int(row_numel)
         self.dtype = dtype
@@ -283,6 +285,17 @@ class PiecedHostTable:
         self.rows_per_piece = max(1, min(self.num_rows, int(piece_bytes) // max(1, self.row_bytes)))
         self.num_pieces = -(-self.num_rows // self.rows_per_piece) if self.num_rows else 0
         self._pieces: List[Optional[torch.Tensor]] = [None] * self.num_pieces
+
+    @classmethod
+    def wrap(cls, table: torch.Tensor) -> "PiecedHostTable":
+        """A table of one piece: the given contiguous CPU tensor ``[rows, row_numel]`` (used as it is)."""
+        if table.dim() != 2 or table.device.type != "cpu" or not table.is_contiguous():
+            raise ValueError(f"PiecedHostTable.wrap takes a contiguous [rows, row_numel] CPU tensor, got "
+                             f"{tuple(table.shape)} on {table.device}")
+        out = cls(table.shape[0], table.shape[1], table.dtype, pin=table.is_pinned(),
+                  piece_bytes=max(1, table.numel() * table.element_size()))
+        out._pieces = [table] if out.num_pieces else []
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -299,6 +312,18 @@ class PiecedHostTable:
             rows = min(self.rows_per_piece, self.num_rows - index * self.rows_per_piece)
             p = self._pieces[index] = host_tensor((rows, self.row_numel), self.dtype, pin=self.pin)
         return p
+
+    def piece_range(self, index: int) -> Tuple[int, int]:
+        """Rows ``[lo, hi)`` of piece ``index``."""
+        lo = index * self.rows_per_piece
+        return lo, min(self.num_rows, lo + self.rows_per_piece)
+
+    @property
+    def whole(self) -> Optional[torch.Tensor]:
+        """The table as one tensor ``[num_rows, row_numel]`` when it is one piece (or empty), else ``None``."""
+        if self.num_pieces == 0:
+            return torch.empty(0, self.row_numel, dtype=self.dtype)
+        return self.piece(0) if self.num_pieces == 1 else None
 
     def row(self, i: int) -> torch.Tensor:
         if not 0 <= i < self.num_rows:

@@ -1,7 +1,12 @@
-"""``ShardStoreTier``: a backing tier on NVMe (a :class:`ds_maximus.store.ShardStore`) with a bounded
-CPU cache of whole shards (LRU; dirty shards are written back atomically when evicted or flushed).
+"""``ShardStoreTier``: the NVMe tier of the :class:`ds_maximus.partition.tier.Tier` protocol, a
+:class:`ds_maximus.store.ShardStore` (read through the async NVMe loader) with a bounded CPU cache of whole
+shards (LRU; dirty shards are written back atomically when evicted or flushed).
 
-Shards are the unit of disk I/O; the partition cache above still moves single entries (rows).
+Rows and experts share its one on-disk format: a vocabulary table is shards of ``rows_per_shard`` rows, an
+expert table is shards of one expert each (``rows_per_shard=1``, ``dim`` = the expert's flat size). Shards
+are the unit of disk I/O; the partition cache above still moves single entries (rows). With
+``cpu_cache_shards=0`` nothing is cached: a read of a one-entry shard goes from the file straight into the
+destination (no bounce copy), and every write is a durable shard write.
 
 >>> import tempfile, torch
 >>> tier = ShardStoreTier.for_table(tempfile.mkdtemp() + "/t", 10, 2, (), rows_per_shard=4, cpu_cache_shards=1,
@@ -19,18 +24,21 @@ from typing import Callable, Dict, Sequence
 import torch
 from torch import Tensor
 
-from ds_maximus.partition.tier import Tier
 from ds_maximus.errors import ConfigError
+from ds_maximus.partition.tier import Tier
 
 
 class ShardStoreTier(Tier):
-    """Entries in a ``ShardStore``; at most ``cpu_cache_shards`` shards held in (pinned) CPU memory."""
+    """Entries in a ``ShardStore``; at most ``cpu_cache_shards`` shards held in (pinned) CPU memory.
+
+    ``host_view`` is ``None`` and ``pieces`` empty: an entry is read into a destination the caller owns.
+    """
 
     def __init__(self, store, cpu_cache_shards: int = 8, pin_memory: bool = False):
         self.store = store
         self.num_ids = store.vocab_size
         self.names = ("weight", *store.state_names)
-        self.capacity = max(1, int(cpu_cache_shards))
+        self.capacity = max(0, int(cpu_cache_shards))
         self.pinned = bool(pin_memory and torch.cuda.is_available())
         self._shards: "collections.OrderedDict[int, Dict[str, Tensor]]" = collections.OrderedDict()
         self._dirty: set = set()
@@ -87,6 +95,11 @@ class ShardStoreTier(Tier):
     def entry_shape(self, name):
         return (self.store.dim,)
 
+    @property
+    def cached_shards(self) -> int:
+        """Shards held in CPU memory now."""
+        return len(self._shards)
+
     def dtype(self, name):
         return self.store.dtype
 
@@ -96,14 +109,15 @@ class ShardStoreTier(Tier):
         if t is not None:
             self._shards.move_to_end(i)
             return t
-        while len(self._shards) >= self.capacity:
+        while self._shards and len(self._shards) >= self.capacity:
             j, old = self._shards.popitem(last=False)
             if j in self._dirty:
                 self._write(j, old)
         raw = self.store.read_shard(i)
         self.shard_reads += 1
         t = {k: (v.pin_memory() if self.pinned else v.clone()) for k, v in raw.items()}
-        self._shards[i] = t
+        if self.capacity:
+            self._shards[i] = t
         return t
 
     def _write(self, i: int, t: Dict[str, Tensor]) -> None:
@@ -119,24 +133,63 @@ class ShardStoreTier(Tier):
             yield i, sel, ids[sel] - lo
 
     # -- Tier -------------------------------------------------------------------------------------------
+    def check_ids(self, ids):
+        ids = super().check_ids(ids)
+        self.store.shard_of(ids)  # the store's own check, too
+        return ids
+
     def read(self, ids, out):
+        ids = self.check_ids(ids)
         for i, sel, local in self._groups(ids):
+            if self._read_direct(i, sel, out):
+                continue
             t = self._get(i)
             for name in self.names:
                 out[name][sel] = t[name][local]
 
+    def _read_direct(self, i: int, sel: Tensor, out: Dict[str, Tensor]) -> bool:
+        """A one-entry, one-tensor shard not cached here: read from the file straight into its destination."""
+        if i in self._shards or len(self.names) != 1 or sel.numel() != 1:
+            return False
+        lo, hi = self.store.shard_range(i)
+        dst = out[self.names[0]][int(sel[0])]
+        if hi - lo != 1 or not dst.is_contiguous() or dst.dtype != self.store.dtype or dst.device.type != "cpu":
+            return False
+        self.store.read_shard_into(i, dst)
+        self.shard_reads += 1
+        return True
+
     def write(self, ids, src):
+        ids = self.check_ids(ids)
         n = ids.numel()
         for i, sel, local in self._groups(ids):
+            lo, hi = self.store.shard_range(i)
+            if not self.capacity and local.numel() == hi - lo and torch.equal(local, torch.arange(hi - lo)):
+                self._write(i, {name: src[name][:n][sel] for name in self.names})  # the whole shard: no read
+                continue
             t = self._get(i)
             for name in self.names:
                 t[name][local] = src[name][:n][sel]
-            self._dirty.add(i)
+            if self.capacity:
+                self._dirty.add(i)
+            else:
+                self._write(i, t)
 
     def blocks(self, block_rows=None):
         for i in range(self.store.num_shards):
             lo, hi = self.store.shard_range(i)
-            yield lo, hi, self._get(i)
+            t = self._get(i)
+            yield lo, hi, t
+            if not self.capacity:  # nothing cached: the block's edits are written now
+                self._write(i, t)
+
+    def materialize(self, name):
+        out = torch.empty((self.num_ids, self.store.dim), dtype=self.store.dtype)
+        for i in range(self.store.num_shards):
+            lo, hi = self.store.shard_range(i)
+            t = self._shards.get(i)
+            out[lo:hi].copy_((t if t is not None else self.store.read_shard(i))[name])
+        return out
 
     def mark_dirty_range(self, lo: int, hi: int) -> None:
         for i in torch.unique(self.store.shard_of(torch.arange(lo, hi))).tolist():

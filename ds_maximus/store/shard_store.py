@@ -101,10 +101,11 @@ class ShardStore:
                rows_per_shard: int = 32768, state_names: Sequence[str] = (), init: Optional[InitFn] = None,
                loader: LoaderArg = None, overwrite: bool = False, progress: bool = False) -> "ShardStore":
         """Create a store at ``path`` and write every shard; ``init(lo, hi)`` gives the tensors of rows
-        ``[lo, hi)`` by name (``"weight"`` and state names; any left out are zeros)."""
-        for name, v in (("vocab_size", vocab_size), ("dim", dim), ("rows_per_shard", rows_per_shard)):
-            if int(v) < 1:
-                raise ShardStoreError(f"ShardStore.create: {name}={v}; it must be >= 1", path)
+        ``[lo, hi)`` by name (``"weight"`` and state names; any left out are zeros). ``vocab_size=0`` makes an
+        empty store that :meth:`append_shards` grows."""
+        for name, v, least in (("vocab_size", vocab_size, 0), ("dim", dim, 1), ("rows_per_shard", rows_per_shard, 1)):
+            if int(v) < least:
+                raise ShardStoreError(f"ShardStore.create: {name}={v}; it must be >= {least}", path)
         state_names = tuple(state_names)
         if "weight" in state_names or len(set(state_names)) != len(state_names):
             raise ShardStoreError(f"state_names {state_names} must be unique and must not contain 'weight'", path)
@@ -206,10 +207,26 @@ class ShardStore:
         ``verify`` (default: the store's ``verify_checksums``) checks the data checksum.
         """
         info = self.shard_info(i)
+        buf = _read_buffer(info.bytes - info.data_offset, self._loader is not None)
+        self.read_shard_into(i, buf, verify)
+        out, pos, nb = {}, 0, info.rows * self.dim * self.dtype.itemsize
+        for name in self.tensor_names:
+            out[name] = buf[pos:pos + nb].view(self.dtype).view(info.rows, self.dim)
+            pos += nb
+        return out
+
+    def read_shard_into(self, i: int, dst: torch.Tensor, verify: Optional[bool] = None) -> None:
+        """Read shard ``i``'s data (its tensors in :attr:`tensor_names` order, back to back) into ``dst``, a
+        contiguous CPU tensor of exactly that many bytes, with no intermediate buffer (the loader reads straight
+        into it); the file's size and header are checked first, the checksum when ``verify``."""
+        info = self.shard_info(i)
         path = self._file_path(info)
         data_offset = self._check_file(info, path)
         nbytes = info.bytes - data_offset
-        buf = _read_buffer(nbytes, self._loader is not None)
+        if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() * dst.element_size() != nbytes:
+            raise ValueError(f"read_shard_into({i}): dst must be a contiguous CPU tensor of {nbytes} bytes, got "
+                             f"{tuple(dst.shape)} {dst.dtype} on {dst.device}")
+        buf = dst.view(-1).view(torch.uint8) if nbytes else dst
         if self._loader is not None and nbytes:
             try:
                 self._loader.read_into(path, data_offset, buf).wait()
@@ -224,11 +241,6 @@ class ShardStore:
                                       f"{INDEX_NAME}; restore the file or rewrite shard {i}", path)
         with self._lock:
             info.access_count += 1
-        out, pos, nb = {}, 0, info.rows * self.dim * self.dtype.itemsize
-        for name in self.tensor_names:
-            out[name] = buf[pos:pos + nb].view(self.dtype).view(info.rows, self.dim)
-            pos += nb
-        return out
 
     def iter_shards(self) -> Iterator[Tuple[int, Dict[str, torch.Tensor]]]:
         """Yield ``(shard id, tensors)`` for every shard, in order."""
