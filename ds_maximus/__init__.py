@@ -33,6 +33,10 @@ _LAZY = {
     "offload_experts": "ds_maximus.experts",
 }
 
+# modules that register a model adapter with the engine when imported: ds_maximus.engine.adapters imports them
+# by name the first time it needs adapters (the engine itself imports no integration)
+ADAPTERS = ("ds_maximus.integrations.hf",)
+
 __all__ = ["MaximusConfig", "ConfigError", "ShardStoreError", "CapacityError", "OpBuildError", *_LAZY]
 
 

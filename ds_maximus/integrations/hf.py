@@ -9,15 +9,24 @@ Example::
 
 With ``ds_maximus.enable()`` called first, the Trainer's ``deepspeed.initialize`` goes through
 ``ds_maximus.initialize``, which does the same swap itself: ``maximize`` is then optional.
+
+Importing this module registers the Hugging Face :class:`~ds_maximus.engine.adapters.ModelAdapter` with the
+engine (the streamed LM head of an ``XForCausalLM``, the Trainer callback at ``ds_maximus.enable()``); the
+engine loads it by name (``ds_maximus.ADAPTERS``) and never imports it.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Union
+import importlib.util
+from typing import Iterable, List, Union
 
 import torch
 from torch import nn
 
 from ds_maximus.config import MaximusConfig
+from ds_maximus.engine import lookahead as _engine_lookahead
+from ds_maximus.engine.adapters import ModelAdapter, register_adapter
+
+_unique_ids = _engine_lookahead.unique_ids
 
 
 def _cfg(config) -> MaximusConfig:
@@ -82,15 +91,6 @@ def maximize(model: nn.Module, config: Union[str, dict, MaximusConfig], inferenc
     return model
 
 
-def _unique_ids(batch: Any) -> Optional[torch.Tensor]:
-    ids = batch.get("input_ids") if isinstance(batch, dict) else getattr(batch, "input_ids", None)
-    if ids is None and isinstance(batch, (tuple, list)) and batch and torch.is_tensor(batch[0]):
-        ids = batch[0]
-    if ids is None or not torch.is_tensor(ids):
-        return None
-    return torch.unique(ids.reshape(-1))
-
-
 class MaximusDataCollator:
     """Wraps a collator; each collated batch's unique ids are prefetched into the row caches.
 
@@ -127,20 +127,20 @@ class MaximusDataCollator:
 def lookahead(loader: Iterable, model_or_modules) -> Iterable:
     """Iterate ``loader`` one batch ahead, prefetching the next batch's rows before yielding this one."""
     modules = sharded_modules(model_or_modules) if isinstance(model_or_modules, nn.Module) else list(model_or_modules)
-    it = iter(loader)
-    try:
-        cur = next(it)
-    except StopIteration:
-        return
-    while True:  # not ``for nxt in it``: DeepSpeed's loader restarts itself in __iter__
-        try:
-            nxt = next(it)
-        except StopIteration:
-            break
-        ids = _unique_ids(nxt)
-        if ids is not None:
-            for m in modules:
-                m.prefetch(ids)
-        yield cur
-        cur = nxt
-    yield cur
+    yield from _engine_lookahead.lookahead(loader, modules)
+
+
+def _install_trainer_callback() -> None:
+    if importlib.util.find_spec("transformers") is not None:
+        from ds_maximus.integrations.trainer_callback import install_default_callback
+        install_default_callback()
+
+
+def _remove_trainer_callback() -> None:
+    if importlib.util.find_spec("transformers") is not None:
+        from ds_maximus.integrations.trainer_callback import remove_default_callback
+        remove_default_callback()
+
+
+register_adapter(ModelAdapter("huggingface", attach_lm_head=attach_lm_head, on_enable=_install_trainer_callback,
+                              on_disable=_remove_trainer_callback))

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ds_maximus.partition import PartitionCache, TensorTier
 from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
+from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_with_engine
+from ds_maximus.optim import RowOptimizer, SparseRowGrad
+from ds_maximus.partition import PartitionCache, TensorTier
 from ds_maximus.vocab.function import BatchPlan, BatchPlanner, ids_on_host
 from ds_maximus.vocab.sharded_state import ShardedStateMixin
 from ds_maximus.vocab.stats import EmbeddingStats, format_line
-from ds_maximus.optim import RowOptimizer, SparseRowGrad
 
 logger = logging.getLogger("ds_maximus")
 
@@ -36,7 +37,7 @@ def _masked(t: Tensor, mask: Tensor) -> Tensor:
     return torch.from_numpy(t.numpy()[mask.numpy()])
 
 
-class ShardedEmbedding(ShardedStateMixin, nn.Module):
+class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     """Embedding table with a row cache on the compute device and a row-sparse optimizer.
 
     Example::
@@ -346,6 +347,15 @@ class ShardedEmbedding(ShardedStateMixin, nn.Module):
         self.grad.add(ids, rows)
 
     # -- the maximus module protocol ---------------------------------------------------------------------
+    role = ModuleRole.ROWS
+
+    def set_out_dtype(self, dtype: torch.dtype) -> None:
+        self.out_dtype = dtype
+
+    def configure_from_engine(self, engine, cfg: MaximusConfig) -> None:
+        """The row optimizer's betas/eps follow DeepSpeed's unless ``embedding.optimizer`` sets them."""
+        align_adam_with_engine(self.optimizer, engine, cfg.embedding.optimizer)
+
     def set_grad_anchor(self, fn) -> None:
         """Use ``fn()`` as the autograd anchor of each lookup (its backward runs after this module's)."""
         self._anchor_fn = fn
