@@ -525,8 +525,7 @@ class SlotCache(CacheCore):
         self.device = torch.device(device)
         self.prefetch_chunk_bytes = prefetch_chunk_bytes  # None: a prefetch is one whole load
         self.stage_guesses = stage_guesses
-        self.staged = (StagedGuess(prefetch_chunk_bytes, self.numel, dtype, self.device)
-                       if stage_guesses and prefetch_chunk_bytes else None)
+        self.staged: Optional[StagedGuess] = None  # made by the first staged guess
         if transfer is None:
             transfer = CudaTransfer(self.device) if self.device.type == "cuda" else CpuTransfer()
         self.transfer = transfer
@@ -582,6 +581,8 @@ class SlotCache(CacheCore):
             uid = group * self.num_ids + e
             if self.store.host_view(uid) is None:
                 return None
+            if self.staged is None:
+                self.staged = StagedGuess(self.prefetch_chunk_bytes, self.numel, self.dtype, self.device)
             stage = self.staged
             dropped = stage.cancelled
             buf = stage.begin((group, e))
@@ -707,7 +708,7 @@ class SlotCache(CacheCore):
         Never evicts a pinned slot, nor a resident entry in ``keep``, and never loads more entries than
         there are slots left to evict.
         """
-        if self.staged is not None:
+        if self.stage_guesses and self.prefetch_chunk_bytes:
             started = self._stage_guess(group, ids)
             if started is not None:
                 return started
