@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ds_maximus.config import MaximusConfig, OffloadConfig, OffloadDevice
+from ds_maximus.engine.protocol import MaximusModule, ModuleRole
 from ds_maximus.engine.swap import bypassed_original
 
 # an embedding with at least this many rows that maximus leaves alone gets a line saying why (so does the
@@ -27,16 +28,16 @@ def _tier(off: OffloadConfig) -> str:
     return "cpu (pinned)" if off.pin_memory else "cpu"
 
 
-def swapped_lines(modules: Dict[str, nn.Module], tied_heads: Dict[str, str], cfg: MaximusConfig) -> List[str]:
-    """One line per module maximus now drives: name, rows, dim, tier, cache size."""
+def swapped_lines(modules: Dict[str, MaximusModule], tied_heads: Dict[str, str], cfg: MaximusConfig) -> List[str]:
+    """One line per module maximus now drives (by its role): name, rows, dim, tier, cache size."""
     lines = []
     for name, m in modules.items():
-        if name == "moe":
+        if m.role is ModuleRole.EXPERTS:
             lines.append(f"ds_maximus: MoE experts -> partitions: {m.num_layers} layers x {m.num_experts} experts "
                          f"of {m.numel} parameters, tier {_tier(cfg.moe.offload)}, GPU cache "
                          f"{cfg.moe.gpu_experts_per_layer} experts per layer, optimizer on "
                          f"{cfg.moe.optimizer_device.value}")
-        elif name == "lm_head":
+        elif m.role is ModuleRole.HEAD:
             lines.append(f"ds_maximus: lm_head -> {type(m).__name__}: {m.vocab_size} rows x {m.hidden_size}, "
                          f"placement {cfg.lm_head.placement.value}, streamed {cfg.lm_head.chunk_rows} rows a chunk")
         else:
@@ -52,7 +53,8 @@ def streamed_head_line(model: nn.Module, modules: Dict[str, nn.Module], cfg: Max
     """With ``lm_head.enabled`` and a head that stays the model's (placement ``gpu``, or tied to a swapped
     table): one line saying its loss is streamed."""
     head = getattr(model, "lm_head", None)
-    if not cfg.lm_head.enabled or "lm_head" in modules or not isinstance(head, nn.Module):
+    driven = any(m.role is ModuleRole.HEAD for m in modules.values())
+    if not cfg.lm_head.enabled or driven or not isinstance(head, nn.Module):
         return []
     rows, dim = getattr(head, "vocab_size", None), getattr(head, "hidden_size", None)
     if rows is None and isinstance(getattr(head, "weight", None), torch.Tensor):
