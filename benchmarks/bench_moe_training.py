@@ -24,15 +24,15 @@ Peers, same model, same batches:
     without).
 The cap (``torch.cuda.set_per_process_memory_fraction``, default 2 x the experts' bf16 bytes: 15.8 GiB
 for 3 Mixtral-shaped layers) holds the experts' bf16 weights but not with their fp32 masters, gradients
-and AdamW moments (16 B per parameter: 63 GiB; all on GPU peaks at 90 GiB). H200 runs at 0.9 x (7.1 GiB)
-and 1.5 x (11.8 GiB) left ZeRO-3 offload out of memory in its first step (it gathers whole fused expert
-stacks, 1.75 GiB each, and keeps the activations), so no ratio could be formed. Every peer reports its
-peak GPU memory, so "at no more GPU memory" is visible. ZeRO-3 builds its model under
+and AdamW moments (16 B per parameter: 63 GiB; all on GPU peaks at 90 GiB). Smaller caps, 0.9 x (7.1 GiB)
+and 1.5 x (11.8 GiB), leave ZeRO-3 offload out of memory in its first step (it gathers whole fused expert
+stacks, 1.75 GiB each, and keeps the activations), so no ratio can be formed (docs/bench/moe_training.md).
+Every peer reports its peak GPU memory, so "at no more GPU memory" is visible. ZeRO-3 builds its model under
 ``deepspeed.zero.Init`` (parameters offloaded as made; DeepSpeed would otherwise move the whole model to the
 GPU in ``initialize``). Host RAM: ~14 B per expert parameter for ours (fp32
 master + moments, bf16 copy; the model's own bf16 copy is freed once copied), more for ZeRO-3 offload
 (+ fp32 gradients): 3 Mixtral-shaped layers (4.2B expert parameters) need ~60-90 GB.
-Set-up on an H200 host (16 cores), estimated: ~25-35 s to the first step for ours with 3 layers (imports
+Set-up on a 16-core GPU host, estimated: ~25-35 s to the first step for ours with 3 layers (imports
 ~6 s, random init ~3 s, the 51 GB tier + 8.5 GB bf16 copy faulted in and pinned ~10-20 s, copies ~1 s,
 DeepSpeed ~5 s), then steps of a few seconds; scripts/gpu/moe_training.sh sets the per-peer slots.
 """
@@ -106,11 +106,9 @@ CPU_OP_BYTES = 28
 
 def _grad_experts(a) -> int:
     """Ours' default ``gpu_grad_experts``: the fp32 expert gradients that fit in a quarter of the cap (a
-    gradient kept on the GPU crosses PCIe neither to the host nor back for the step; at 1 per layer-pair,
-    session 4's Mixtral-shaped run peaked at 10.2 of 15.8 GiB). Counted at the fp32 size, as measured in
-    sessions 4-13; one micro-batch's gradient now stays bf16 through the clip scaling (ExpertGrads), so they
-    take half that. Session 14 on the H200, Mixtral shape, 4 slots: 9 of them peaked at 15.49 GiB and took 1367 ms
-    (2% less than 6 in session 13, within the spread between calls); 12 ran out of memory under the 15.8 GiB cap."""
+    gradient kept on the GPU crosses PCIe neither to the host nor back for the step). Counted at the fp32 size;
+    one micro-batch's gradient stays bf16 through the clip scaling (ExpertGrads), so they take half that, which
+    leaves room for more (the measured peaks and step times per count: docs/bench/moe_training.md)."""
     grad_bytes = 3 * a.hidden * a.ffn * 4
     return max(1, int(GRAD_SHARE_OF_CAP * a.cap_gib * 2**30 // grad_bytes))
 

@@ -33,6 +33,19 @@ class CachePolicy(str, enum.Enum):
     LFU = "lfu"
 
 
+class NewRowInit(str, enum.Enum):
+    """How :func:`ds_maximus.vocab.resize.resize_token_embeddings` fills the rows a grown vocabulary adds.
+
+    ``mean_of_pieces``: each new token's row is the mean of the rows of the pieces the old tokenizer splits
+    its text into (the usual practice: the new token starts where the model already reads that text);
+    ``mean``: the mean of all old rows; ``normal``: drawn per dimension from N(mean of the old rows, their
+    standard deviation) with a fixed seed."""
+
+    MEAN_OF_PIECES = "mean_of_pieces"
+    MEAN = "mean"
+    NORMAL = "normal"
+
+
 class OverflowPolicy(str, enum.Enum):
     """What a row cache does with a batch that needs more distinct rows than it can hold.
 
@@ -140,6 +153,10 @@ class EmbeddingConfig(_Section):
     """Sparse optimizer of the rows."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     """Where the full table lives."""
+    new_row_init: NewRowInit = NewRowInit.MEAN_OF_PIECES
+    """How ``ds_maximus.resize_token_embeddings`` initialises the rows a grown vocabulary adds (embedding and an
+    untied head alike): the mean of the new token's old sub-token pieces' rows, the mean of all old rows, or
+    normal draws around that mean."""
 
 
 class ExpertOptimizerDevice(str, enum.Enum):
@@ -177,6 +194,15 @@ class LMHeadConfig(_Section):
     to this gradient) instead of pinned RAM, so it never crosses PCIe (8 B/param less per step)."""
 
 
+#: keys the ``moe`` section no longer has, and why: a config that still sets one is refused with the reason
+_REMOVED_MOE_KEYS = {
+    "host_grad_accumulate": "adding a later micro-batch's expert gradient on the host measured slower than the "
+                            "default round trip through the device, with the same results (docs/bench/moe_training.md)",
+    "host_grad_parts": "keeping later micro-batches' expert gradients on the host as parts measured slower than the "
+                       "default round trip through the device, with the same results (docs/bench/moe_training.md)",
+}
+
+
 class MoEConfig(_Section):
     enabled: bool = False
     """Offload MoE experts into the partition cache."""
@@ -189,8 +215,7 @@ class MoEConfig(_Section):
     speculative_prefetch: bool = True
     """Apply the next layer's router to the current hidden state and load its likely experts early. In
     inference a guess stages its first 96 MiB in one buffer on the device (evicting nothing); the next
-    layer's routing drops it or loads only the rest. Measured at 2 slots per layer, batch-1 decode on the
-    H200: 11.8 tokens/s against 11.4 with it off."""
+    layer's routing drops it or loads only the rest (measurements: docs/bench/moe_offload.md)."""
     prefetch_top_k: Optional[int] = Field(1, ge=1)
     """Experts to prefetch per layer (``None``: the model's top-k) where guesses are loaded into slots (an
     NVMe tier, which cannot stage); a staged guess is always one expert. Into slots, 1 measured best on a
@@ -221,22 +246,6 @@ class MoEConfig(_Section):
     """With ``train``: expert gradients kept on the compute device, most recently used first; older ones move
     to pinned CPU memory until the step. Counted as the backward makes them (bf16 in a bf16 run): one summed in
     fp32 over micro-batches counts as two. ``None``: ``gpu_experts_per_layer``."""
-    host_grad_accumulate: bool = False
-    """With ``train`` and gradient accumulation: a micro-batch's gradient of an expert whose sum waits in CPU
-    memory is copied out in its own dtype and added there by a worker thread (the same fp32 additions, so the
-    same bits), instead of the sum coming back to the device and going out again (fp32 both ways). Experimental:
-    it saves link bytes but adds a CPU pass per addition, and on the H200 it was ~1.7x slower a step than the
-    round trip (docs/bench/moe_training.md)."""
-    host_grad_parts: bool = False
-    """With ``train`` and gradient accumulation: a micro-batch's gradient of an expert whose sum waits in CPU
-    memory is copied out in its own dtype and kept there as a part; an expert's parts are added to its sum in one
-    CPU pass (the ops' ``grad_sum_parts``: the same fp32 additions in micro-batch order, so the same bits) when the
-    step first reads its gradient (the clip norm). A bf16 part crosses the link once (2 bytes a parameter) and is
-    read once by the CPU, where the default round trip moves the fp32 sum both ways each micro-batch and
-    ``host_grad_accumulate`` makes a CPU pass of ~10 bytes a parameter each micro-batch. Experimental: the same bits
-    on the H200 too, but slower there than the round trip (the one pass waits on the step's path;
-    docs/bench/moe_training.md). Not with
-    ``host_grad_accumulate``."""
     backward_prefetch: bool = True
     """With ``train``: while a layer runs backward, load the experts the layer before it used in forward."""
     gpu_state_experts: int = Field(0, ge=0)
@@ -247,6 +256,15 @@ class MoEConfig(_Section):
     to date when something reads them (catch-up, checkpoints, export). Costs 12 bytes a parameter each (AdamW)
     on the device, e.g. 2.1 GB for a Mixtral expert."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed(cls, data):
+        if isinstance(data, Mapping):
+            gone = [k for k in _REMOVED_MOE_KEYS if k in data]
+            if gone:
+                raise ValueError("; ".join(f"moe.{k} was removed: {_REMOVED_MOE_KEYS[k]}; drop the key" for k in gone))
+        return data
+
     @model_validator(mode="after")
     def _train_needs_enabled(self):
         if self.train and not self.enabled:
@@ -255,9 +273,6 @@ class MoEConfig(_Section):
         if self.gpu_state_experts and self.optimizer_device != ExpertOptimizerDevice.SPLIT:
             raise ValueError(f"moe.gpu_state_experts={self.gpu_state_experts} needs \"optimizer_device\": \"split\" "
                              f"(got \"{self.optimizer_device.value}\"); set it, or set gpu_state_experts to 0")
-        if self.host_grad_parts and self.host_grad_accumulate:
-            raise ValueError("moe.host_grad_parts and moe.host_grad_accumulate are two ways of adding a later "
-                             "micro-batch's gradient on the host; set at most one of them")
         if self.gpu_state_experts and self.offload.device == OffloadDevice.NVME:
             raise ValueError("moe.gpu_state_experts needs the experts' tier in CPU memory (offload.device: cpu); "
                              "with an NVMe tier set it to 0")

@@ -13,18 +13,14 @@ are averaged like DeepSpeed averages dense ones (:meth:`allreduce_`).
 A gradient that moves to the host costs no CPU time on the main thread: the copy is asynchronous (an event
 says when it has landed), its squared norm and finiteness are computed on the device as it leaves, and a
 clipping factor (:meth:`scale_`) is only recorded for it and applied where it is next used on the device
-(the step). A Mixtral expert's gradient is 704 MB of fp32: a CPU pass over 20 of them took seconds per step.
+(the step). A Mixtral expert's gradient is 704 MB of fp32: a CPU pass over many of them per step is seconds.
 
 ``max_on_device`` counts gradients as the backward makes them (bf16 in a bf16 run): one widened to fp32 by a
 second micro-batch counts as two, so gradient accumulation keeps the device bytes of a single micro-batch.
 
-By default a later micro-batch's gradient of an expert whose sum waits on the host brings the sum back to the
-device (fp32), is added there, and the sum goes out again (fp32). Two options copy the gradient out once in its own
-dtype instead, with the same fp32 additions in the same order (the same bits, on the H200 too): ``host_accumulate``
-has a worker add each one to the host sum (``grad_sum``: a CPU pass of ~10 bytes a parameter each), and
-``host_parts`` keeps them as parts that the expert's first reader (the clip norm) adds in one pass
-(``grad_sum_parts``: ~4 + 2k bytes a parameter for k bf16 parts). Both are slower than the round trip on the
-H200, where host memory is what the split step is short of (docs/bench/moe_training.md), so both stay off.
+A later micro-batch's gradient of an expert whose sum waits on the host brings the sum back to the device (fp32),
+is added there, and the sum goes out again (fp32). Adding on the host instead saves link bytes but costs host memory
+bandwidth, which the split step is short of: it measured slower (docs/bench/moe_training.md).
 
     >>> import torch
     >>> g = ExpertGrads(torch.device("cpu"), max_on_device=2)
@@ -35,8 +31,6 @@ H200, where host memory is what the split step is short of (docs/bench/moe_train
 from __future__ import annotations
 
 import collections
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -46,17 +40,9 @@ from torch import Tensor
 class ExpertGrads:
     """uid -> flat gradient, fp32 or a single bf16 one (on the compute device, or on the CPU after an eviction)."""
 
-    #: host-path copies in flight before the compute stream waits for the oldest (it holds their memory)
-    MAX_IN_FLIGHT = 4
-
-    def __init__(self, device: torch.device, max_on_device: int, host_accumulate: bool = False,
-                 host_parts: bool = False):
+    def __init__(self, device: torch.device, max_on_device: int):
         self.device = torch.device(device)
         self.max_on_device = int(max_on_device)
-        self.host_accumulate = bool(host_accumulate)
-        self.host_parts = bool(host_parts)
-        self._parts: Dict[int, List[Tuple[Tensor, object]]] = {}  # host uid -> later micro-batches' (part, event)
-        self.parts_added = 0
         self.g: Dict[int, Tensor] = {}
         self._recent: "collections.OrderedDict[int, None]" = collections.OrderedDict()  # uids on the device
         self._left: Dict[int, Tuple[object, Tensor, Tensor]] = {}  # host uid -> (copy event, |g|^2, finite)
@@ -64,13 +50,6 @@ class ExpertGrads:
         self.moved_to_host = 0
         self._out: Optional[torch.cuda.Stream] = None  # the copies out (made when first needed)
         self._unit = 0  # bytes of a gradient as the backward makes it: the unit of max_on_device
-        self._acc: Dict[int, Future] = {}  # host uid -> its addition running in the worker
-        self._flying: "collections.deque" = collections.deque()  # (device gradient, copy event) still leaving
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self.added_on_host = 0
-        # the host paths' seconds, cumulative (see timings(); the bench prints them as HOST GRADS)
-        self._t = {"settle_wait": 0.0, "pin_alloc": 0.0, "worker_copy_wait": 0.0, "worker_sum": 0.0,
-                   "parts_wait": 0.0, "parts_sum": 0.0}
 
     def __bool__(self) -> bool:
         return bool(self.g)
@@ -93,11 +72,7 @@ class ExpertGrads:
             self._make_room(uid, cur, grad)
         if cur is None:  # a copy: grad may be a view of a round's whole gradient buffer
             self.g[uid] = grad.clone() if grad.dtype == torch.bfloat16 else grad.to(torch.float32, copy=True)
-        elif self.host_parts and uid in self._left:
-            return self._add_part(uid, grad)
         elif cur.device != grad.device:
-            if self.host_accumulate and grad.is_cuda:
-                return self._add_on_host(uid, grad)
             self.g[uid] = self._take(uid, grad.device).add_(grad)  # in use again: back on the device
         else:
             if uid in self._left:  # a CPU run's host-held sum, added to in place: its recorded norm would go stale
@@ -118,8 +93,8 @@ class ExpertGrads:
         (that moment is enough to run a large expert shape out of memory)."""
         if cur is None:  # a new copy: bf16 as it comes, anything else widened to fp32
             extra = self._units(grad.numel(), 2 if grad.dtype == torch.bfloat16 else 4)
-        elif cur.device != grad.device:  # a host sum comes back in fp32; host accumulation leaves it there
-            extra = 0 if self.host_accumulate or self.host_parts else self._units(cur.numel(), 4)
+        elif cur.device != grad.device:  # a host sum comes back in fp32
+            extra = self._units(cur.numel(), 4)
         elif cur.dtype != torch.float32:  # widened: the bf16 one and its fp32 copy, for a moment
             extra = self._units(cur.numel(), 4)
         else:
@@ -135,118 +110,12 @@ class ExpertGrads:
         return max(1.0, numel * itemsize / self._unit)
 
     def device_bytes(self) -> Dict[str, int]:
-        """Bytes on the compute device: gradients kept, and gradients still being copied out (host accumulation)."""
-        def size(ts) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
-        return {"expert gradients": size(self.g[u] for u in self._recent),
-                "expert gradients leaving": size(t for t, _ in self._flying)}
+        """Bytes on the compute device: the gradients kept there."""
+        return {"expert gradients": sum(self.g[u].numel() * self.g[u].element_size() for u in self._recent)}
 
     def _device_units(self) -> float:
         """Device gradients in units of one as the backward makes it (an fp32 sum in a bf16 run counts two)."""
         return sum(max(1.0, self.g[u].element_size() * self.g[u].numel() / self._unit) for u in self._recent)
-
-    def _add_on_host(self, uid: int, grad: Tensor) -> None:
-        """``uid``'s sum waits on the host: copy ``grad`` out as it is and add it there in the worker."""
-        self._settle(uid)  # the previous micro-batch's addition (long done: a micro-batch ago)
-        cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
-        wide = self._wide(cur)  # made here: a pinned allocation in the worker could make a context on another device
-        part = self._copy_out(grad)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="maximus-grad-add")
-        self._acc[uid] = self._pool.submit(_host_sum, cur, ev_cur, f, [part], wide, self._t,
-                                           "worker_copy_wait", "worker_sum")
-        self.added_on_host += 1
-
-    def _wide(self, cur: Tensor) -> Optional[Tensor]:
-        """The fp32 buffer a host sum of a bf16 ``cur`` is written to (``None``: fp32, summed in place)."""
-        if cur.dtype == torch.float32:
-            return None
-        t0 = time.perf_counter()
-        wide = torch.empty(cur.shape, dtype=torch.float32, pin_memory=cur.is_pinned())
-        self._t["pin_alloc"] += time.perf_counter() - t0
-        return wide
-
-    def _copy_out(self, grad: Tensor) -> Tuple[Tensor, object]:
-        """``grad`` (on the compute device) copied to pinned CPU memory as it is, on the copies-out stream:
-        ``(host tensor, event of the copy)``."""
-        dev_stream = torch.cuda.current_stream(grad.device)
-        out = self._out_stream(grad.device)
-        out.wait_stream(dev_stream)
-        t0 = time.perf_counter()
-        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-        self._t["pin_alloc"] += time.perf_counter() - t0
-        with torch.cuda.stream(out):
-            host.copy_(grad, non_blocking=True)
-        ev = out.record_event()
-        # no record_stream: the compute stream waits for the copy before this memory is freed, so it can be
-        # reused at once (a recorded block waits for the host to see the copy end, and meanwhile the cap fills)
-        self._flying.append((grad, ev))
-        self._retire(self.MAX_IN_FLIGHT, dev_stream)
-        return host, ev
-
-    def _add_part(self, uid: int, grad: Tensor) -> None:
-        """``uid``'s sum waits on the host (``host_parts``): copy ``grad`` out as it is and keep it beside the sum;
-        the first reader of ``uid`` adds every part to it in one CPU pass (:meth:`_settle`). (Adding the last
-        micro-batch's parts in the worker as they landed, during the backward, measured slower on the H200: the
-        sums compete with the backward's loads for host memory; docs/bench/moe_training.md.)"""
-        if grad.is_cuda:
-            part = self._copy_out(grad)
-        else:  # a CPU run: grad may be a view of a round's gradient buffer, which the next round reuses
-            part = (grad.clone(), None)
-        self._parts.setdefault(uid, []).append(part)
-        self.parts_added += 1
-
-    def _sum_parts(self, uid: int, parts: List[Tuple[Tensor, object]]) -> None:
-        """``uid``'s host sum (its pending factor applied) plus its parts in micro-batch order, in fp32: the bits
-        the device's running sum would have."""
-        cur, (ev_cur, _, _), f = self.g[uid], self._left[uid], self._factor.pop(uid, 1.0)
-        out, norm_sq, finite = _host_sum(cur, ev_cur, f, parts, self._wide(cur), self._t, "parts_wait", "parts_sum")
-        self.g[uid] = out
-        self._left[uid] = (None, norm_sq, finite)
-
-    def settle_copies(self) -> None:
-        """Make the compute stream wait for the gradients still being copied out, so that their memory (a
-        backward round's whole gradient buffer) is free for the next round: called before a round's backward."""
-        if self._flying:
-            self._retire(0)
-
-    def _retire(self, keep: int, stream=None) -> None:
-        """Forget copies out that have landed; make ``stream`` wait for the oldest beyond ``keep``."""
-        while self._flying:
-            t, ev = self._flying[0]
-            if not ev.query():
-                if len(self._flying) <= keep:
-                    break
-                (stream or torch.cuda.current_stream(t.device)).wait_event(ev)
-            self._flying.popleft()
-
-    def _settle(self, uid: int) -> None:
-        """Wait for ``uid``'s addition on the host, if one is running, and take its sum, norm and finiteness; with
-        ``host_parts``, add its waiting parts."""
-        fut = self._acc.pop(uid, None)  # first: parts waiting beside it were added after its sum's micro-batches
-        if fut is not None:
-            t0 = time.perf_counter()
-            total, norm_sq, finite = fut.result()
-            self._t["settle_wait"] += time.perf_counter() - t0
-            if uid in self.g:
-                self.g[uid] = total
-                self._left[uid] = (None, norm_sq, finite)
-        parts = self._parts.pop(uid, None)
-        if parts:
-            self._sum_parts(uid, parts)
-
-    def _settle_all(self) -> None:
-        for uid in list(self._acc) + list(self._parts):
-            self._settle(uid)
-        self.settle_copies()
-
-    def timings(self) -> Dict[str, float]:
-        """The host paths, cumulative: gradients added on the host and parts kept; ms the main thread waited for the
-        worker (``settle_wait``), allocated pinned memory (``pin_alloc``), and waited for parts to land
-        (``parts_wait``) and summed them itself (``parts_sum``); ms the worker waited for copies to land
-        (``worker_copy_wait``) and summed (``worker_sum``)."""
-        return {"added_on_host": self.added_on_host, "parts_added": self.parts_added,
-                **{k + "_ms": v * 1e3 for k, v in self._t.items()}}
 
     def _out_stream(self, device: torch.device):
         if self._out is None:
@@ -255,19 +124,16 @@ class ExpertGrads:
 
     def factor(self, uid: int) -> float:
         """The scale still to apply to ``uid``'s stored gradient (1.0 unless it waits on the host or is bf16)."""
-        self._settle(uid)
         return self._factor.get(uid, 1.0)
 
     def raw(self, uid: int) -> Tensor:
         """``uid``'s stored gradient as it is, fp32 or bf16 (a host one may still be landing: use it on the
         device's stream, or call :meth:`get` with a device); scale it by :meth:`factor`."""
-        self._settle(uid)
         return self.g[uid]
 
     def get(self, uid: int, device: Optional[torch.device] = None) -> Tensor:
         """``uid``'s gradient in fp32, scaled (a copy when it was waiting on the host with a pending factor,
         or was bf16)."""
-        self._settle(uid)
         t = self.g[uid]
         if uid in self._left:
             dev = torch.device(device) if device is not None else t.device
@@ -299,13 +165,11 @@ class ExpertGrads:
 
     def ready(self, uid: int, stream) -> None:
         """Make CUDA ``stream`` wait until host gradient ``uid`` has landed (before a copy of it back in)."""
-        self._settle(uid)
         left = self._left.get(uid)
         if left is not None and left[0] is not None:
             stream.wait_event(left[0])
 
     def _landed(self, uid: int) -> None:
-        self._settle(uid)
         ev = self._left[uid][0]
         if ev is not None:
             ev.synchronize()
@@ -328,7 +192,6 @@ class ExpertGrads:
         device one is copied out asynchronously (wait on the event, if any, before reading the tensor)."""
         if uid not in self._left:
             self._to_host(uid)
-        self._settle(uid)
         t, (ev, _, _), f = self.g[uid], self._left[uid], self._factor.get(uid, 1.0)
         self.drop(uid)
         return t, f, ev
@@ -336,15 +199,12 @@ class ExpertGrads:
     def drop(self, uid: int) -> None:
         """Forget ``uid``'s gradient (the step has consumed it)."""
         self._recent.pop(uid, None)
-        self._acc.pop(uid, None)
-        self._parts.pop(uid, None)
         self.g.pop(uid)
         self._left.pop(uid, None)
         self._factor.pop(uid, None)
 
     def norm_sq(self) -> Tensor:
         """Sum of squares of every gradient (one device sync for all of them)."""
-        self._settle_all()
         parts = []
         for u, t in self.g.items():
             f2 = self._factor.get(u, 1.0) ** 2
@@ -356,7 +216,6 @@ class ExpertGrads:
     def scale_(self, factor: float) -> None:
         """Scale every gradient: fp32 ones on the device in place; host and bf16 ones only record the factor
         (applied in fp32 where they are read: the step, :meth:`get`), so a bf16 one stays 2 bytes a parameter."""
-        self._settle_all()
         for u, t in self.g.items():
             if u in self._left or t.dtype != torch.float32:
                 self._factor[u] = self._factor.get(u, 1.0) * factor
@@ -364,17 +223,12 @@ class ExpertGrads:
                 t.mul_(factor)
 
     def finite(self) -> bool:
-        self._settle_all()
         flags = [self._left[u][2] if u in self._left else torch.isfinite(t).all() for u, t in self.g.items()]
         if not flags:
             return True
         return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
     def clear(self) -> None:
-        for fut in self._acc.values():  # its buffers are the worker's until it ends
-            fut.result()
-        self._acc.clear()
-        self._parts.clear()
         self.g.clear()
         self._recent.clear()
         self._left.clear()
@@ -386,7 +240,6 @@ class ExpertGrads:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
-        self._settle_all()
         world = dist.get_world_size(group)
         dev = self._comm_device()
         have = torch.zeros(num_uids, dtype=torch.int32, device=dev)
@@ -419,25 +272,6 @@ class ExpertGrads:
         import torch.distributed as dist
         backend = dist.get_backend()
         return self.device if backend == "nccl" else torch.device("cpu")
-
-
-def _host_sum(cur: Tensor, ev_cur, factor: float, parts: List[Tuple[Tensor, object]], wide: Optional[Tensor],
-              timing: Dict[str, float], wait_key: str, sum_key: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """``cur * factor + parts[0] + parts[1] + ...`` in fp32 (in place when ``cur`` is fp32, else in ``wide``), once
-    ``cur`` and every ``(part, copy event)`` have landed, with the sum's squared norm and finiteness: one pass of the
-    ops' ``grad_sum_parts``. The worker's part of :meth:`ExpertGrads._add_on_host` (one part), and
-    :meth:`ExpertGrads._sum_parts` (all of them); the seconds waited and summed go to ``timing``."""
-    from ds_maximus.ops.row_ops import grad_sum_parts
-    t0 = time.perf_counter()
-    for ev in [ev_cur] + [e for _, e in parts]:
-        if ev is not None:
-            ev.synchronize()
-    t1 = time.perf_counter()
-    out = cur if cur.dtype == torch.float32 else wide
-    norm_sq, finite = grad_sum_parts(out, cur, factor, [p for p, _ in parts])
-    timing[wait_key] += t1 - t0  # one writer a key: the worker, or the main thread
-    timing[sum_key] += time.perf_counter() - t1
-    return out, torch.tensor(norm_sq, dtype=torch.float64), torch.tensor(bool(finite))
 
 
 def _dot(t: Tensor) -> Tensor:
