@@ -18,7 +18,7 @@ Peers, same run, same random weights and prompt:
     queued, into one staging buffer on the GPU (+96 MiB), behind the guessing layer's demand loads; the
     next layer's routing drops it, or loads only the rest and copies the head on the device;
   * ours, the same guesses loaded into the slot they will use (evicting a resident outside the predicted
-    routing, or the least recent one), as whole loads (session 5's design), and top-k;
+    routing, or the least recent one), as whole loads (the first design), and top-k;
   * accelerate ``cpu_offload`` of the whole model (a fresh copy), as the issue's 0.29 tokens/s was measured.
 Beside each offloaded row: hit rate, prefetch precision/recall, GB moved per token and the PCIe bound
 ``H2D_GBPS / bytes per token`` from the measured miss bytes.
@@ -260,13 +260,13 @@ def main(argv=None):
             handle.keep_predicted = False  # ... and the victim is the least recent, predicted or not
             peer(ours[3], "ours", model, ids, args.tokens, handle)
             handle.keep_predicted = True
-            chunk, cache.prefetch_chunk_bytes = cache.prefetch_chunk_bytes, None  # session 5's whole loads
+            chunk, cache.prefetch_chunk_bytes = cache.prefetch_chunk_bytes, None  # whole loads
             peer(ours[4], "ours", model, ids, args.tokens, handle)
             cache.prefetch_chunk_bytes = chunk
             handle.cfg.prefetch_top_k = None
             peer(ours[5], "ours", model, ids, args.tokens, handle)
         handle.close()
-    # accelerate as the issue measured it (0.29 tokens/s there): the whole model under cpu_offload, a new copy
+    # accelerate as the issue ran it: the whole model under cpu_offload, a new copy (docs/bench/code_history.md)
     whole = "accelerate cpu_offload (whole model)"
     try:
         import accelerate

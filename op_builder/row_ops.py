@@ -15,8 +15,8 @@ def host_args(builder) -> list:
     """The host compiler's flags for the CPU kernels, the same in both builds: OpenMP threads (``at::parallel_for``
     is a header template, so without ``-fopenmp`` its loop runs on one thread), the machine's vector units, and
     vectorisable ``sqrtf`` (``-fno-math-errno``, as ``MaximusOpBuilder`` has it).
-    The CUDA build serves host tensors too (``ops.row_ops.host_op``): built without these, its
-    ``grad_sum`` took 62 ms for 22M elements on the H200 host's 16 cores, against 17 ms on a 2-core CPU machine."""
+    The CUDA build serves host tensors too (``ops.row_ops.host_op``): built without these, its host loops run on
+    one thread, several times slower on a many-core host (docs/bench/code_history.md)."""
     return [builder.cpu_arch(), "-fopenmp", builder.simd_width(), "-fno-math-errno"] + NO_CONTRACTION
 
 

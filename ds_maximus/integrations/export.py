@@ -213,6 +213,7 @@ def _write_tokenizer(dst: str, tokenizer, token_map, original_order: bool) -> No
     if token_map is None:
         return
     import json
+
     from ds_maximus.tokenmap.rewrite import permute_tokenizer_json, write_tokenizer_folder
     src = token_map.tokenizer_dir or ""
     if original_order:

@@ -17,8 +17,13 @@ import logging
 import sys
 
 from ds_maximus.errors import MaximusError
-from ds_maximus.integrations.export import (DTYPES, _resolve_tag, checkpoint_state_dict, find_model_config,
-                                            write_hf_folder)
+from ds_maximus.integrations.export import (
+    DTYPES,
+    _resolve_tag,
+    checkpoint_state_dict,
+    find_model_config,
+    write_hf_folder,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -100,7 +100,7 @@ def grad_sum(out: Tensor, base: Tensor, factor: float, add: Tensor):
     ``out``; the device's roundings), in one pass that also returns ``(sum of out ** 2, every element finite)``.
 
     Bad arguments raise ``ValueError`` here, before the op: a ``TORCH_CHECK`` thrown by the op (it runs without the
-    GIL) crashed the process with a segmentation fault on the H200 host, as ``batch_plan``'s did (session 12)."""
+    GIL) crashes the process with a segmentation fault, as an unchecked ``batch_plan`` call does."""
     return grad_sum_parts(out, base, factor, [add])
 
 

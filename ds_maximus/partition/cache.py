@@ -171,8 +171,8 @@ class PartitionCache(CacheCore):
         self.dirty = torch.zeros(self.num_slots, dtype=torch.bool)
         self.cuda = self.device.type == "cuda"
         # fills and UVA write-backs at high priority: their few copy blocks are scheduled ahead of the compute
-        # stream's queued blocks, so the link does not wait for SMs (exact mode on the H200, ms a step: 3.8-3.9
-        # in two runs against 4.4 in one at normal priority; the replay on a third stream was 3.7-5.3)
+        # stream's queued blocks, so the link does not wait for SMs (measured against normal priority:
+        # docs/bench/code_history.md)
         self.transfer = CudaTransfer(self.device, priority=-1, write_back=self.write_back) if self.cuda else None
         self.stream = self.transfer.stream if self.cuda else None        # fills
         self.wb_stream = self.transfer.wb_stream if self.cuda else None  # write-backs
@@ -192,9 +192,8 @@ class PartitionCache(CacheCore):
         self._uva = row_copy_op(self.tier, self.names, self.device)
         self._uva_in_flight = False
         # blocks of each fill/write-back kernel (0: the op's default, a quarter of the SMs). Eight already
-        # carry the link (50 GB/s on an H200) and leave it and the SMs freer for the compute stream: a step
-        # of benchmarks/bench_sharded_embedding.py took 3.96 ms with 8, 4.17 with 16 and 4.68 with 33
-        # (benchmarks/profile_sharded_embedding.py, its copy grid table)
+        # carry a ~50 GB/s link and leave it and the SMs freer for the compute stream: more blocks make the
+        # step slower (benchmarks/profile_sharded_embedding.py's copy grid table; docs/bench/code_history.md)
         self.copy_blocks = 8
         self._iota = torch.arange(self.num_slots, device=self.device) if self._uva is not None else None
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 0

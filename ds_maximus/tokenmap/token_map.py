@@ -26,8 +26,12 @@ from ds_maximus.errors import TokenMapError
 from ds_maximus.store.format import atomic_write
 from ds_maximus.tokenmap.corpus import corpus_stream, count_tokens, encode_ids
 from ds_maximus.tokenmap.extend import extend_token_map
-from ds_maximus.tokenmap.rewrite import (load_tokenizer_json, model_vocab_ids, permute_tokenizer_json,
-                                         write_tokenizer_folder)
+from ds_maximus.tokenmap.rewrite import (
+    load_tokenizer_json,
+    model_vocab_ids,
+    permute_tokenizer_json,
+    write_tokenizer_folder,
+)
 from ds_maximus.tokenmap.tokenizer_json import tokenizer_from_json
 from ds_maximus.tokenmap.validate import read_maps, read_meta
 

@@ -57,9 +57,9 @@ class BatchPlanner:
 
     One call of the ``batch_plan`` op (C++: a vocabulary mask gives the unique ids without a sort, a rank
     table the inverse, a counting sort the stable order), or the same in numpy where the op is not built
-    (the reference; ~0.5 ms for 16K ids over a 262K vocabulary on one core). On a GPU the lookup used to
-    sort there: ~20 kernels and 0.8 ms, up to 3.4 ms while the cache's copies held the PCIe link
-    (``benchmarks/profile_sharded_embedding.py``).
+    (the reference; ~0.5 ms for 16K ids over a 262K vocabulary on one core). Sorting on the GPU instead takes
+    ~20 small kernels a lookup, which wait behind the cache's copies on the PCIe link
+    (``benchmarks/profile_sharded_embedding.py``; figures: docs/bench/code_history.md).
 
     >>> import numpy as np
     >>> p = BatchPlanner(10).plan(np.array([7, 2, 7, 5]))

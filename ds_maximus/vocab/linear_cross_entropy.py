@@ -29,8 +29,8 @@ gathering each block's valid rows, so no compacted copy of ``hidden`` or ``grad_
 inside the GEMM, then one rounding per block); ``fp32_weight_grad=True`` accumulates in an fp32
 ``[V, d]`` buffer instead (``4 V d`` bytes more). For V=262144, d=4096, N=16384 in bf16: buf 512 MiB
 (T=1024), grad_W 2 GiB, grad_h 128 MiB: about 2.65 GiB over the inputs, of which the returned gradients
-are 2.1 GiB. The default of 512 MiB (T=1024) was chosen on an H200, where it ran 173 ms against 221 ms
-at 256 MiB (T=512): the grad_W GEMM is twice as deep and grad_W is re-read half as often.
+are 2.1 GiB. The default of 512 MiB (T=1024) is faster than 256 MiB (T=512): the grad_W GEMM is twice as
+deep and grad_W is re-read half as often (measured: docs/bench/code_history.md).
 
 Why not vocab-outer: a two-pass walk over vocab chunks (forward: log-sum-exp; backward: logits again,
 then both gradients) needs 4 GEMMs; computing ``grad_W`` for a vocab chunk needs every token's final

@@ -104,8 +104,8 @@ class HeadTier(HeadGradients):
 
     def launch_deferred_step(self) -> None:
         """Start the copies of a step ``defer_steps`` held back (no-op when none is). Returns at once: the
-        worker thread issues the step's blocks while the caller goes on (joining it here had held the
-        forward's host thread for the whole ~95 ms issue loop, the compute stream idle: H200 profile)."""
+        worker thread issues the step's blocks while the caller goes on (joining it here would hold the
+        forward's host thread for the whole issue loop, with the compute stream idle)."""
         launch, self._deferred = self._deferred, None
         if launch is not None:
             launch()

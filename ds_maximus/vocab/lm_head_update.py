@@ -18,10 +18,10 @@ forward pass up to the LM head. On a CPU device the same code runs without strea
 it with the host path bit for bit).
 
 With ``background=True`` (what the tier uses on a GPU) a worker thread issues the blocks and keeps
-at most two blocks of copies queued ahead of the link. Issuing 64 blocks costs ~45 ms of host time,
-and a step queued whole fills the copy engines for ~110 ms: any other host<->device copy of the next
-step (the embedding's cache fills, a small ``.to(device)``) then waits behind it, and the measured
-H200 profile showed the compute stream idle for both. The thread returns at once; ``PendingStep.event()``
+at most two blocks of copies queued ahead of the link. Issuing a step's blocks costs tens of ms of host
+time, and a step queued whole fills the copy engines for longer still: any other host<->device copy of the
+next step (the embedding's cache fills, a small ``.to(device)``) then waits behind it, and the compute
+stream idles for both (profile figures: docs/bench/code_history.md). The thread returns at once; ``PendingStep.event()``
 joins it and gives the end event.
 
 Device memory: ``2 * rows * dim * (16 + 2 * mirrors)`` bytes (4096 x 2048 rows: ~300 MiB).

@@ -1,6 +1,6 @@
-"""Diagnostic (session 14): the overlapped and the synchronous split step on the same tiny Mixtral; prints which
-experts each side stepped in each run and which rows of the final masters and moments differ (none since
-``3400475``: the CPU and CUDA ops give the same bits). On the GPU machine, after ``. .device/env.sh``:
+"""Diagnostic: the overlapped and the synchronous split step on the same tiny Mixtral; prints which experts each
+side stepped in each run and which rows of the final masters and moments differ (none expected: the CPU and CUDA
+ops give the same bits). On the GPU machine, after ``. .device/env.sh``:
 ``python scripts/gpu/diag_overlap.py`` (runs on the CPU too)."""
 import torch
 
@@ -44,8 +44,8 @@ print("losses equal:", ls == lo)
 for k, (a, b) in enumerate(zip(ss, so)):
     print(f"step {k + 1}: sync cpu={a[1]} overlap cpu={b[1]} | host grads sync={a[2]} overlap={b[2]}")
     print(f"   grads sync={a[3]}\n   grads ovl ={b[3]}")
-for n in ts.store._tier.tensors:
-    d = (ts.store._tier.tensors[n] != to.store._tier.tensors[n]).any(dim=1).nonzero().flatten().tolist()
+for n in ts.store.tables:
+    d = (ts.store.tables[n] != to.store.tables[n]).any(dim=1).nonzero().flatten().tolist()
     print(n, "rows differing:", d)
 print("cpu side calls sync:", fs[-12:])
 print("cpu side calls ovl :", fo[-12:])

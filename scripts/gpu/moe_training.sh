@@ -27,9 +27,8 @@ timeout 80 python -m pytest -q -x tests/experts/training/test_gpu.py tests/exper
 tests_rc=$?
 tail -5 "$OUT/moe_training_gpu_tests.log"
 wait $build_pid || tail -5 "$OUT/moe_training_adam_build.log"
-# 8 expert gradients kept on the GPU: session 16's setting (15.13 GiB peak under the 15.8 GiB cap). 9, the setting of
-# sessions 14-15, ran out of memory at 5629a13: gradients now leave on a stream of their own and hold their device
-# memory until they land
+# 8 expert gradients kept on the GPU: the most that fit under the 15.8 GiB cap (gradients leave on a stream of their
+# own and hold their device memory until they land; 9 runs out of memory: docs/bench/moe_training.md)
 timeout 250 python -u -m benchmarks.bench_moe_training --layers 3 --slots 4 --grad-experts 8 --warmup 1 --steps 3 --budget-s 245 \
   --peers ours_split,ours_split_sync,zero3_offload_nocap,gpu --profile \
   --slot-s ours_split=70,ours_split_sync=65,zero3_offload_nocap=100,gpu=40 \

@@ -164,7 +164,9 @@ def test_unigram_scores_survive_the_json_round_trip_exactly():
     broke exact Viterbi ties ("=" + "=" * 15 against "=" * 15 + "=") differently from the one it came from
     (the flaky case of test_other_model_types[unigram]). Rebuilt from the Python floats, every score is exact."""
     import json
+
     from tokenizers import models
+
     from ds_maximus.tokenmap.tokenizer_json import tokenizer_from_json
     vocab = [("<unk>", 0.0), ("=", -5.372414213484765), ("=" * 15, -7.6145106463098715), ("a", -3.0)]
     tok = Tokenizer(models.Unigram(vocab, 0, False))

@@ -49,7 +49,7 @@ __global__ void segment_reduce_kernel(const T* __restrict__ grad, const int64_t*
                                       const int64_t* __restrict__ offsets, float* __restrict__ out, int64_t U,
                                       int64_t d) {
     // 32 loads in flight a thread: a Zipf batch's most frequent id has ~2,000 of 16K tokens, and its one
-    // block per column tile is bound by memory latency (8 in flight: 0.37 ms of a step on an H200)
+    // block per column tile is bound by memory latency (8 in flight made it a visible part of a step)
     constexpr int kUnroll = 32;
     const int64_t j = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= d) return;
@@ -134,8 +134,8 @@ __global__ void row_update_kernel(float* __restrict__ W, float* __restrict__ S0,
 // dst[dst_idx[r], :] = src[src_idx[r], :]; either side may be pinned host memory (read/written over PCIe
 // through its mapped device address), so a cache fill or write-back is one kernel with no host copy.
 // The grid is capped (copy_blocks): a PCIe-bound copy on every SM would hold the SMs for its whole run, and
-// the compute stream's kernels would queue behind its blocks (measured: 16K-element kernels taking 0.2-0.3 ms
-// beside a fill). Each thread keeps kUnroll 16-byte loads in flight, so a few dozen blocks fill the link.
+// the compute stream's kernels would queue behind its blocks (small kernels then take many times longer
+// beside a fill; docs/bench/code_history.md). Each thread keeps kUnroll 16-byte loads in flight, so a few dozen blocks fill the link.
 constexpr int kUnroll = 4;
 __global__ void copy_rows_kernel(const float* __restrict__ src, const int64_t* __restrict__ src_idx,
                                  float* __restrict__ dst, const int64_t* __restrict__ dst_idx, int64_t R, int64_t d) {
