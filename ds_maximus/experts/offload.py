@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 ConfigLike = Union[None, MaximusConfig, MoEConfig, dict, str, os.PathLike]
 
 # of a speculative load, only this much is queued before the next layer's routing confirms or drops it
-# (96 MiB: ~2 ms of the H200's link, about the time from a layer's loads ending to the next layer's loads
-# being queued; a wrong guess costs that, not a whole expert. Measured with the head loaded into a slot:
-# 48 MiB 10.7, 96 MiB 11.0, whole expert 10.4 tokens/s, benchmarks/bench_moe_offload.py at 4116309).
+# (96 MiB: ~2 ms of a 50 GB/s link, about the time from a layer's loads ending to the next layer's loads
+# being queued; a wrong guess costs that, not a whole expert. The sizes measured against each other:
+# docs/bench/code_history.md).
 # The head is staged in one buffer of this size on the device (ExpertCache(stage_guesses=True)), so a
 # guess evicts nothing; the buffer is the one extra piece of device memory prefetch uses.
 PREFETCH_CHUNK_BYTES = 96 << 20
