@@ -30,6 +30,8 @@ _LAZY = {
     "maximize": "ds_maximus.integrations.hf",
     "MaximusDataCollator": "ds_maximus.integrations.hf",
     "export_hf": "ds_maximus.integrations.export",
+    "save_peft": "ds_maximus.integrations.peft",
+    "resize_token_embeddings": "ds_maximus.vocab.resize",
     "offload_experts": "ds_maximus.experts",
 }
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ds_maximus.config import MaximusConfig
-from ds_maximus.errors import ConfigError
 from ds_maximus.engine.fidelity import embedding_scale
+from ds_maximus.errors import ConfigError
 
 logger = logging.getLogger("ds_maximus")
 
@@ -109,11 +109,14 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True)
                               "modules_to_save=['embed_tokens', ...], maximus then swaps the trained copy)",
                               "maximus.embedding.modules")
         scale = embedding_scale(old, name)
-        # a wrapper that only forwards ``.weight`` to this module (PEFT's ModulesToSaveWrapper reaches its
-        # trained copy this way) calls it in forward, so it follows the swap and holds nothing of its own
+        # a wrapper that only forwards ``.weight`` to a module inside it (PEFT's ModulesToSaveWrapper reaches its
+        # trained copy this way, for the table and, with ensure_weight_tying, for the tied head) calls that
+        # module in forward, so it follows the swap and holds nothing of its own
         holders = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
-                   if getattr(m, "weight", None) is old.weight
-                   and not (name.startswith(n + ".") and "weight" not in m._parameters)]
+                   if getattr(m, "weight", None) is old.weight]
+        owners = [n for n, m in holders if "weight" in m._parameters]
+        holders = [(n, m) for n, m in holders
+                   if "weight" in m._parameters or not any(o.startswith(n + ".") for o in owners)]
         aliases = [n for n, m in holders if n != name and isinstance(m, nn.Embedding)]
         for n in aliases:
             if type(dict(holders)[n]) is not type(old):

@@ -1,0 +1,126 @@
+"""PEFT models under ds_maximus: LoRA on the blocks, the embedding and head trained in full as maximus rows.
+
+``ds_maximus.initialize`` (or HF Trainer after ``ds_maximus.enable()``) takes a ``peft.PeftModel`` as it is.
+PEFT's ``modules_to_save=["embed_tokens", "lm_head"]`` wraps each table in a ``ModulesToSaveWrapper``: a
+frozen ``original_module`` and the trained copy ``modules_to_save["default"]`` that forward calls. maximus
+swaps the trained embedding copy for a ``ShardedEmbedding`` (exact sparse AdamW on fp32 master rows, the
+table in the CPU tier) and streams the loss through the head (``lm_head`` section), so neither a dense
+V x d gradient nor full logits exist. LoRA adapters stay ordinary DeepSpeed parameters.
+
+**Ties.** PEFT's default (``ensure_weight_tying=False``) gives a tied model (Gemma-3) two independent copies,
+an untied head; maximus reproduces that as it is: two tables. With ``LoraConfig(ensure_weight_tying=True)``
+(``modules_to_save=["embed_tokens"]`` suffices) PEFT keeps one trained copy that the head reads; maximus
+keeps that tie as one row store, the head a ``ShardedLMHead`` on it. The saved folder is then PEFT's own
+tied format: ``adapter_config.json`` says ``ensure_weight_tying: true`` and the safetensors hold the
+trained table under both PEFT keys (``...embed_tokens.weight`` and ``...lm_head.weight``), so plain ``peft``
+reloads it tied.
+
+Example::
+
+    model = get_peft_model(Gemma3ForCausalLM.from_pretrained(...), LoraConfig(
+        r=16, target_modules="all-linear", modules_to_save=["embed_tokens"], ensure_weight_tying=True))
+    engine, *_ = ds_maximus.initialize(model=model, config=cfg,
+                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
+    ...  # train
+    ds_maximus.save_peft(engine, "out/adapter")    # then, without ds_maximus:
+    # PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "out/adapter").merge_and_unload()
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from ds_maximus.errors import ConfigError
+
+COPY = ".modules_to_save."
+ORIGINAL = ".original_module."
+
+
+def is_peft_model(model) -> bool:
+    """``model`` is a ``peft.PeftModel`` (checked by class name and its ``peft_config``: peft stays optional)."""
+    return any(c.__name__ == "PeftModel" for c in type(model).__mro__) and hasattr(model, "peft_config")
+
+
+def _unwrap(model_or_engine) -> nn.Module:
+    model = getattr(model_or_engine, "module", model_or_engine)
+    if not is_peft_model(model):
+        raise ConfigError(f"save_peft takes a peft.PeftModel (or an engine around one); got {type(model).__name__}. "
+                          "Save a model without adapters with ds_maximus.export_hf", "maximus")
+    return model
+
+
+def _tied_source(m: nn.Module) -> Optional[nn.Module]:
+    src = getattr(m, "tied_to", None)
+    return src[0] if isinstance(src, (list, tuple)) and src else None
+
+
+@contextlib.contextmanager
+def _plain_tied_heads(model: nn.Module):
+    """Each head tied to a maximus table, inside a PEFT wrapper, seen as a plain ``nn.Linear`` holding the table's
+    rows while PEFT collects the adapter's keys (PEFT asks the trained copy's own ``state_dict`` for them, and a
+    tied head owns no weight); the heads are put back afterwards."""
+    swapped = []
+    for m in list(model.modules()):
+        copies = getattr(m, "modules_to_save", None)
+        if not isinstance(copies, nn.ModuleDict):
+            continue
+        for key, head in list(copies.items()):
+            src = _tied_source(head)
+            if src is None:
+                continue
+            w = src.full_weight()
+            plain = nn.Linear(w.shape[1], w.shape[0], bias=head.bias is not None, device="meta")
+            plain.weight = nn.Parameter(w, requires_grad=False)
+            if head.bias is not None:
+                plain.bias = head.bias
+            copies[key] = plain
+            swapped.append((copies, key, head))
+    try:
+        yield
+    finally:
+        for copies, key, head in swapped:
+            copies[key] = head
+
+
+def peft_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The PeftModel's ``state_dict`` as plain PEFT would have it: every maximus table in full (a tied head's
+    rows under its own key, see :func:`save_peft`), each trained copy in its frozen original's dtype."""
+    sd = model.state_dict()
+    for key in list(sd):
+        if COPY not in key:
+            continue
+        stem, rest = key.split(COPY, 1)
+        orig = sd.get(stem + ORIGINAL + rest.split(".", 1)[1])
+        if orig is not None and orig.dtype != sd[key].dtype:
+            sd[key] = sd[key].to(orig.dtype)
+    return sd
+
+
+def _gathered(model: nn.Module):
+    """Under ZeRO-3, the trained parameters (LoRA, unswapped copies) gathered for the state dict."""
+    params = [p for p in model.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+    return deepspeed.zero.GatheredParameters(params)
+
+
+def save_peft(model_or_engine, out_dir: str, **save_kwargs) -> str:
+    """Write an ordinary PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) with the
+    LoRA weights and the full trained embedding and head, loadable with plain ``peft`` + ``transformers``.
+
+    ``save_kwargs`` go to ``PeftModel.save_pretrained``. Only rank 0 writes. A grown vocabulary
+    (:func:`ds_maximus.resize_token_embeddings`) reloads onto a base model resized to the same size first
+    (``base.resize_token_embeddings(len(tokenizer))``), as with plain PEFT. Returns ``out_dir``.
+    """
+    model = _unwrap(model_or_engine)
+    rank = int(os.environ.get("RANK", "0"))
+    with _gathered(model), _plain_tied_heads(model):
+        sd = peft_state_dict(model)
+        if rank == 0:
+            model.save_pretrained(out_dir, state_dict=sd, **save_kwargs)
+    return out_dir
