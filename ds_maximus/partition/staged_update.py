@@ -27,11 +27,11 @@ Example (a CPU device; on a GPU the same loop is asynchronous and :meth:`StagedU
     >>> for k, (lo, hi) in pl.pieces([(0, 4), (4, 8), (8, 10)]):
     ...     buf = pl.buffer(k, "x", 4)[:hi - lo]
     ...     with pl.loading(k):
-    ...         buf.copy_(host[lo:hi])
+    ...         _ = buf.copy_(host[lo:hi])
     ...     with pl.updating():
-    ...         buf.mul_(2)
+    ...         _ = buf.mul_(2)
     ...     with pl.storing(k):
-    ...         host[lo:hi].copy_(buf)
+    ...         _ = host[lo:hi].copy_(buf)
     >>> host.tolist()[:5], pl.end() is None
     ([0.0, 2.0, 4.0, 6.0, 8.0], True)
 """
