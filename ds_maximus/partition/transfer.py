@@ -43,7 +43,6 @@ import torch
 from ds_maximus.partition.speculation import PrefetchJob, cancel
 
 
-
 def host_staging(like: Dict[str, torch.Tensor], n: int, pin: bool) -> Dict[str, torch.Tensor]:
     """Host buffers for ``n`` entries shaped like the tables ``like`` (``[slots, ...]`` each), pinned when
     ``pin`` (so a copy to or from the device is asynchronous)."""

@@ -72,7 +72,8 @@ def _new_rows(old: torch.Tensor, n_new: int, init: NewRowInit, pieces, seed: int
 def _check_pieces(pieces, n_new: int, old_rows: int) -> None:
     if pieces is None:
         raise ConfigError(f"new_row_init 'mean_of_pieces' needs pieces: for each of the {n_new} new tokens the ids "
-                          "the old tokenizer splits it into (ds_maximus.vocab.resize.pieces_of(tokens, old_tokenizer)); "
+                          "the old tokenizer splits it into "
+                          "(ds_maximus.vocab.resize.pieces_of(tokens, old_tokenizer)); "
                           "pass pieces=, or choose new_row_init 'mean' or 'normal'", "maximus.embedding.new_row_init")
     if len(pieces) != n_new:
         raise ConfigError(f"pieces has {len(pieces)} entries but the vocabulary grows by {n_new} rows; give one list "

@@ -71,6 +71,7 @@ def token_map(tmp_path_factory):
     """A byte-level BPE tokenizer (~300 ids) and its frequency-ordered token map (a real permutation)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     from ds_maximus.tokenmap.token_map import TokenMap
     root = tmp_path_factory.mktemp("tok")
     g = torch.Generator().manual_seed(0)
@@ -195,8 +196,9 @@ def test_maximized_inference_generates_like_plain(tie, tmp_path):
     """Row cache smaller than the vocabulary, head in the CPU tier (or tied): same tokens, last position only.
     Exported again, the model is the plain one (a tied head is tied again in the HF config)."""
     import copy
-    from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
+
     from ds_maximus.integrations.hf import maximize
+    from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
     plain = tiny_llama(0, tie=tie).eval()
     ours = maximize(copy.deepcopy(plain), {"maximus": {
         "embedding": {"modules": ["model.embed_tokens"], "gpu_cache_rows": 48},
@@ -216,6 +218,7 @@ def test_maximized_inference_generates_like_plain(tie, tmp_path):
     assert torch.equal(a, b)
     assert seen[:12] == [1] * 12  # generate() asked the head for the last position only
     from transformers import AutoModelForCausalLM
+
     from ds_maximus import export_hf
     back = AutoModelForCausalLM.from_pretrained(export_hf(ours, str(tmp_path / "hf"))).eval()
     assert back.config.tie_word_embeddings == tie
@@ -259,6 +262,7 @@ def test_cli_errors_name_the_fix(tmp_path, capsys):
 def test_maximized_inference_on_gpu(tie):
     """The same on CUDA: rows cached on the GPU, head rows streamed from pinned CPU memory."""
     import copy
+
     from ds_maximus.integrations.hf import maximize
     plain = tiny_llama(0, tie=tie).eval()
     ours = maximize(copy.deepcopy(plain), {"maximus": {
