@@ -8,6 +8,7 @@ default untie are reproduced the same way. ``resize_token_embeddings`` keeps old
 fills new rows as ``embedding.new_row_init`` documents, and a grown PEFT model trains and reloads.
 """
 import os
+import socket
 import subprocess
 import sys
 import warnings
@@ -271,3 +272,23 @@ def test_grown_vocabulary_trains_under_maximus_and_reloads(tmp_path):
     out = _reload(tmp_path, base, save_peft(eng, str(tmp_path / "adapter")), ids, vocab=len(new))
     torch.testing.assert_close(out["logits"], _logits(eng, ids), rtol=1e-4, atol=1e-4)
     assert out["tied"]
+
+
+def test_domain_vocab_peft_example(tmp_path):
+    """examples/domain_vocab/peft_lora.py, small: tokenizer on real text, terms added, Gemma-3 shape, LoRA, maximus
+    rows, a few CPU steps, plain-peft reload to the same logits (tied) and merge_and_unload."""
+    import json
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{root}:{os.environ.get('PYTHONPATH', '')}"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(sock.getsockname()[1])
+    cmd = [sys.executable, os.path.join(root, "examples", "domain_vocab", "peft_lora.py"), "--out", str(tmp_path),
+           "--vocab", "600", "--terms", "16", "--steps", "3", "--seqlen", "32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert s["vocab"] == s["base_vocab"] + s["terms"] and s["terms"] == 16
+    assert len(s["losses"]) == 3 and all(l == l for l in s["losses"])
+    assert s["tied"] and s["reload_max_abs_diff"] < 1e-4 and s["merged_max_abs_diff"] < 1e-4
