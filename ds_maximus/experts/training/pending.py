@@ -1,6 +1,6 @@
 """A split optimizer step that runs on into the next forward (``moe.overlap_step``).
 
-:func:`~ds_maximus.experts.training.step.step_split` returns once the step is queued. The CPU side's worker
+:meth:`~ds_maximus.experts.training.step.SplitStep.run` returns once the step is queued. The CPU side's worker
 thread goes on updating its experts in layer order, and the device side's pieces are queued on the
 pipeline's update stream. The next forward waits for layer ``g``'s updates only when it reaches layer
 ``g`` (:meth:`PendingStep.await_layer`, called by ``begin_layer``):
@@ -26,7 +26,8 @@ import torch
 class PendingStep:
     """One step's experts still being updated: per layer, the CPU side's completion and the device side's."""
 
-    def __init__(self, num_layers: int, num_experts: int):
+    def __init__(self, parts, num_layers: int, num_experts: int):
+        self.parts = parts  # the step's StepParts: the store and cache whose copies are refreshed
         self.num_layers, self.num_experts = num_layers, num_experts
         self.cpu_done = [threading.Event() for _ in range(num_layers)]
         self.gpu_done: List[Optional[object]] = [None] * num_layers  # CUDA events (None: nothing queued)
@@ -60,7 +61,7 @@ class PendingStep:
         """Whether waiting for ``layer`` would not block the host."""
         return layer in self.awaited or self.cpu_done[layer].is_set()
 
-    def await_layer(self, tr, layer: int) -> bool:
+    def await_layer(self, layer: int) -> bool:
         """Make layer ``layer``'s updated experts usable by what is queued next (see module docstring); False
         when that was done already."""
         if layer in self.awaited:
@@ -70,19 +71,20 @@ class PendingStep:
         if self.error is not None:  # the tier may hold half-updated experts: no forward goes on with them
             raise RuntimeError(f"the expert optimizer step failed on the CPU side: {self.error!r}") from self.error
         self.awaited.add(layer)
+        parts = self.parts
         for u in self.cpu_uids.get(layer, ()):  # resident slots: refreshed from the copy the op wrote
-            tr.refresh_slot(u, tr.store.host_view(u))
+            parts.refresh_slot(u, parts.store.host_view(u))
         ev = self.gpu_done[layer]
         if ev is not None:
-            torch.cuda.current_stream(tr.compute_device).wait_event(ev)
-            tr.cache.transfer.wait_event(ev)
+            torch.cuda.current_stream(parts.cache.device).wait_event(ev)
+            parts.cache.transfer.wait_event(ev)
         self.wait_s += time.perf_counter() - t0
         return True
 
-    def finish(self, tr) -> tuple:
+    def finish(self) -> tuple:
         """Wait for every layer and the worker; returns ``(cpu seconds, device seconds)`` of the two sides."""
         for g in range(self.num_layers):
-            self.await_layer(tr, g)
+            self.await_layer(g)
         t0 = time.perf_counter()
         t_cpu = self.future.result() if self.future is not None else 0.0
         t_dev = self.dev_s or 0.0

@@ -28,8 +28,8 @@ from torch import Tensor
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts.expert_store import ExpertStore
 from ds_maximus.experts.layout import ExpertLayout
-from ds_maximus.experts.training.host_memory import host_tensor
 from ds_maximus.partition import TensorTier
+from ds_maximus.partition.host_memory import host_tensor
 
 
 class ExpertTrainStore(ExpertStore):
@@ -48,14 +48,16 @@ class ExpertTrainStore(ExpertStore):
         self.pin = bool(pin_memory and torch.cuda.is_available())
         self.master_layout = ExpertLayout(layout.names, layout.shapes, layout.offsets, layout.numel, torch.float32)
         n = layout.numel
-        if nvme_path is None:  # every table in one exact-size allocation, page-locked once
-            tables = host_tensor((len(self.names), self.num_uids, n), torch.float32, pin=self.pin)
-            self._tier = TensorTier(dict(zip(self.names, tables)), pin_memory=False)
-            self._tier.pinned = self.pin
+        if nvme_path is None:  # each table one exact-size piece (optimizer steps index whole tables), pinned once
+            self.backing = TensorTier.allocate(
+                self.num_uids, {name: ((n,), torch.float32) for name in self.names}, pin=self.pin,
+                piece_bytes=max(1, self.num_uids * n * 4), reserve_bytes=0,
+                what=f"the fp32 masters and {list(self.state_names) or 'no'} state of {self.num_uids} experts",
+                fix="use the NVMe tier (offload.device = 'nvme') or fewer experts")
         else:
             from ds_maximus.partition.store_tier import ShardStoreTier
             os.makedirs(nvme_path, exist_ok=True)
-            self._tier = ShardStoreTier.for_table(nvme_path, self.num_uids, n, self.state_names, rows_per_shard=1,
+            self.backing = ShardStoreTier.for_table(nvme_path, self.num_uids, n, self.state_names, rows_per_shard=1,
                                                  cpu_cache_shards=cpu_cache_shards,
                                                  init=lambda lo, hi: torch.zeros(hi - lo, n),
                                                  pin_memory=pin_memory, overwrite=True)
@@ -70,7 +72,7 @@ class ExpertTrainStore(ExpertStore):
     # -- the compute copy (what ExpertCache loads) -------------------------------------------------
     @property
     def in_memory(self) -> bool:
-        return isinstance(self._tier, TensorTier)
+        return isinstance(self.backing, TensorTier)
 
     @property
     def tables(self) -> Dict[str, Tensor]:
@@ -78,7 +80,7 @@ class ExpertTrainStore(ExpertStore):
         place (the rows of ``moe.gpu_state_experts`` experts are current after :meth:`pull`)."""
         if not self.in_memory:
             raise ConfigError("the experts' tier is on NVMe: read its rows with read_rows, write them with write_rows")
-        return self._tier.tensors
+        return self.backing.tensors
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
         """Compute copies in ``dtype`` (a shadow is built from the masters when it is not fp32 in memory)."""
@@ -90,12 +92,12 @@ class ExpertTrainStore(ExpertStore):
             return
         self.shadow = None  # the old one (if any) is freed before the new one is allocated
         self.shadow = host_tensor((self.num_uids, self.layout.numel), dtype, pin=self.pin,
-                                  init=lambda t: t.copy_(self._tier.tensors["weight"]))
+                                  init=lambda t: t.copy_(self.backing.tensors["weight"]))
 
     def host_view(self, uid: int) -> Optional[Tensor]:
         if self.shadow is not None:
             return self.shadow[uid]
-        return self._tier.tensors["weight"][uid] if self.in_memory else None
+        return self.backing.tensors["weight"][uid] if self.in_memory else None
 
     def refresh(self, uid: int, master: Tensor, offset: int = 0) -> None:
         """Elements ``offset:`` of ``uid``'s master changed to ``master`` (flat, any device): update the copy."""
@@ -107,9 +109,9 @@ class ExpertTrainStore(ExpertStore):
         """The fp32 master of ``uid`` (a view in memory, a copy from NVMe)."""
         self.pull([uid])
         if self.in_memory:
-            return self._tier.tensors["weight"][uid]
+            return self.backing.tensors["weight"][uid]
         out = {name: torch.empty(1, self.layout.numel) for name in self.names}
-        self._tier.read(torch.tensor([uid]), out)
+        self.backing.read(torch.tensor([uid]), out)
         return out["weight"][0]
 
     def write_master(self, uid: int, tensors: Mapping[str, Tensor]) -> None:
@@ -139,7 +141,7 @@ class ExpertTrainStore(ExpertStore):
                 self.write_master(first_uid + i, {name: tensors[name][i] for name in lay.names})
             return
         self.pull(range(first_uid, first_uid + e))
-        rows = self._tier.tensors["weight"][first_uid:first_uid + e]
+        rows = self.backing.tensors["weight"][first_uid:first_uid + e]
         for name in lay.names:
             lay.stacked_view(rows, name).copy_(tensors[name].detach())
         if self.shadow is not None:
@@ -150,7 +152,7 @@ class ExpertTrainStore(ExpertStore):
         """Copies of the masters and states of ``uids`` as ``{name: [n, numel] fp32}``."""
         self.pull(uids.tolist())
         out = {name: torch.empty(uids.numel(), self.layout.numel, pin_memory=pin and self.pin) for name in self.names}
-        self._tier.read(uids, out)
+        self.backing.read(uids, out)
         return out
 
     def write_rows(self, uids: Tensor, rows: Mapping[str, Tensor], names: Optional[Sequence[str]] = None) -> None:
@@ -158,7 +160,7 @@ class ExpertTrainStore(ExpertStore):
         if self.in_memory:
             self.pull(uids.tolist())
             for name in names:
-                self._tier.tensors[name].index_copy_(0, uids, rows[name][:uids.numel()].to("cpu"))
+                self.backing.tensors[name].index_copy_(0, uids, rows[name][:uids.numel()].to("cpu"))
             self.push([u for u in uids.tolist() if u in self.resident])
             return
         full = rows
@@ -166,7 +168,7 @@ class ExpertTrainStore(ExpertStore):
             full = self.read_rows(uids)
             for name in names:
                 full[name].copy_(rows[name][:uids.numel()])
-        self._tier.write(uids, full)
+        self.backing.write(uids, full)
 
     def read_into(self, uid: int, dst: Tensor) -> None:
         if self.shadow is not None:
@@ -175,18 +177,18 @@ class ExpertTrainStore(ExpertStore):
             dst.copy_(self.master_row(uid))
 
     def flush(self) -> None:
-        self._tier.flush()
+        self.backing.flush()
 
     def state(self) -> Dict[str, Tensor]:
         """Every table as one CPU tensor each (for checkpoints)."""
         self.pull()
-        return {name: self._tier.materialize(name) for name in self.names}
+        return {name: self.backing.materialize(name) for name in self.names}
 
     def load_state(self, tensors: Mapping[str, Tensor]) -> None:
         self._newer.clear()  # every row is overwritten
-        self._tier.load({name: tensors[name].float() for name in self.names})
+        self.backing.load({name: tensors[name].float() for name in self.names})
         if self.shadow is not None:
-            self.shadow.copy_(self._tier.tensors["weight"])
+            self.shadow.copy_(self.backing.tensors["weight"])
         self.push()
 
     # -- masters and state kept on the compute device (moe.gpu_state_experts) ---------------------------------
@@ -219,7 +221,7 @@ class ExpertTrainStore(ExpertStore):
             torch.cuda.synchronize(dev)
         for n, rows in self.device_tables.items():
             for u in todo:
-                self._tier.tensors[n][u].copy_(rows[self.resident[u]])
+                self.backing.tensors[n][u].copy_(rows[self.resident[u]])
         self._newer.difference_update(todo)
 
     def push(self, uids: Optional[Sequence[int]] = None) -> None:
@@ -227,4 +229,4 @@ class ExpertTrainStore(ExpertStore):
         for u in (self.resident if uids is None else uids):
             i = self.resident[u]
             for n, rows in self.device_tables.items():
-                rows[i].copy_(self._tier.tensors[n][u])
+                rows[i].copy_(self.backing.tensors[n][u])

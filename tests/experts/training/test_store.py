@@ -6,8 +6,8 @@ import torch
 
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts.layout import ExpertLayout
-from ds_maximus.experts.training.host_memory import host_tensor
 from ds_maximus.experts.training.store import ExpertTrainStore
+from ds_maximus.partition.host_memory import host_tensor
 
 
 def test_host_tensor_zeros_init_and_lifetime():
@@ -110,11 +110,12 @@ def test_step_pieces_are_even_and_cover_each_expert(numel, sub, chunk_elems):
     which together cover it once: a short last piece had made the CUDA pipeline's next piece wait."""
     from types import SimpleNamespace
 
-    from ds_maximus.experts.training.step import STATE_BYTES, _pieces
+    from ds_maximus.experts.training.step import STATE_BYTES
+    from ds_maximus.experts.training.step import pieces as step_pieces
     names = ("weight", "exp_avg", "exp_avg_sq")
-    tr = SimpleNamespace(numel=numel, sub=sub, store=SimpleNamespace(names=names), cfg=SimpleNamespace(
-        moe=SimpleNamespace(step_chunk_bytes=chunk_elems * STATE_BYTES * (len(names) + 1))))
-    pieces = list(_pieces(tr, [3, 7]))
+    parts = SimpleNamespace(numel=numel, sub=sub, store=SimpleNamespace(names=names),
+                            step_chunk_bytes=chunk_elems * STATE_BYTES * (len(names) + 1))
+    pieces = list(step_pieces(parts, [3, 7]))
     for u in (3, 7):
         spans = [(lo, hi) for part, lo, hi in pieces if part == [u]]
         assert spans[0][0] == 0 and spans[-1][1] == numel
