@@ -4,26 +4,27 @@ ops give the same bits). On the GPU machine, after ``. .device/env.sh``:
 ``python scripts/gpu/diag_overlap.py`` (runs on the CPU too)."""
 import torch
 
-import ds_maximus.experts.training.step as step_mod
+from ds_maximus.experts.training.step import InPlaceStep, SplitStep
 from tests.experts.training.moe_utils import batches, build, moe_section, tiny_mixtral, train
 
-real_share = step_mod._cpu_share
-real_inplace = step_mod._update_in_place
+real_share = SplitStep.cpu_share
+real_inplace = InPlaceStep.update
 
 
 def run(overlap, data):
     sides, factors = [], []
 
-    def share(tr, uids, s):
-        cpu = real_share(tr, uids, s)
-        sides.append((sorted(uids), cpu, [u for u in uids if tr.grads.on_host(u)],
-                      {u: (str(tr.grads.raw(u).dtype)[6:], tr.grads.factor(u)) for u in uids}))
+    def share(step, uids, s):
+        cpu = real_share(step, uids, s)
+        grads = step.parts.grads
+        sides.append((sorted(uids), cpu, [u for u in uids if grads.on_host(u)],
+                      {u: (str(grads.raw(u).dtype)[6:], grads.factor(u)) for u in uids}))
         return cpu
 
-    def inplace(tr, uid, grad, grad_scale=1.0):
+    def inplace(step, uid, grad, grad_scale=1.0):
         factors.append((uid, str(grad.dtype)[6:], grad_scale))
-        real_inplace(tr, uid, grad, grad_scale)
-    step_mod._cpu_share, step_mod._update_in_place = share, inplace
+        real_inplace(step, uid, grad, grad_scale)
+    SplitStep.cpu_share, InPlaceStep.update = share, inplace
     try:
         model = tiny_mixtral(num_experts=8)
         e = build(model.cuda() if torch.cuda.is_available() else model, 2, dtype="bf16", clip=0.05,
@@ -33,7 +34,7 @@ def run(overlap, data):
         t = e.maximus.modules["moe"]
         t.finish_step()
     finally:
-        step_mod._cpu_share, step_mod._update_in_place = real_share, real_inplace
+        SplitStep.cpu_share, InPlaceStep.update = real_share, real_inplace
     return t, losses, sides, factors
 
 
