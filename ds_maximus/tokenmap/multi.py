@@ -17,13 +17,22 @@ class MultiTokenMap:
 
     Example::
 
-        >>> multi = MultiTokenMap()                                         # doctest: +SKIP
-        >>> multi.add("chem", TokenMap.load("tm_chem"), stores=["chem_store"])  # doctest: +SKIP
-        >>> multi.add("code", TokenMap.load("tm_code"), stores=["code_store"])  # doctest: +SKIP
-        >>> multi["chem"].encode("aspirin"), multi.stores("chem")[0].num_shards  # doctest: +SKIP
-        ([812, 77], 8)
-        >>> multi.save("maps/"); MultiTokenMap.load("maps/").names             # doctest: +SKIP
+        >>> import os, tempfile
+        >>> from ds_maximus.tokenmap.train import train_tokenizer
+        >>> d = tempfile.mkdtemp()
+        >>> def token_map(text):   # a tokenizer trained on ``text``, its vocabulary ordered by the same text
+        ...     tok = train_tokenizer(texts=[text] * 50, vocab_size=300, progress=False)
+        ...     return TokenMap.build(tok, texts=[text] * 20, progress=False)
+        >>> chem = token_map("aspirin is acetylsalicylic acid")
+        >>> store = ShardStore.create(os.path.join(d, "chem_store"), chem.vocab_size, 8, rows_per_shard=32)
+        >>> multi = MultiTokenMap()
+        >>> _ = multi.add("chem", chem, stores=[store.path])
+        >>> _ = multi.add("code", token_map("def main(): return 0"))
+        >>> multi["chem"].encode("aspirin"), multi.stores("chem")[0].num_shards
+        ([7], 9)
+        >>> multi.save(os.path.join(d, "maps")); MultiTokenMap.load(os.path.join(d, "maps")).names
         ['chem', 'code']
+        >>> import shutil; shutil.rmtree(d)
     """
 
     def __init__(self):

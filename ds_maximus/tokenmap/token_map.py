@@ -61,12 +61,21 @@ class TokenMap:
 
     Example::
 
-        >>> tm = TokenMap.build("my_tokenizer/", ["corpus.txt"])     # doctest: +SKIP
-        >>> tm.save("tokenmap/")                                      # doctest: +SKIP
-        >>> tm.encode("hello world")       # new ids, hot tokens small  # doctest: +SKIP
-        [312, 45]
-        >>> tm.coverage(1024)              # share of corpus tokens in rows [0, 1024)  # doctest: +SKIP
-        0.93
+        >>> import os, tempfile
+        >>> from ds_maximus.tokenmap.train import save_tokenizer, train_tokenizer
+        >>> d = tempfile.mkdtemp()
+        >>> tok = train_tokenizer(texts=["hello world", "the cat sat on the mat"] * 50, vocab_size=300,
+        ...                       progress=False)
+        >>> tokenizer_dir = save_tokenizer(tok, os.path.join(d, "my_tokenizer"))
+        >>> with open(os.path.join(d, "corpus.txt"), "w") as f:
+        ...     _ = f.write("hello world\\n" * 30 + "the cat sat on the mat\\n" * 5)
+        >>> tm = TokenMap.build(tokenizer_dir, [os.path.join(d, "corpus.txt")], progress=False)
+        >>> tm = tm.save(os.path.join(d, "tokenmap"))
+        >>> tm.encode("hello world")       # new ids, hot tokens small
+        [6, 5]
+        >>> round(tm.coverage(8), 2)       # share of corpus tokens in rows [0, 8)
+        0.8
+        >>> import shutil; shutil.rmtree(d)
     """
 
     def __init__(self, old_to_new: torch.Tensor, new_to_old: torch.Tensor, counts: torch.Tensor,

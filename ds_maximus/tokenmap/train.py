@@ -17,7 +17,11 @@ Example::
     >>> tok = train_tokenizer(texts=["the cat sat on the mat"] * 50, vocab_size=300, progress=False)
     >>> tok.encode("the cat").tokens[0]
     '<s>'
-    >>> save_tokenizer(tok, "my_tokenizer/")  # doctest: +SKIP
+    >>> import os, shutil, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> sorted(os.listdir(save_tokenizer(tok, os.path.join(d, "my_tokenizer"))))
+    ['tokenizer.json', 'tokenizer_config.json']
+    >>> shutil.rmtree(d)
 """
 from __future__ import annotations
 
