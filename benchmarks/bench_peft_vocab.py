@@ -1,0 +1,324 @@
+"""LoRA on the blocks + the full 262K vocabulary trained, under 16 GiB: ours against plain PEFT's ways of doing it.
+
+    python -m benchmarks.bench_peft_vocab --out bench_out/peft_vocab.md            # H200, real shapes
+    python -m benchmarks.bench_peft_vocab --small                                  # CPU, tiny shapes, < 1 min
+
+Every peer runs in its own subprocess (an OOM or a DeepSpeed engine must not poison the next) on the same
+data (``--batch`` x ``--seq`` Zipf ids a step, the same seed), bf16 (fp32 in ``--small``), gradient
+checkpointing, LoRA r=16 on every projection, DeepSpeed ZeRO-2 with fp32 masters of the trained parameters.
+The capped peers call ``torch.cuda.set_per_process_memory_fraction`` for ``--cap-gib`` (no cap on the CPU).
+
+Gemma-3-4B shape (vocab 262,144, hidden 2560, 34 layers, ffn 10240, 8 heads / 4 KV heads, head_dim 256, tied):
+
+1. ``peft_mts``: PEFT ``modules_to_save=["embed_tokens", "lm_head"]``, uncapped: the reference;
+2. ``peft_mts_capped``: the same under the cap (expected: OOM);
+3. ``peft_mts_liger_capped``: the same + Liger's fused linear cross-entropy (no full logits), capped;
+4. ``peft_tti_capped``: PEFT ``trainable_token_indices`` (only the ``--new-rows`` newest rows trained), capped;
+5. ``ours_capped``: ds_maximus: the embedding's rows a maximus row store with exact sparse AdamW, the head tied
+   to it (``ensure_weight_tying``), the loss streamed; capped.
+
+Llama-3-8B shape with a 262,144 vocabulary (hidden 4096, 32 layers, ffn 14336, 32 heads / 8 KV heads, untied),
+QLoRA blocks (bitsandbytes 4-bit NF4; the rows skip with the reason when bitsandbytes or CUDA is missing):
+
+6. ``qlora_peft_mts_capped``: PEFT ``modules_to_save`` (expected: OOM);
+7. ``qlora_ours_capped``: ours, the untied head on the CPU tier (``lm_head.placement: cpu``).
+
+Columns: ms per step, peak GiB, tokens/s, ratio to the reference's tokens/s, last loss beside the reference's,
+and the mean relative difference of the loss curve from the reference's (same seed and data).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+
+SHAPES = {
+    "gemma3_4b": dict(family="gemma3", vocab=262144, hidden=2560, layers=34, ffn=10240, heads=8, kv=4, head_dim=256,
+                      tied=True),
+    "llama3_8b_262k": dict(family="llama", vocab=262144, hidden=4096, layers=32, ffn=14336, heads=32, kv=8,
+                           head_dim=128, tied=False),
+    "gemma3_small": dict(family="gemma3", vocab=4096, hidden=64, layers=2, ffn=128, heads=4, kv=2, head_dim=16,
+                         tied=True),
+    "llama3_small": dict(family="llama", vocab=4096, hidden=64, layers=2, ffn=128, heads=4, kv=2, head_dim=16,
+                         tied=False),
+}
+# peer -> (shape key in full / small mode, PEFT variant, maximus?, capped?, QLoRA?)
+PEERS = {
+    "peft_mts": ("gemma3", "mts", False, False, False),
+    "peft_mts_capped": ("gemma3", "mts", False, True, False),
+    "peft_mts_liger_capped": ("gemma3", "mts_liger", False, True, False),
+    "peft_tti_capped": ("gemma3", "tti", False, True, False),
+    "ours_capped": ("gemma3", "ours", True, True, False),
+    "qlora_peft_mts_capped": ("llama", "mts", False, True, True),
+    "qlora_ours_capped": ("llama", "ours", True, True, True),
+}
+REFERENCE = "peft_mts"
+
+
+def _shape(family: str, small: bool) -> dict:
+    return SHAPES[{("gemma3", False): "gemma3_4b", ("llama", False): "llama3_8b_262k",
+                   ("gemma3", True): "gemma3_small", ("llama", True): "llama3_small"}[(family, small)]]
+
+
+# ---- one peer, in its own process --------------------------------------------------------------------------------
+def _missing(peer: str) -> Optional[str]:
+    """Why ``peer`` cannot run on this machine (None when it can)."""
+    import importlib.util
+
+    import torch
+    variant, qlora = PEERS[peer][1], PEERS[peer][4]
+    if qlora and not torch.cuda.is_available():
+        return "skipped: QLoRA needs CUDA (bitsandbytes 4-bit)"
+    if qlora and importlib.util.find_spec("bitsandbytes") is None:
+        return "skipped: bitsandbytes is not installed (pip install bitsandbytes)"
+    if variant == "mts_liger" and importlib.util.find_spec("liger_kernel") is None:
+        return "skipped: liger-kernel is not installed (pip install liger-kernel)"
+    if variant == "mts_liger" and not torch.cuda.is_available():
+        return "skipped: Liger's fused linear cross-entropy is a Triton kernel (CUDA)"
+    return None
+
+
+def _build(shape: dict, dtype, qlora: bool, liger: bool):
+    import torch
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_gemma3_text
+        apply_liger_kernel_to_gemma3_text(fused_linear_cross_entropy=True, cross_entropy=False)
+    common = dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
+                  num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                  num_key_value_heads=shape["kv"], head_dim=shape["head_dim"], max_position_embeddings=8192,
+                  tie_word_embeddings=shape["tied"])
+    torch.manual_seed(0)
+    if shape["family"] == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=1024, final_logit_softcapping=30.0,
+                                                   attn_implementation="sdpa"))
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
+    model.to(dtype)
+    if qlora:
+        _quantize_blocks(model, dtype)
+    return model
+
+
+def _quantize_blocks(model, dtype) -> None:
+    """Every Linear of the decoder blocks as a bitsandbytes 4-bit NF4 Linear (QLoRA's base; quantized on ``.cuda()``)."""
+    import bitsandbytes as bnb
+    from torch import nn
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or ".layers." not in name:
+            continue
+        q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None, compute_dtype=dtype,
+                              quant_type="nf4", device="cpu")
+        q.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False, quant_type="nf4")
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        setattr(parent, name.rsplit(".", 1)[1], q)
+    model.cuda()
+    model.is_loaded_in_4bit = True
+
+
+def _peft(model, shape: dict, variant: str, new_rows: int):
+    from peft import LoraConfig, get_peft_model
+    kw = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"])
+    if variant == "tti":
+        kw["trainable_token_indices"] = {"embed_tokens": list(range(shape["vocab"] - new_rows, shape["vocab"]))}
+    elif variant == "ours" and shape["tied"]:
+        kw.update(modules_to_save=["embed_tokens"], ensure_weight_tying=True)   # one table, the head reads it
+    else:
+        kw["modules_to_save"] = ["embed_tokens", "lm_head"]                      # PEFT's way: unties a tied head
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(model, LoraConfig(**kw))
+
+
+def _ds_config(a, shape: dict, ours: bool, bf16: bool) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0, "betas": [0.9, 0.95],
+                                                     "eps": 1e-8, "torch_adam": not bf16}},
+           "zero_optimization": {"stage": 2 if bf16 else 0}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if ours:
+        cfg["maximus"] = {"embedding": {"min_rows": shape["vocab"], "gpu_cache_rows": a.cache_rows,
+                                        "optimizer": {"mode": "exact"}},
+                          "lm_head": {"enabled": True, "chunk_rows": min(16384, shape["vocab"]),
+                                      "placement": "gpu" if shape["tied"] else "cpu"},
+                          "logging": {"interval_steps": 10**6}}
+    return cfg
+
+
+def zipf_batches(vocab: int, batch: int, seq: int, steps: int, s: float = 1.1, seed: int = 1):
+    """The same ``steps`` batches of Zipf ids for every peer (hot ids small, a long tail)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    p = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64) ** s
+    return [torch.multinomial(p, batch * seq, replacement=True, generator=g).view(batch, seq) for _ in range(steps)]
+
+
+def run_peer(a) -> dict:
+    """Train one peer ``a.steps`` steps; returns its figures (or an ``error``: OOM, a missing package)."""
+    import torch
+    reason = _missing(a.peer)
+    if reason:
+        return {"error": reason}
+    family, variant, ours, capped, qlora = PEERS[a.peer]
+    shape = _shape(family, a.small)
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and not a.small
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if capped and cuda:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * GIB / torch.cuda.get_device_properties(0)
+                                                       .total_memory))
+    try:
+        model = _build(shape, dtype, qlora, variant == "mts_liger")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        model = _peft(model, shape, variant, a.new_rows)
+        params = [p for p in model.parameters() if p.requires_grad]
+        trainable = sum(p.numel() for p in params)
+        import deepspeed
+
+        import ds_maximus
+        init = ds_maximus.initialize if ours else deepspeed.initialize
+        engine, *_ = init(model=model, model_parameters=params, config=_ds_config(a, shape, ours, bf16))
+        data = zipf_batches(shape["vocab"], a.batch, a.seq, a.steps)
+        losses, times = [], []
+        for ids in data:
+            ids = ids.to(engine.device)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            loss = float(loss.detach().float())
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+        timed = times[a.warmup:] or times
+        ms = 1e3 * sum(timed) / len(timed)
+        peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
+        return {"ms": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3), "peak_gib": peak, "losses": losses,
+                "trainable_m": trainable / 1e6}
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "OOM", "peak_gib": torch.cuda.max_memory_allocated() / GIB}
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------------
+def _spawn(peer: str, a, timeout_s: float) -> dict:
+    from benchmarks.harness import free_port, progress
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peer.json")
+        cmd = [sys.executable, "-m", "benchmarks.bench_peft_vocab", "--peer", peer, "--json-out", out,
+               "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
+               "--cap-gib", str(a.cap_gib), "--new-rows", str(a.new_rows), "--cache-rows", str(a.cache_rows),
+               "--lr", str(a.lr)] + (["--small"] if a.small else [])
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+               "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+        progress(f"{peer}: start")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True, cwd=str(ROOT))
+        timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        tail: List[str] = []
+        for line in proc.stdout:
+            tail = (tail + [line.rstrip()])[-8:]
+        rc = proc.wait()
+        timer.cancel()
+        if os.path.exists(out):
+            with open(out) as f:
+                return json.load(f)
+        err = "OOM" if any("OutOfMemory" in ln or "out of memory" in ln for ln in tail) else \
+            f"exit {rc}" + (" (time cap)" if rc in (-9, 137) else "")
+        progress(f"{peer}: {err}: " + " / ".join(tail[-3:])[:400])
+        return {"error": err}
+
+
+def _curve_diff(losses: List[float], ref: List[float]) -> Optional[float]:
+    n = min(len(losses), len(ref))
+    if not n:
+        return None
+    return sum(abs(x - r) / abs(r) for x, r in zip(losses[:n], ref[:n])) / n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU (a smoke test, < 1 min)")
+    ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    ap.add_argument("--batch", type=int, default=None, help="sequences a step (default 8; 2 with --small)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (default 2048; 32 with --small)")
+    ap.add_argument("--steps", type=int, default=None, help="steps a peer (default 200; 3 with --small)")
+    ap.add_argument("--warmup", type=int, default=None, help="first steps left out of the timing")
+    ap.add_argument("--cap-gib", type=float, default=16.0)
+    ap.add_argument("--new-rows", type=int, default=2048, help="rows trainable_token_indices trains (the newest)")
+    ap.add_argument("--cache-rows", type=int, default=65536, help="maximus GPU row cache")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--peer-timeout-s", type=float, default=1800)
+    ap.add_argument("--out", default=None, help="markdown file for the table")
+    ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    small = dict(batch=2, seq=32, steps=3, warmup=1) if a.small else dict(batch=8, seq=2048, steps=200, warmup=5)
+    for k, v in small.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.small:
+        a.new_rows, a.cache_rows = min(a.new_rows, 256), min(a.cache_rows, 512)
+    if a.peer:
+        res = run_peer(a)
+        with open(a.json_out, "w") as f:
+            json.dump(res, f)
+        return 0
+
+    from benchmarks.harness import Bench, progress
+    sizes = {"tokens/step": f"{a.batch}x{a.seq}", "steps": a.steps, "cap": f"{a.cap_gib:g} GiB",
+             "shapes": "gemma3_small/llama3_small" if a.small else "Gemma-3-4B / Llama-3-8B-262K"}
+    bench = Bench("peft_vocab", dtype="fp32" if a.small else "bf16", sizes=sizes,
+                  notes=f"LoRA r=16 on every projection; gradient checkpointing; Zipf ids; loss diff = mean relative "
+                        f"difference of the {a.steps}-step loss curve from {REFERENCE}'s")
+    results = {}
+    for peer in a.peers:
+        reason = _missing(peer)
+        res = {"error": reason} if reason else _spawn(peer, a, a.peer_timeout_s)
+        results[peer] = res
+        ref = results.get(REFERENCE, {})
+        if "error" in res:
+            bench.add(peer, None, res.get("peak_gib"), error=res["error"])
+        else:
+            extra = {"tokens/s": round(res["tokens_per_s"], 1),
+                     "tokens/s vs ref": (round(res["tokens_per_s"] / ref["tokens_per_s"], 3)
+                                         if ref.get("tokens_per_s") else "-"),
+                     "last loss": round(res["losses"][-1], 4),
+                     "ref last loss": round(ref["losses"][-1], 4) if ref.get("losses") else "-",
+                     "loss diff": (round(_curve_diff(res["losses"], ref["losses"]), 5)
+                                   if ref.get("losses") and PEERS[peer][0] == PEERS[REFERENCE][0] else "-"),
+                     "trainable M": round(res["trainable_m"], 1)}
+            bench.add(peer, res["ms"], res.get("peak_gib"), **extra)
+        progress(f"{peer}: " + (res.get("error") or f"{res['ms']:.1f} ms/step"))
+        bench.checkpoint(a.out)
+    text = bench.table()
+    print(text, flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
