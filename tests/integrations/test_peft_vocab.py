@@ -292,3 +292,42 @@ def test_domain_vocab_peft_example(tmp_path):
     assert s["vocab"] == s["base_vocab"] + s["terms"] and s["terms"] == 16
     assert len(s["losses"]) == 3 and all(l == l for l in s["losses"])
     assert s["tied"] and s["reload_max_abs_diff"] < 1e-4 and s["merged_max_abs_diff"] < 1e-4
+
+
+def test_hf_trainer_after_enable_trains_a_peft_model(tmp_path):
+    """HF Trainer with ``deepspeed=<config>`` after ``ds_maximus.enable()`` on a tied Gemma-3 PeftModel: maximus holds
+    the rows, the run equals the same Trainer without maximus, and save_peft's folder reloads with plain peft."""
+    from transformers import Trainer, TrainingArguments
+
+    import ds_maximus
+    from ds_maximus.engine.initialize import disable
+    base = tmp_path / "base"
+    gemma3().save_pretrained(base)
+    data = [{"input_ids": ids[0], "labels": ids[0].clone()} for ids in zipf_ids(6, 1, 16, VOCAB)]
+    runs = {}
+    for name, maximus in (("plain", None), ("ours", section(cache_rows=32))):
+        ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}
+        if maximus:
+            ds["maximus"] = maximus
+        args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=2,
+                                 learning_rate=1e-2, weight_decay=0.0, save_strategy="no", report_to=[],
+                                 deepspeed=ds, use_cpu=True, dataloader_num_workers=0, logging_steps=1)
+        ds_maximus.enable()
+        try:
+            trainer = Trainer(model=lora(gemma3()), args=args, train_dataset=data)
+            runs[name] = [h["loss"] for h in trainer.train() and trainer.state.log_history if "loss" in h]
+            if maximus:
+                assert trainer.model_wrapped.maximus.steps == 3
+                emb = trainer.model.get_submodule(EMB).modules_to_save["default"]
+                assert isinstance(emb, ShardedEmbedding)
+                save_peft(trainer.model_wrapped, str(tmp_path / "adapter"))
+                ids = zipf_ids(1, 2, 16, VOCAB, seed=5)[0]
+                want = _logits(trainer.model_wrapped, ids)
+        finally:
+            disable()
+    assert len(runs["ours"]) == 3 and runs["ours"] == pytest.approx(runs["plain"], rel=1e-4)
+    out = _reload(tmp_path, base, tmp_path / "adapter", ids)
+    assert out["tied"]
+    torch.testing.assert_close(out["logits"], want, rtol=1e-4, atol=1e-4)
