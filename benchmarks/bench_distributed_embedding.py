@@ -1,13 +1,18 @@
-"""Partitioned vs replicated embedding over N ranks: per-step time, bytes moved, scaling efficiency.
+"""Partitioned, broadcast and replicated embeddings over N ranks: per-step time, bytes moved, scaling efficiency.
 
     python -m benchmarks.bench_distributed_embedding --ranks 1,2 --vocab 65536 --dim 256 --tokens 4096
+    python -m benchmarks.bench_distributed_embedding --quick             # small sizes, a few seconds
+    python -m benchmarks.bench_distributed_embedding --ranks 1 --vocab 262144 --dim 4096 --tokens 16384 \
+        --modes replicated,partitioned                                   # one GPU: partitioned x1 vs one plain table
 
 Weak scaling: every rank looks up ``--tokens`` Zipf ids per step (a frequency-ordered vocabulary), so
 efficiency = step time on 1 rank / step time on N ranks of the same mode (1.0 = perfect); ``vs_one_gpu``
 divides one plain ``ShardedEmbedding`` (``replicated x1``) by the row's time. A step is forward, backward
 and the sparse AdamW update; ``replicated`` also all-gathers the sparse grads
-(``allreduce_sparse_rows``), ``partitioned`` does its all-to-alls. Each rank's GPU cache is
-``--cache-frac`` of the rows it holds (partitioned: 1/N of them). Ranks are processes on this host:
+(``allreduce_sparse_rows``), ``partitioned`` and ``broadcast`` do their all-to-alls (broadcast: every row is the
+master's). Each rank's GPU cache is ``--cache-frac`` of the rows it holds (partitioned: 1/N of them; broadcast:
+the master's, of all). The last line prints ``partitioned x1`` over one plain ``ShardedEmbedding`` (on one rank
+the partitioned table takes the plain table's path: the ratio is its own overhead). Ranks are processes on this host:
 NCCL on GPUs when there are enough, else gloo on CPU; they share the host's cores as launched ranks do
 (``ds_maximus/distributed/cores.py``). Each world size runs in fresh processes. The H200 runs:
 ``scripts/gpu/distributed.sh``, ``docs/bench/distributed.md``.
@@ -55,12 +60,13 @@ def _worker(rank, world, port, args, out):
                             timeout=datetime.timedelta(seconds=300))
     from ds_maximus.config import EmbeddingConfig
     from ds_maximus.distributed import PartitionedEmbedding, allreduce_sparse_rows
+    from ds_maximus.distributed.broadcast import BroadcastEmbedding
     from ds_maximus.vocab import ShardedEmbedding
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     rows = {}
     for mode in args.modes.split(","):
         # the GPU cache holds --cache-frac of the rows this rank keeps: partitioned keeps 1/world of them
-        held = args.vocab // world if mode == "partitioned" else args.vocab
+        held = args.vocab // world if mode == "partitioned" else args.vocab  # broadcast: the master's rows
         cache = args.cache_rows or max(1, int(args.cache_frac * held))
         cfg = EmbeddingConfig(gpu_cache_rows=cache, optimizer={"lr": 1e-3, "weight_decay": 0.0})
         if cuda:
@@ -68,6 +74,8 @@ def _worker(rank, world, port, args, out):
             torch.cuda.reset_peak_memory_stats(dev)
         if mode == "partitioned":
             emb = PartitionedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
+        elif mode == "broadcast":
+            emb = BroadcastEmbedding(args.vocab, args.dim, config=cfg, device=dev, master_rank=0)
         else:
             emb = ShardedEmbedding(args.vocab, args.dim, config=cfg, device=dev)
         times, sent, phases, ph = [], [], [], []
@@ -79,7 +87,8 @@ def _worker(rank, world, port, args, out):
                 ph.append(time.perf_counter())
         for step in range(args.warmup + args.steps):
             ids = _ids(step, rank, args.tokens, args.vocab).to(dev)
-            before = emb.comm.stats()["bytes_sent"] if mode == "partitioned" else 0
+            exchanges = mode in ("partitioned", "broadcast")
+            before = emb.comm.stats()["bytes_sent"] if exchanges else 0
             if cuda:
                 torch.cuda.synchronize()
             dist.barrier()
@@ -89,13 +98,13 @@ def _worker(rank, world, port, args, out):
             mark()
             y.float().pow(2).mean().backward()
             mark()
-            if mode != "partitioned" and world > 1:
+            if not exchanges and world > 1:
                 g_ids, g_rows = emb.sparse_grads()
                 g_ids, g_rows = allreduce_sparse_rows(g_ids, g_rows)
                 emb.set_sparse_grads_(g_ids, g_rows)
                 moved = (world - 1) * g_ids.numel() * (8 + 4 * args.dim)  # lower bound: the padding not counted
             else:
-                moved = emb.comm.stats()["bytes_sent"] - before if mode == "partitioned" else 0
+                moved = emb.comm.stats()["bytes_sent"] - before if exchanges else 0
             mark()
             emb.sparse_step()
             if cuda:
@@ -110,11 +119,17 @@ def _worker(rank, world, port, args, out):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         peak = torch.tensor([torch.cuda.max_memory_allocated(dev) if cuda else 0], dtype=torch.float64, device=dev)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        held_bytes = torch.tensor([float(emb.table_bytes()) if hasattr(emb, "table_bytes") else -1.0],
+                                  dtype=torch.float64, device=dev)
+        every = [torch.zeros_like(held_bytes) for _ in range(world)]
+        dist.all_gather(every, held_bytes)  # bytes each rank holds for the table (tier, cache, counters)
         table = emb.tier_bytes() if hasattr(emb, "tier_bytes") else args.vocab * args.dim * 12
         st = emb.stats()
+        last = st.get("last_step", {})
         rows[mode] = {"ms": float(t), "bytes_sent_per_step": statistics.mean(sent), "tier_bytes": table,
+                      "held_bytes": [float(b) for b in every],
                       "comm_ms": emb.comm.stats()["comm_ms"] / (args.warmup + args.steps)
-                      if mode == "partitioned" else None, "cache_rows": cache,
+                      if exchanges else None, "collectives": last.get("collectives"), "cache_rows": cache,
                       "peak_gib": float(peak) / 2**30,
                       "hit_rate": st.get("last_step", {}).get("hit_rate", st.get("hit_rate")),
                       "phases": [statistics.median(c) for c in zip(*phases)] if phases else None}
@@ -128,7 +143,8 @@ def _worker(rank, world, port, args, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="1,2", help="world sizes to run, comma-separated (1 is the baseline)")
-    ap.add_argument("--modes", default="replicated,partitioned")
+    ap.add_argument("--modes", default="replicated,partitioned,broadcast",
+                    help="replicated (on 1 rank: one plain ShardedEmbedding, the baseline), partitioned, broadcast")
     ap.add_argument("--vocab", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=2048, help="ids per rank per step")
@@ -139,7 +155,11 @@ def main():
     ap.add_argument("--phases", action="store_true", help="also time forward, backward, the replicated mode's "
                     "reduction and the step apart (a device sync between them)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--quick", action="store_true", help="small sizes for a quick run: --vocab 8192 --dim 64 "
+                    "--tokens 1024 --steps 4 --warmup 1 (given values of these options are overridden)")
     args = ap.parse_args()
+    if args.quick:
+        args.vocab, args.dim, args.tokens, args.steps, args.warmup = 8192, 64, 1024, 4, 1
     worlds = sorted({int(x) for x in args.ranks.split(",")} | {1})
     bench = Bench("distributed_embedding", dtype="fp32",
                   sizes={"V": args.vocab, "d": args.dim, "tokens/rank": args.tokens},
@@ -158,7 +178,12 @@ def main():
                       vs_one_gpu=round(one / r["ms"], 3),
                       MiB_sent_per_step=r["bytes_sent_per_step"] / 2**20,
                       comm_ms_per_step=r["comm_ms"] if r["comm_ms"] is not None else "-",
-                      table_MiB_per_rank=r["tier_bytes"] / 2**20, cache_rows_per_rank=r["cache_rows"],
+                      collectives_per_step=r["collectives"] if r["collectives"] is not None else "-",
+                      table_MiB_per_rank=r["tier_bytes"] / 2**20,
+                      held_MiB_max_min=("/".join(f"{b / 2**20:.1f}" for b in (max(r["held_bytes"]),
+                                                                              min(r["held_bytes"])))
+                                        if min(r["held_bytes"]) >= 0 else "-"),
+                      cache_rows_per_rank=r["cache_rows"],
                       peak_GiB_per_rank=round(r["peak_gib"], 2),
                       hit_rate=round(r["hit_rate"], 3) if r["hit_rate"] is not None else "-",
                       **({"fwd/bwd/reduce/step_ms": "/".join(f"{x:.1f}" for x in r["phases"])}
@@ -167,6 +192,10 @@ def main():
     bench.report()
     if args.out:
         bench.checkpoint(args.out)
+    if "replicated" in base and "partitioned" in base:  # base: each mode's time on one rank
+        ratio = base["partitioned"] / base["replicated"]
+        print(f"partitioned x1 / one plain ShardedEmbedding: {base['partitioned']:.2f} / {base['replicated']:.2f} ms "
+              f"= {ratio:.3f} (target <= 1.2)")
 
 
 if __name__ == "__main__":

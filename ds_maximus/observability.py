@@ -20,11 +20,12 @@ logger = logging.getLogger("ds_maximus")
 
 # figures written to DeepSpeed's monitors (tensorboard / csv_monitor / wandb), per module
 MONITOR_KEYS = ("hit_rate", "bytes_h2d", "bytes_d2h", "stall_ms", "row_sparsity", "rows_fetched",
-                "rows_evicted", "overflow_rows", "expert_hit_rate", "experts_moved", "expert_bytes")
+                "rows_evicted", "overflow_rows", "expert_hit_rate", "experts_moved", "expert_bytes",
+                "bytes_sent", "bytes_recv", "comm_ms", "collectives")  # the last four: a table's collectives
 
 # (tag, format) of the figures the stats line and the Trainer's logs carry, per module (cumulative values)
 LINE_KEYS = (("hit_rate", "{:.3f}"), ("row_sparsity", "{:.4f}"), ("bytes_h2d", "{:.3g}B"), ("stall_ms", "{:.1f}ms"),
-             ("expert_hit_rate", "{:.3f}"))
+             ("expert_hit_rate", "{:.3f}"), ("bytes_sent", "{:.3g}B"), ("comm_ms", "{:.1f}ms"))
 
 # runtimes whose figures reach the user through a host's own logging (HF Trainer's on_log), not printed lines
 _REPORTED_ELSEWHERE: "weakref.WeakSet" = weakref.WeakSet()
@@ -117,7 +118,7 @@ def log_fields(s: MaximusStats, prefix: str = "maximus/") -> Dict[str, float]:
         for key, _ in LINE_KEYS:
             if key in st:
                 v = float(st[key])
-                out[f"{prefix}{_short(name)}/{key}"] = int(v) if key == "bytes_h2d" else round(v, 4)
+                out[f"{prefix}{_short(name)}/{key}"] = int(v) if key.startswith("bytes_") else round(v, 4)
     if s.skipped_steps:
         out[f"{prefix}skipped_steps"] = s.skipped_steps
     if s.clip_coef != 1.0:

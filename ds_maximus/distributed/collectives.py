@@ -19,6 +19,7 @@ at :meth:`Collectives.settle` (the step).
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from typing import List, Optional
 
@@ -130,7 +131,7 @@ class Collectives:
         if self.single:
             return send
         recv = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=self.device)
-        row = send[0].numel() * send.element_size() if send.dim() > 1 else send.element_size()
+        row = math.prod(send.shape[1:]) * send.element_size()  # bytes per row (a rank may send none)
         self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * row
         self.bytes_recv += (sum(recv_splits) - recv_splits[self.rank]) * row
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SEQLEN = 16
-PER_RANK = ("hit_rate", "stall_ms", "owner_hit_rate", "owner_serve_ms")  # each rank's figures, gathered
+PER_RANK = ("hit_rate", "stall_ms", "owner_hit_rate", "owner_serve_ms", "table_bytes")  # each rank's, gathered
 
 
 def _data(c: dict):

@@ -56,6 +56,82 @@ def equal(rank, world, out):
                     "backend": dist.get_backend(), "device": str(emb.compute_device)}, out)
 
 
+def train(emb, rank, world, steps, start=0):
+    """Train ``emb`` on this rank's share of batches ``[start, steps)``; returns the mean losses over the ranks."""
+    losses = []
+    for ids in batches(world)[start:steps]:
+        local = ids[rank * 2:(rank + 1) * 2].to(device())
+        y = emb(local)
+        loss = (y * torch.linspace(-1, 1, DIM, device=y.device)).pow(2).mean()
+        loss.backward()
+        emb.sparse_step()
+        t = loss.detach().reshape(1)
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+    return losses
+
+
+def broadcast(rank, world, out):
+    """Broadcast mode, master rank 1 (of 2) or 0 (of 1): train ``STEPS`` steps with a checkpoint round trip at
+    step 3 (the master saves; a fresh table from another start loads it); rank 0 saves losses, the table, every
+    rank's bytes held and the stats."""
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.distributed.broadcast import BroadcastEmbedding
+    master = world - 1
+    cfg = EmbeddingConfig(gpu_cache_rows=16, optimizer={"lr": 0.05, "weight_decay": 0.1})
+    torch.manual_seed(0)
+    w = torch.randn(VOCAB, DIM)
+    emb = BroadcastEmbedding(VOCAB, DIM, padding_idx=1, config=cfg, device=device(), master_rank=master,
+                             _weight=w if rank == master else torch.randn(VOCAB, DIM))  # others' rows are unused
+    losses = train(emb, rank, world, 3)
+    ckpt = f"{out}.maximus_states.pt"  # written and read by the master alone, as the engine does
+    if rank == master:
+        torch.save({"modules": {"emb": emb.maximus_state_dict()}, "steps": 3, "skipped_steps": 0}, ckpt)
+    dist.barrier()
+    emb = BroadcastEmbedding(VOCAB, DIM, padding_idx=1, config=cfg, device=device(), master_rank=master,
+                             _weight=torch.zeros(VOCAB, DIM))
+    from ds_maximus.config import MaximusConfig
+    from ds_maximus.distributed.broadcast import load_broadcast_state
+    state = load_broadcast_state(ckpt, MaximusConfig(distributed={"shard_mode": "broadcast", "master_rank": master}))
+    emb.load_maximus_state_dict(state["modules"]["emb"])
+    losses += train(emb, rank, world, STEPS, start=3)
+    w = emb.full_weight()
+    held = torch.tensor([float(emb.table_bytes()), float(emb.tier_bytes())], dtype=torch.float64,
+                        device=device())
+    every = [torch.zeros_like(held) for _ in range(world)]
+    dist.all_gather(every, held)
+    if rank == 0:
+        torch.save({"losses": losses, "weight": w, "held": [e.tolist() for e in every], "stats": emb.stats(),
+                    "step": emb.local.optimizer.step, "received": state["modules"]["emb"]}, out)
+
+
+def single(rank, world, out):
+    """One rank: a partitioned table takes the plain path. Every torch.distributed collective called is counted
+    (and still runs); trains ``STEPS`` steps with prefetch and a tied-head style gradient."""
+    from ds_maximus.distributed import collectives
+    called = []
+    for name in ("all_to_all_single", "all_gather", "all_reduce", "broadcast", "reduce"):
+        real = getattr(dist, name)
+        setattr(dist, name, (lambda real, name: lambda *a, **k: called.append(name) or real(*a, **k))(real, name))
+    assert collectives.dist is dist
+    emb, _, _ = make(world)
+    built = list(called)
+    losses, hist = [], batches(world)
+    emb.prefetch(hist[0])
+    for i, ids in enumerate(hist):
+        y = emb(ids.to(device()))
+        if i + 1 < len(hist):
+            emb.prefetch(hist[i + 1])
+        loss = (y * torch.linspace(-1, 1, DIM, device=y.device)).pow(2).mean()
+        loss.backward()
+        emb.grad.add(torch.arange(4, 8), torch.full((4, DIM), 0.01, device=device()))  # as a tied head adds
+        emb.sparse_step()
+        losses.append(float(loss.detach()))
+    rows = emb.rows_for_compute(0, 8)
+    torch.save({"losses": losses, "weight": emb.full_weight(), "rows": rows.cpu(), "called": called,
+                "built": built, "stats": emb.stats(), "local_type": type(emb.local).__name__}, out)
+
+
 def bad_id(rank, world, out):
     emb, _, _ = make(world, timeout_s=60)
     ids = torch.tensor([[2, 3]]) if rank == 0 else torch.tensor([[5, VOCAB + 7]])

@@ -110,9 +110,22 @@ def test_two_ranks_equal_one(ci, key):
     c = next(c for c in CI_COMBOS if c["key"] == key)
     got = ci["two"][key]
     assert got["steps"] == STEPS and len(got["losses"]) == STEPS
-    assert got["type"] == ("PartitionedEmbedding" if c["mode"] == "partitioned" else "ShardedEmbedding")
+    assert got["type"] == {"partitioned": "PartitionedEmbedding", "broadcast": "BroadcastEmbedding",
+                           "replicated": "ShardedEmbedding"}[c["mode"]]
     assert got["head"] == ("ShardedLMHead" if c["tie"] else "Linear")  # a tied head reads the swapped table
     close(got, ci["refs"][ref_key(c)])
+
+
+@pytest.mark.parametrize("key", [c["key"] for c in CI_COMBOS if c["mode"] == "broadcast"])
+def test_broadcast_table_is_held_by_the_master_only(ci, key):
+    """The master (rank 0) holds the table (tier, cache, optimizer state); rank 1 holds no rows and counts the
+    collectives that brought it its rows (bytes, ms; per step too)."""
+    from tests.engine.llama_utils import VOCAB
+    got = ci["two"][key]
+    master, other = (r["table_bytes"] for r in got["per_rank"])
+    assert master >= VOCAB * 32 * 4 * 3 and other == 0, got["per_rank"]
+    st = got["stats"]
+    assert st["bytes_recv"] > 0 and st["comm_ms"] > 0 and st["last_step"]["collectives"] > 0
 
 
 def test_moe_experts_trained_as_partitions_beside_a_partitioned_table(ci):

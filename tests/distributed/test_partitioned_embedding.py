@@ -31,10 +31,29 @@ def test_hot_rows_spread_over_ranks():
     assert int(counts.max() - counts.min()) <= p.block_rows
 
 
-@pytest.mark.distributed
-def test_two_ranks_equal_one_and_bad_ids_fail_everywhere(tmp_path):
+def reference(world: int, tied_grad: bool = False):
+    """One plain ``ShardedEmbedding`` trained on the whole global batches of ``world`` ranks (rank_worker's)."""
     from ds_maximus.config import EmbeddingConfig
     from ds_maximus.vocab import ShardedEmbedding
+    from tests.distributed import rank_worker as rw
+    torch.manual_seed(0)
+    w = torch.randn(rw.VOCAB, rw.DIM)
+    dev = torch.device("cuda", 0) if on_gpus() else torch.device("cpu")  # one GPU against two, or one CPU rank
+    ref = ShardedEmbedding(rw.VOCAB, rw.DIM, padding_idx=1, _weight=w, device=dev,
+                           config=EmbeddingConfig(gpu_cache_rows=16, optimizer={"lr": 0.05, "weight_decay": 0.1}))
+    losses = []
+    for ids in rw.batches(world):
+        loss = (ref(ids.to(dev)) * torch.linspace(-1, 1, rw.DIM, device=dev)).pow(2).mean()
+        loss.backward()
+        if tied_grad:
+            ref.grad.add(torch.arange(4, 8), torch.full((4, rw.DIM), 0.01, device=dev))
+        ref.sparse_step()
+        losses.append(float(loss.detach()))
+    return ref, losses
+
+
+@pytest.mark.distributed
+def test_two_ranks_equal_one_and_bad_ids_fail_everywhere(tmp_path):
     from tests.distributed import rank_worker as rw
     rcs, outs, _ = run_ranks(2, WORKER, "equal,bad_id", tmp_path / "r.pt")
     # bad_id: an id no rank holds fails on every rank with a clear error (no hang), after "equal" ran
@@ -45,17 +64,7 @@ def test_two_ranks_equal_one_and_bad_ids_fail_everywhere(tmp_path):
     got = torch.load(tmp_path / "r.pt", weights_only=False)
     assert (got["backend"], got["device"]) == (("nccl", "cuda:0") if on_gpus() else ("gloo", "cpu"))
 
-    torch.manual_seed(0)
-    w = torch.randn(rw.VOCAB, rw.DIM)
-    dev = torch.device("cuda", 0) if on_gpus() else torch.device("cpu")  # one GPU against two, or one CPU rank
-    ref = ShardedEmbedding(rw.VOCAB, rw.DIM, padding_idx=1, _weight=w, device=dev,
-                           config=EmbeddingConfig(gpu_cache_rows=16, optimizer={"lr": 0.05, "weight_decay": 0.1}))
-    losses = []
-    for ids in rw.batches(2):
-        loss = (ref(ids.to(dev)) * torch.linspace(-1, 1, rw.DIM, device=dev)).pow(2).mean()
-        loss.backward()
-        ref.sparse_step()
-        losses.append(float(loss.detach()))
+    ref, losses = reference(2)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got["weight"], ref.full_weight(), rtol=1e-5, atol=1e-6)
     # each rank holds half of the table's bytes (weight + 2 Adam states + cache), not the whole
@@ -77,3 +86,21 @@ def test_stalled_rank_times_out_naming_the_collective(tmp_path):
     rcs, outs, secs = run_ranks(2, WORKER, "hang", tmp_path / "x", timeout=90)
     assert rcs[0] == 3, "\n".join(outs)
     assert "maximus collective 'row grads to owners' (step 0, rank 0 of 2) timed out after 3 s" in outs[0], outs[0]
+
+
+@pytest.mark.distributed
+def test_one_rank_takes_the_plain_path_without_collectives(tmp_path):
+    """A partitioned table on one rank is the plain ShardedEmbedding: no torch.distributed call after it is built
+    (lookups, backward, prefetch, a tied head's gradient and rows, the whole table), results bit-equal."""
+    rcs, outs, _ = run_ranks(1, WORKER, "single", tmp_path / "s.pt")
+    assert rcs == [0], "\n".join(outs)
+    got = torch.load(tmp_path / "s.pt", weights_only=False)
+    assert got["called"] == got["built"] == [], got["called"]  # not even the partition agreement check
+    st = got["stats"]
+    assert st["collectives"] == 0 and st["bytes_sent"] == 0 and st["comm_ms"] == 0.0
+    assert st["last_step"]["collectives"] == 0 and st["prefetches"] == 6
+    assert st["owner_rows_asked"] == st["lookups"] > 0 and st["owner_hit_rate"] == st["hit_rate"]
+    ref, losses = reference(1, tied_grad=True)
+    assert got["losses"] == losses
+    assert torch.equal(got["weight"], ref.full_weight())
+    assert torch.equal(got["rows"], ref.rows_for_compute(0, 8, "cpu"))
