@@ -5,7 +5,8 @@
 
 Every peer runs in its own subprocess (an OOM or a DeepSpeed engine must not poison the next) on the same
 data (``--batch`` x ``--seq`` Zipf ids a step, the same seed), bf16 (fp32 in ``--small``), gradient
-checkpointing, LoRA r=16 on every projection, DeepSpeed ZeRO-2 with fp32 masters of the trained parameters.
+checkpointing, LoRA r=16 on every projection, DeepSpeed ZeRO-2 with fp32 masters of the trained parameters
+and torch AdamW.
 The capped peers call ``torch.cuda.set_per_process_memory_fraction`` for ``--cap-gib`` (no cap on the CPU).
 
 Gemma-3-4B shape (vocab 262,144, hidden 2560, 34 layers, ffn 10240, 8 heads / 4 KV heads, head_dim 256, tied):
@@ -114,7 +115,7 @@ def _build(shape: dict, dtype, qlora: bool, liger: bool):
 
 
 def _quantize_blocks(model, dtype) -> None:
-    """Every Linear of the decoder blocks as a bitsandbytes 4-bit NF4 Linear (QLoRA's base; quantized on ``.cuda()``)."""
+    """Every Linear of the decoder blocks as a bitsandbytes 4-bit NF4 Linear (QLoRA's base, quantized on .cuda())."""
     import bitsandbytes as bnb
     from torch import nn
     for name, mod in list(model.named_modules()):
@@ -147,7 +148,7 @@ def _peft(model, shape: dict, variant: str, new_rows: int):
 def _ds_config(a, shape: dict, ours: bool, bf16: bool) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0, "betas": [0.9, 0.95],
-                                                     "eps": 1e-8, "torch_adam": not bf16}},
+                                                     "eps": 1e-8, "torch_adam": True}},
            "zero_optimization": {"stage": 2 if bf16 else 0}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if bf16:
         cfg["bf16"] = {"enabled": True}

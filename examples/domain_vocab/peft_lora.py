@@ -103,9 +103,10 @@ def main(argv=None) -> dict:
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541", "RANK": "0", "LOCAL_RANK": "0",
                  "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
-    import ds_maximus
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
+
+    import ds_maximus
     from ds_maximus.vocab.resize import pieces_of
 
     texts = corpus()
