@@ -68,6 +68,13 @@ def test_expert_file_is_never_written_through_a_link(tmp_path):
     with pytest.raises(ConfigError, match="symlink"):
         FileExpertStore(lay, 2, str(tmp_path / "experts.bin"))
     assert victim.read_bytes() == b"keep me"
+    victim_dir = tmp_path / "victim_dir"  # the store is a folder: a link to another folder is refused too
+    victim_dir.mkdir()
+    (victim_dir / "shard_index.json").write_text("keep me")
+    os.symlink(victim_dir, tmp_path / "experts")
+    with pytest.raises(ConfigError, match="symlink"):
+        FileExpertStore(lay, 2, str(tmp_path / "experts"))
+    assert os.listdir(victim_dir) == ["shard_index.json"] and (victim_dir / "shard_index.json").read_text() == "keep me"
 
     store = FileExpertStore(lay, 2, str(tmp_path / "real.bin"))
     store.write(1, {"w": torch.ones(4, 4)})
@@ -77,4 +84,5 @@ def test_expert_file_is_never_written_through_a_link(tmp_path):
             store.write(uid, {"w": torch.ones(4, 4)})
         with pytest.raises(IndexError, match="out of range"):
             store.read(uid)
-    assert os.path.getsize(tmp_path / "real.bin") == 2 * store.record_bytes
+    # nothing was written past the table: two experts on disk, one shard file each
+    assert store.num_written == 2 and store.backing.store.verify()["bytes"] == 2 * store.record_bytes

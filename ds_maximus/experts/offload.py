@@ -33,7 +33,7 @@ from ds_maximus.errors import ConfigError
 from ds_maximus.experts import compute
 from ds_maximus.experts.adapters import FusedExpertsForm, MoEBlockInfo, find_moe_blocks
 from ds_maximus.experts.expert_cache import ExpertCache
-from ds_maximus.experts.expert_store import FILE_ALIGN_BYTES, CpuExpertStore, FileExpertStore, make_loader
+from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.experts.layout import ExpertLayout
 from ds_maximus.partition.host_memory import HostMemoryPlan, HostTier, TierDemand
 
@@ -214,11 +214,11 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
                  if t.device.type == "cpu")
     if cfg.offload.device == OffloadDevice.NVME:
         os.makedirs(cfg.offload.nvme_path, exist_ok=True)
-        path = os.path.join(cfg.offload.nvme_path, "experts.bin")
-        record = -(-layout.nbytes // FILE_ALIGN_BYTES) * FILE_ALIGN_BYTES
+        path = os.path.join(cfg.offload.nvme_path, "experts")  # a shard store folder, one shard per expert
+        record = FileExpertStore.record_bytes_for(layout)
         HostMemoryPlan([TierDemand(HostTier.NVME, n * record, f"{n} experts of {layout.nbytes / 2**20:.1f} MiB "
                                    f"in {path}", path=cfg.offload.nvme_path,
-                                   reclaimable_bytes=os.path.getsize(path) if os.path.isfile(path) else 0,
+                                   reclaimable_bytes=FileExpertStore.existing_bytes(path),
                                    fix="point moe.offload.nvme_path at a disk with more free space, or free "
                                        "space there")]).check()
         store = FileExpertStore(layout, n, path, loader=make_loader(io_cfg))

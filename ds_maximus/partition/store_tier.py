@@ -191,6 +191,11 @@ class ShardStoreTier(Tier):
             out[lo:hi].copy_((t if t is not None else self.store.read_shard(i))[name])
         return out
 
+    def append(self, src: Dict[str, Tensor]) -> None:
+        """Grow the table by ``src["weight"].shape[0]`` entries, written as new shards (names left out are zeros)."""
+        self.store.append_shards({k: v.to(self.store.dtype) for k, v in src.items()})
+        self.num_ids = self.store.vocab_size
+
     def mark_dirty_range(self, lo: int, hi: int) -> None:
         for i in torch.unique(self.store.shard_of(torch.arange(lo, hi))).tolist():
             if i in self._shards:

@@ -40,7 +40,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ds_maximus.partition.host_memory import HostMemoryPlan, HostTier, PiecedHostTable, TierDemand
+from ds_maximus.partition.host_memory import HOST_RESERVE_BYTES, HostMemoryPlan, HostTier, PiecedHostTable, TierDemand
 
 Block = Tuple[int, int, Dict[str, Tensor]]
 Piece = Tuple[int, int, Tensor]
@@ -70,7 +70,8 @@ class Tier:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_ids):
             bad = int(ids[(ids < 0) | (ids >= self.num_ids)][0])
-            raise IndexError(f"id {bad} is out of range for a tier of {self.num_ids} entries (ids are 0..{self.num_ids - 1})")
+            raise IndexError(f"id {bad} is out of range for a tier of {self.num_ids} entries "
+                             f"(ids are 0..{self.num_ids - 1})")
         return ids
 
     def read(self, ids: Tensor, out: Dict[str, Tensor]) -> None:
@@ -134,14 +135,16 @@ class TensorTier(Tier):
         self._tables = {k: PiecedHostTable.wrap(_host(v, self.pinned).view(self.num_ids, -1))
                         for k, v in tensors.items()}
         self.names = tuple(self._tables)
+        self._whole: Optional[Dict[str, Tensor]] = None
 
     @classmethod
     def allocate(cls, num_ids: int, entries: Mapping[str, Tuple[Sequence[int], torch.dtype]], pin: bool = True,
                  piece_bytes: Optional[int] = None, what: str = "", fix: str = "",
-                 reclaimable_bytes: int = 0) -> "TensorTier":
+                 reclaimable_bytes: int = 0, reserve_bytes: int = HOST_RESERVE_BYTES) -> "TensorTier":
         """A zeroed tier of ``num_ids`` entries, ``entries = {name: (entry shape, dtype)}``, pinned when ``pin``
         and CUDA exist. The whole tier is checked against free host memory first (a :class:`CapacityError`
-        naming ``what`` and ``fix`` where it does not fit; ``reclaimable_bytes`` is memory that filling it frees).
+        naming ``what`` and ``fix`` where it does not fit; ``reclaimable_bytes`` is memory that filling it frees,
+        ``reserve_bytes`` what the plan leaves free for the process).
 
         >>> tier = TensorTier.allocate(5, {"weight": ((4,), torch.float32)}, pin=False, piece_bytes=32)
         >>> [(lo, hi) for lo, hi, _ in tier.pieces("weight")], tier.plan.bytes_per_tier()
@@ -157,10 +160,11 @@ class TensorTier(Tier):
         self.plan = HostMemoryPlan([TierDemand(
             HostTier.CPU, self.num_ids * entry_bytes,
             what or f"a CPU tier of {self.num_ids} entries", fix=fix,
-            reclaimable_bytes=int(reclaimable_bytes))]).check()
+            reclaimable_bytes=int(reclaimable_bytes))], reserve_bytes=int(reserve_bytes)).check()
         self._tables = {k: PiecedHostTable(self.num_ids, math.prod(self._shapes[k]), dtype, pin=self.pinned,
                                            piece_bytes=piece_bytes)
                         for k, (_, dtype) in entries.items()}
+        self._whole = None
         return self
 
     # -- layout ---------------------------------------------------------------------------------------
@@ -179,6 +183,8 @@ class TensorTier(Tier):
     @property
     def tensors(self) -> Dict[str, Tensor]:
         """Every table as one ``[num_ids, *entry_shape]`` tensor (tables of one piece only)."""
+        if self._whole is not None:
+            return self._whole
         out = {}
         for k, t in self._tables.items():
             whole = t.whole
@@ -186,7 +192,12 @@ class TensorTier(Tier):
                 raise RuntimeError(f"table {k!r} of this tier is mapped in {t.num_pieces} pieces; use pieces({k!r}) "
                                    "or host_view(i), or allocate it with piece_bytes >= its size")
             out[k] = whole.view(self.num_ids, *self._shapes[k])
+        self._whole = out
         return out
+
+    def host_table(self, name: str = "weight") -> PiecedHostTable:
+        """The pieced host table that holds ``name`` (flat entries ``[num_ids, numel]``)."""
+        return self._tables[name]
 
     def pieces(self, name="weight"):
         t = self._tables[name]

@@ -9,8 +9,8 @@ import statistics
 
 import torch
 
-from ds_maximus.experts.training.host_memory import host_tensor
 from ds_maximus.ops.row_ops import load_op
+from ds_maximus.partition.host_memory import host_tensor
 
 
 class MemLoc(ctypes.Structure):

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from ds_maximus.experts.training.host_memory import host_tensor
 from ds_maximus.ops.row_ops import grad_sum
+from ds_maximus.partition.host_memory import host_tensor
 
 N = 3 * 4096 * 1792  # a fine-grained expert's parameters
 

@@ -96,5 +96,5 @@ def test_nvme_tier_is_refused_when_its_disk_is_too_small(monkeypatch, tmp_path):
     with pytest.raises(CapacityError) as e:
         offload_experts(model, {"gpu_experts_per_layer": 2, "offload": {"device": "nvme", "nvme_path": str(folder)}})
     assert "nvme tier needs" in str(e.value) and str(folder) in str(e.value) and "nvme_path" in str(e.value)
-    assert not os.path.exists(folder / "experts.bin")
+    assert not os.path.exists(folder / "experts")
     assert hasattr(model.model.layers[0].mlp.experts, "gate_up_proj")

@@ -70,7 +70,10 @@ def test_nvme_tier_equals_ram(tmp_path):
     st = check_equal(tiny_model("mixtral"), cfg)
     assert st["tier"] == "nvme"
     assert st["prefetch_issued"] > 0 and st["staging_bytes"] == 0  # guesses are read whole into slots there
-    assert (tmp_path / "experts" / "experts.bin").stat().st_size >= 2 * 8 * st["expert_bytes"]
+    from ds_maximus.store import ShardStore
+    store = ShardStore.open(str(tmp_path / "experts" / "experts"))  # the shard store format, one expert a shard
+    assert store.num_shards == 2 * 8 and store.rows_per_shard == 1
+    assert store.verify()["bytes"] >= 2 * 8 * st["expert_bytes"]
 
 
 def test_config_forms(tmp_path):
