@@ -18,15 +18,16 @@ PACKAGE = "ds_maximus"
 
 # ---- import cycles -----------------------------------------------------------------------------------------------
 
-def _module_files(package: str = PACKAGE) -> Dict[str, str]:
-    """Dotted module name -> file, for every ``.py`` under ``package`` (a package is named by its ``__init__``)."""
+def _module_files(package: str = PACKAGE, root: str = ROOT) -> Dict[str, str]:
+    """Dotted module name -> file, for every ``.py`` under ``root/package`` (a package is named by its
+    ``__init__``)."""
     out = {}
-    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, package)):
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, package)):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
         for name in sorted(filenames):
             if not name.endswith(".py"):
                 continue
-            rel = os.path.relpath(os.path.join(dirpath, name), ROOT)[:-3].split(os.sep)
+            rel = os.path.relpath(os.path.join(dirpath, name), root)[:-3].split(os.sep)
             if rel[-1] == "__init__":
                 rel = rel[:-1]
             out[".".join(rel)] = os.path.join(dirpath, name)
@@ -84,9 +85,9 @@ def _resolve(module: str, is_package: bool, node: ast.stmt, modules: Dict[str, s
     return out
 
 
-def import_graph(package: str = PACKAGE) -> Dict[str, Set[str]]:
+def import_graph(package: str = PACKAGE, root: str = ROOT) -> Dict[str, Set[str]]:
     """Module -> the package modules its module-level imports load."""
-    modules = _module_files(package)
+    modules = _module_files(package, root)
     graph: Dict[str, Set[str]] = {}
     for name, path in modules.items():
         with open(path, encoding="utf-8") as f:
@@ -168,12 +169,7 @@ def test_the_scanner_finds_a_cycle_and_resolves_relative_and_package_imports(tmp
     (pkg / "late.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n"
                                  "def f():\n    from pkg.b import B\n")
     (pkg / "b.py").write_text("import pkg.late\n")
-    global ROOT
-    saved, ROOT = ROOT, str(tmp_path)
-    try:
-        graph = import_graph("pkg")
-    finally:
-        ROOT = saved
+    graph = import_graph("pkg", str(tmp_path))
     assert graph["pkg.a"] == {"pkg.sub.helper"} and graph["pkg.sub"] == {"pkg.sub.helper"}
     assert graph["pkg.sub.helper"] == {"pkg"} and graph["pkg.late"] == set() and graph["pkg.b"] == {"pkg.late"}
     assert find_cycles(graph) == [["pkg", "pkg.a", "pkg.sub.helper", "pkg"]]
