@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ShardedLMHead benchmark on the GPU machine (its GPU tests already passed on the H200; not re-run here):
+# ShardedLMHead benchmark on the GPU machine (the benchmark only; its GPU tests run on their own):
 #   1. install the peers' wheels (Liger-Kernel, Cut Cross-Entropy) into /tmp/site (failure is fine: rows say so)
 #   2. benchmarks/bench_lm_head.py at V=262144, d=4096, N=16384, bf16 under a 100 s budget (providers that
 #      no longer fit are rows that say so; ours with the tile math uncompiled is a row of the same table)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MoE expert offload benchmark on the GPU machine (its GPU tests already passed on the H200; not re-run here):
+# MoE expert offload benchmark on the GPU machine (the benchmark only; its GPU tests run on their own):
 # the Mixtral-shaped 8-layer bf16 model (H=4096, F=14336, 8 experts, top-2; built on the GPU without HF's
 # weight init), batch-1 decode of 32 tokens, under a 165 s budget
 #   -> $OUT/moe_offload.md (+ CSV, + full log in $OUT/moe_offload_bench.log). At most ~165 s on an H200.

@@ -4,8 +4,8 @@
 #             tests of tests/experts/training, while DeepSpeed's fused Adam and CPU Adam build in the background;
 #   -420 s    bench_moe_training on the Mixtral-shaped stack (3 layers, H=4096, F=14336, 8 experts, top-2):
 #             ours with the step split GPU/CPU (overlapping the next forward, then not) and 4 expert slots
-#             per layer (14.5 GiB peak), ZeRO-3 offload without a cap (under the cap it ran out of memory in
-#             every earlier run), all on GPU; 245 s;
+#             per layer (14.5 GiB peak), ZeRO-3 offload without a cap (under the cap it runs out of
+#             memory), all on GPU; 245 s;
 #   -630 s    the fine-grained stack (64 experts, top-4, F=1792: the same expert bytes): ours split (not
 #             overlapped, then overlapped), ZeRO-3 offload without a cap; budget 170 s.
 # Over the 600 s of one device call when the op build is cold: the fine-grained run is then cut short.

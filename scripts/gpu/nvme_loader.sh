@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# nvme_loader benchmark on the GPU machine (its tests already passed on the H200; not re-run here):
+# nvme_loader benchmark on the GPU machine (the benchmark only; its tests run on their own):
 #   1. build our op (~30 s) while DeepSpeed's async_io op (a peer; needs libaio) builds in the background
 #   2. benchmarks/bench_nvme_loader.py with 1 GiB in 8 files, 2 passes per row, under a 70 s budget
 #      -> $OUT/nvme_loader.md (+ CSV, + full log in $OUT/nvme_loader_bench.log)

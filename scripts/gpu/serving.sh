@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Serving benchmark on the GPU machine (the export/serving tests already passed; not re-run here):
+# Serving benchmark on the GPU machine (the benchmark only; the export/serving tests run on their own):
 # benchmarks/bench_serving.py, one process, one 70 s budget: a 262144-vocabulary Llama (d=2048, 4 layers,
 # bf16; built without HF's weight init) generating 64 tokens for 8 prompts of 128, plain vs embedding off
 # the GPU vs embedding + head off the GPU, then the same peers at batch 32 (32 new tokens, 2 calls)
