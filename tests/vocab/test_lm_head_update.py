@@ -388,7 +388,7 @@ def test_runtime_defers_the_head_step_to_the_embeddings_forward(tmp_path):
     launched by the next forward's embedding, and the losses equal the same run without deferral."""
     import os
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
     from llama_utils import build, maximus_section, zipf_batches
 
     from ds_maximus.vocab.lm_head_tier import HeadTier
