@@ -271,7 +271,8 @@ class MaximusRuntime:
         path = os.path.join(load_dir, str(tag), STATE_FILE)
         if self.cfg.distributed.shard_mode == ShardMode.BROADCAST:  # the master reads, the others receive
             from ds_maximus.distributed.broadcast import load_broadcast_state
-            state = load_broadcast_state(path, self.cfg, self._dp_group(), trust=trust_checkpoint)
+            state = load_broadcast_state(path, self.cfg, self._dp_group(), trust=trust_checkpoint,
+                                         modules=self.modules)  # the tables' rows stay on the master
         elif not os.path.exists(path):
             from ds_maximus.distributed.repartition import missing_whole_state
             raise missing_whole_state(os.path.join(load_dir, str(tag)), path)
