@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ds_maximus.config import CachePolicy
 from ds_maximus.errors import CapacityError
-from ds_maximus.ops import index_array, to_device, to_device_pair
+from ds_maximus.ops import index_array
 from ds_maximus.partition.policy import CacheCounters, SlotMap
 from ds_maximus.partition.speculation import StagedGuess
 from ds_maximus.partition.tier import Tier
@@ -344,46 +344,13 @@ class PartitionCache(CacheCore):
                 torch.index_select(v, 0, slots.to(self.device), out=staging[k])
             self.tier.write(ids, staging)
             return
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)  # the compute stream's last writes to these slots come first
-        with torch.cuda.stream(self.stream):
-            dslots = to_device(slots, self.device)
-            for k, v in self.storage.items():
-                staging[k].copy_(v.index_select(0, dslots), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
+        ev = self.transfer.read_rows(self.storage, slots, staging)
         self._pending.append((ids, staging, ev))
         self._pending_np[index_array(ids)] = True
 
     def _uva_write_back(self, ids: Tensor, slots: Tensor, stage: bool) -> None:
-        cur = torch.cuda.current_stream(self.device)
-        if stage:
-            # on the fill stream, before the fills that reuse these slots: a device-to-device copy
-            self.stream.wait_stream(cur)
-            with torch.cuda.stream(self.stream):
-                dslots, dids = to_device_pair(slots, ids, self.device)
-                src_idx = self._iota[:ids.numel()]
-                src = {}
-                for k, v in self.storage.items():  # the op's kernel: a third of index_select's host time
-                    src[k] = torch.empty((ids.numel(), *v.shape[1:]), dtype=v.dtype, device=self.device)
-                    self._uva.copy_rows(v, dslots, src[k], src_idx, self._sms)  # device to device: every SM
-                staged = torch.cuda.Event()
-                staged.record(self.stream)
-            self.wb_stream.wait_event(staged)
-        else:
-            self.wb_stream.wait_stream(cur)
-            src = self.storage
-            with torch.cuda.stream(self.wb_stream):
-                src_idx, dids = to_device_pair(slots, ids, self.device)
-        with torch.cuda.stream(self.wb_stream):
-            for k, v in src.items():
-                self._uva.copy_rows(v, src_idx, self.tier.tensors[k], dids, self.copy_blocks)
-                if stage:
-                    v.record_stream(self.wb_stream)
-            if stage:  # made on the fill stream, read on this one
-                dids.record_stream(self.wb_stream)
-            ev = torch.cuda.Event()
-            ev.record(self.wb_stream)
+        ev = self.transfer.write_back_rows_uva(self._uva, self.storage, slots, ids, self.tier.tensors, self.copy_blocks,
+                                               stage, iota=self._iota, stage_blocks=self._sms)
         self._wb_event = ev
         self._uva_pending.append((ids, ev))
         self._pending_np[index_array(ids)] = True
@@ -429,15 +396,9 @@ class PartitionCache(CacheCore):
         if self._uva is not None:
             self._finish_write_backs(block=False)
             back = bool(self._pending_np[index_array(ids)].any())
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier readers of these slots
-            if back:
-                self.stream.wait_event(self._wb_event)  # an id coming back before its write-back landed
-            with torch.cuda.stream(self.stream):
-                dslots, dids = to_device_pair(slots, ids, self.device)
-                for k, v in self.storage.items():
-                    self._uva.copy_rows(self.tier.tensors[k], dids, v, dslots, self.copy_blocks)
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record(self.stream)
+            # after an id's write-back not yet landed (it comes back before the tier holds it)
+            ev = self.transfer.fill_rows_uva(self._uva, self.tier.tensors, ids, self.storage, slots, self.copy_blocks,
+                                             after=self._wb_event if back else None)
             self._register_fill(ev, slots)
             self._uva_in_flight = True
             return
@@ -450,15 +411,7 @@ class PartitionCache(CacheCore):
             for k, v in self.storage.items():
                 v.index_copy_(0, dslots, staging[k])
             return
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)  # earlier readers of these slots (a gather in flight) come first
-        with torch.cuda.stream(self.stream):
-            dslots = to_device(slots, self.device)
-            for k, v in self.storage.items():
-                v.index_copy_(0, dslots, staging[k].to(self.device, non_blocking=True))
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(self.stream)
-        self._register_fill(ev, slots)
+        self._register_fill(self.transfer.fill_rows(staging, self.storage, slots), slots)
 
 
 class _Group:

@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ds_maximus.ops import to_device, to_device_pair
 from ds_maximus.partition.speculation import PrefetchJob, cancel
 
 
@@ -321,6 +322,92 @@ class CudaTransfer:
     def record_use(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    # -- row copies: batches of rows between a device table and its tier (the row cache) -------------
+    def fill_rows(self, staging: Dict[str, torch.Tensor], storage: Dict[str, torch.Tensor],
+                  slots: torch.Tensor) -> torch.cuda.Event:
+        """``storage[k][slots] = staging[k]`` (pinned host rows) on the fill stream, after the compute stream's
+        work queued so far (earlier readers of these slots, a gather in flight); returns its timing event."""
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)  # earlier readers of these slots (a gather in flight) come first
+        with torch.cuda.stream(self.stream):
+            dslots = to_device(slots, self.device)
+            for k, v in storage.items():
+                v.index_copy_(0, dslots, staging[k].to(self.device, non_blocking=True))
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream)
+        return ev
+
+    def read_rows(self, storage: Dict[str, torch.Tensor], slots: torch.Tensor,
+                  staging: Dict[str, torch.Tensor]) -> torch.cuda.Event:
+        """``staging[k] = storage[k][slots]`` (into pinned host rows) on the fill stream, after the compute
+        stream's last writes to these slots; returns its event."""
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)  # the compute stream's last writes to these slots come first
+        with torch.cuda.stream(self.stream):
+            dslots = to_device(slots, self.device)
+            for k, v in storage.items():
+                staging[k].copy_(v.index_select(0, dslots), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def fill_rows_uva(self, op, tables: Dict[str, torch.Tensor], ids: torch.Tensor,
+                      storage: Dict[str, torch.Tensor], slots: torch.Tensor, blocks: int,
+                      after=None) -> torch.cuda.Event:
+        """``storage[k][slots] = tables[k][ids]`` by one ``op.copy_rows`` kernel per table reading the pinned
+        tier through its mapped address, on the fill stream after the compute stream (earlier readers of
+        these slots) and ``after`` (a write-back of these ids not yet landed); returns its timing event."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier readers of these slots
+        if after is not None:
+            self.stream.wait_event(after)  # an id coming back before its write-back landed
+        with torch.cuda.stream(self.stream):
+            dslots, dids = to_device_pair(slots, ids, self.device)
+            for k, v in storage.items():
+                op.copy_rows(tables[k], dids, v, dslots, blocks)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream)
+        return ev
+
+    def write_back_rows_uva(self, op, storage: Dict[str, torch.Tensor], slots: torch.Tensor, ids: torch.Tensor,
+                            tables: Dict[str, torch.Tensor], blocks: int, stage: bool,
+                            iota: Optional[torch.Tensor] = None, stage_blocks: int = 0) -> torch.cuda.Event:
+        """``tables[k][ids] = storage[k][slots]`` by ``op.copy_rows`` kernels on the write-back stream (D2H,
+        overlapping the fills); returns its event.
+
+        ``stage``: first copy the rows on the device (on the fill stream, before the fills that reuse these
+        slots; ``iota`` is ``arange(slots)`` on the device, ``stage_blocks`` that copy's grid), so the slots can
+        be refilled at once; a flush, which refills nothing, writes straight from the slots.
+        """
+        cur = torch.cuda.current_stream(self.device)
+        if stage:
+            # on the fill stream, before the fills that reuse these slots: a device-to-device copy
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                dslots, dids = to_device_pair(slots, ids, self.device)
+                src_idx = iota[:ids.numel()]
+                src = {}
+                for k, v in storage.items():  # the op's kernel: a third of index_select's host time
+                    src[k] = torch.empty((ids.numel(), *v.shape[1:]), dtype=v.dtype, device=self.device)
+                    op.copy_rows(v, dslots, src[k], src_idx, stage_blocks)  # device to device: every SM
+                staged = torch.cuda.Event()
+                staged.record(self.stream)
+            self.wb_stream.wait_event(staged)
+        else:
+            self.wb_stream.wait_stream(cur)
+            src = storage
+            with torch.cuda.stream(self.wb_stream):
+                src_idx, dids = to_device_pair(slots, ids, self.device)
+        with torch.cuda.stream(self.wb_stream):
+            for k, v in src.items():
+                op.copy_rows(v, src_idx, tables[k], dids, blocks)
+                if stage:
+                    v.record_stream(self.wb_stream)
+            if stage:  # made on the fill stream, read on this one
+                dids.record_stream(self.wb_stream)
+            ev = torch.cuda.Event()
+            ev.record(self.wb_stream)
         return ev
 
     def gpu_stall_ms(self) -> float:
