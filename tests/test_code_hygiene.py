@@ -327,3 +327,32 @@ def test_no_development_history_in_the_readmes(doc):
              for kind, hit in history_hits(line, kinds)]
     assert not found, "the README is a manual: figures and history belong in docs/bench/ (house rule 11):\n" + \
         "\n".join(found)
+
+
+def _console_scripts() -> Dict[str, str]:
+    """name -> ``module:function`` of every console script that setup.py or pyproject.toml declares."""
+    out: Dict[str, str] = {}
+    setup_py = os.path.join(ROOT, "setup.py")
+    if os.path.isfile(setup_py):
+        with open(setup_py, encoding="utf-8") as f:
+            out.update(re.findall(r"[\"']([\w-]+)\s*=\s*([\w.]+:\w+)[\"']", f.read()))
+    pyproject = os.path.join(ROOT, "pyproject.toml")
+    if os.path.isfile(pyproject):
+        import tomllib
+        with open(pyproject, "rb") as f:
+            out.update(tomllib.load(f).get("project", {}).get("scripts", {}))
+    return out
+
+
+def test_console_scripts_point_at_functions_that_exist():
+    """A moved ``main`` (``maximus-export`` lives in ``export_cli``, which imports the export, not the reverse)
+    leaves no console script pointing at a name that is gone."""
+    import importlib
+    scripts = _console_scripts()
+    assert "maximus-export" in scripts
+    bad = []
+    for name, target in sorted(scripts.items()):
+        module, func = target.split(":")
+        if not callable(getattr(importlib.import_module(module), func, None)):
+            bad.append(f"{name} = {target}")
+    assert not bad, "console scripts whose function does not exist: " + ", ".join(bad)
