@@ -9,10 +9,10 @@ the ranks' gradients of each row, averages them over the ranks (as DeepSpeed ave
 steps the rows. This is the partitioned mode's exchange with one owner (:class:`MasterPartition`), so the math
 is that of one rank with the whole global batch.
 
-Per rank, before -> now: every rank held the table, its optimizer state and a row cache (``V x d x 4 x 3``
-bytes for fp32 AdamW, plus the cache); now the master holds them and the others only the rows of the batch in
-flight (received per lookup, not kept). Checkpoints are written and read by the master alone: loading sends
-the other ranks only the step counters of the table (other modules' states, which every rank holds, as before).
+Memory per rank: the master holds the table, its optimizer state and its row cache (``V x d x 4 x 3`` bytes
+for fp32 AdamW, plus the cache), the others only the rows of the batch in flight (received per lookup, not kept),
+where a copy of the table on every rank would hold all of it on each. Checkpoints are written and read by the
+master alone: loading sends the other ranks only the table's step counters (and other modules' states whole).
 
 Example::
 
