@@ -182,14 +182,15 @@ class TensorTier(Tier):
 
     @property
     def tensors(self) -> Dict[str, Tensor]:
-        """Every table as one ``[num_ids, *entry_shape]`` tensor (tables of one piece only)."""
+        """Every table as one ``[num_ids, *entry_shape]`` tensor (tables of one piece only: for a tier in several
+        pieces this is an AttributeError, so ``hasattr(tier, "tensors")`` tells whole-table users apart)."""
         if self._whole is not None:
             return self._whole
         out = {}
         for k, t in self._tables.items():
             whole = t.whole
             if whole is None:
-                raise RuntimeError(f"table {k!r} of this tier is mapped in {t.num_pieces} pieces; use pieces({k!r}) "
+                raise AttributeError(f"table {k!r} of this tier is mapped in {t.num_pieces} pieces; use pieces({k!r}) "
                                    "or host_view(i), or allocate it with piece_bytes >= its size")
             out[k] = whole.view(self.num_ids, *self._shapes[k])
         self._whole = out
