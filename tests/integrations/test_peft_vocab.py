@@ -257,6 +257,7 @@ def test_grown_vocabulary_trains_under_maximus_and_reloads(tmp_path):
     terms = ["acetylsalicylic", "ibuprofen"]
     pieces = pieces_of(terms, old)
     assert all(len(p) >= 1 for p in pieces)
+    assert pieces_of(terms, tk) == pieces                 # a tokenizers.Tokenizer splits the same way
     new = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tk.to_str()))
     new.add_tokens(terms)
     base_v = len(old)
