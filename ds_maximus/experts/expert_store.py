@@ -156,10 +156,13 @@ class FileExpertStore(ExpertStore):
 
     @staticmethod
     def existing_bytes(path: str) -> int:
-        """Bytes of the expert store files at ``path`` now (what replacing it frees)."""
+        """Bytes of the shard files of an expert store at ``path`` now (what replacing it frees; other files
+        there are kept, so they are not counted)."""
+        from ds_maximus.store.index import SHARD_FILE_RE
         if not os.path.isdir(path) or os.path.islink(path):
             return 0
-        return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+        return sum(e.stat().st_size for e in os.scandir(path)
+                   if e.is_file(follow_symlinks=False) and SHARD_FILE_RE.fullmatch(e.name))
 
     def host_view(self, uid: int) -> None:
         return None

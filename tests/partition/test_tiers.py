@@ -188,6 +188,10 @@ def test_every_expert_store_keeps_its_experts_in_the_partition_tiers(tmp_path):
         with pytest.raises(IndexError, match="uid 3 is out of range"):
             s.read(3)
     assert stores[1].num_written == 3 and ShardStore.open(str(tmp_path / "experts")).num_shards == 3
+    (tmp_path / "experts" / "notes.txt").write_text("not the store's")
+    assert FileExpertStore.existing_bytes(str(tmp_path / "experts")) == 3 * stores[1].record_bytes
+    FileExpertStore(lay, 3, str(tmp_path / "experts"))  # a new store there replaces the old shards, keeps the rest
+    assert sorted(p.name for p in (tmp_path / "experts").iterdir()) == ["notes.txt", "shard_index.json"]
 
 
 @pytest.mark.gpu
