@@ -1,0 +1,132 @@
+"""The quantized expert tier's format (ds_maximus.experts.quant): exact packing round trips, the per-group error
+bound of every width, the layout checks; and the Triton in-GEMM dequantization against the reference (GPU)."""
+import pytest
+import torch
+
+from ds_maximus.experts.quant import (
+    SUPPORTED_BITS,
+    QuantizedTensor,
+    check_layout,
+    dequantize,
+    pack,
+    quantize,
+    swiglu_reference,
+    unpack,
+)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("rows,cols", [(1, 8), (3, 24), (5, 136)])
+def test_pack_unpack_round_trip_is_exact(bits, rows, cols):
+    g = torch.Generator().manual_seed(bits * 100 + cols)
+    codes = torch.randint(0, 1 << bits, (rows, cols), generator=g)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, cols * bits // 8)
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_packing_puts_code_j_at_bit_j_times_bits(bits):
+    """The documented layout: a row is one little-endian bit string, code c in bits [c*bits, (c+1)*bits)."""
+    codes = torch.randint(0, 1 << bits, (2, 32), generator=torch.Generator().manual_seed(bits))
+    packed = pack(codes, bits)
+    for r in range(2):
+        stream = int.from_bytes(bytes(packed[r].tolist()), "little")
+        assert [(stream >> (c * bits)) & ((1 << bits) - 1) for c in range(32)] == codes[r].tolist()
+
+
+def test_known_packings():
+    assert pack(torch.tensor([[1, 2] * 4]), 4).tolist() == [[0x21] * 4]
+    assert pack(torch.tensor([[3, 0, 1, 2] * 2]), 2).tolist() == [[0b10010011] * 2]
+    assert pack(torch.arange(8).reshape(1, 8), 8).tolist() == [list(range(8))]
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("group_size", [8, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_error_is_at_most_half_a_step(bits, group_size, dtype):
+    g = torch.Generator().manual_seed(bits + group_size)
+    w = (torch.randn(12, 256, generator=g) * 0.02).to(dtype)
+    w[3, :64] += 0.5                                    # a group far from zero
+    w[4, 64:128] = 0.125                                # a constant group
+    w[5, :8] *= 1000                                    # outliers widen one group only
+    q = quantize(w, bits, group_size)
+    assert q.packed.shape == (12, 256 * bits // 8) and q.scales.shape == q.zeros.shape == (12, 256 // group_size)
+    assert q.scales.dtype == q.zeros.dtype == torch.float16 and (q.scales > 0).all()
+    err = (dequantize(q) - w.float()).abs()
+    bound = q.scales.float().repeat_interleave(group_size, 1) / 2
+    slack = 4 * torch.finfo(torch.float32).eps * w.float().abs().amax()   # fp32 rounding of codes*scale+zero
+    assert (err <= bound + slack).all(), (err - bound).max()
+    assert err[4, 64:128].max() == 0                    # 0.125 is an fp16 value: the constant group is exact
+    # the offset is at or below the group minimum, and the step is the range from it over 2**bits - 1, rounded
+    # up to fp16: the grid spans the group and is no coarser than it needs to be
+    wf = w.float().reshape(12, -1, group_size)
+    zeros = q.zeros.float()
+    assert (zeros <= wf.amin(-1)).all()
+    step = (wf.amax(-1) - zeros) / ((1 << bits) - 1)
+    varying = step > 0
+    assert (q.scales.float()[varying] >= step[varying]).all()
+    assert torch.allclose(q.scales.float()[varying], step[varying], rtol=2 ** -10, atol=2 ** -24)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_quantize_is_idempotent_on_its_own_grid(bits):
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
+    q = quantize(w, bits, 32)
+    q2 = quantize(dequantize(q), bits, 32)
+    assert torch.equal(unpack(q2.packed, bits), unpack(q.packed, bits))
+
+
+def test_error_shrinks_with_bits():
+    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
+    errs = [(dequantize(quantize(w, b, 64)) - w).norm() / w.norm() for b in (2, 3, 4, 8)]
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 0.01
+
+
+def test_layout_errors_say_what_is_allowed():
+    with pytest.raises(ValueError, match="bits=5"):
+        check_layout((4, 64), 5, 64)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        check_layout((4, 64), 4, 12)
+    with pytest.raises(ValueError, match="divides 100"):
+        quantize(torch.zeros(4, 100), 4, 64)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(torch.zeros(64), 4, 64)
+    with pytest.raises(ValueError, match="inf or nan"):
+        quantize(torch.full((1, 8), float("nan")), 4, 8)
+
+
+def test_quantized_tensor_to_and_nbytes():
+    q = quantize(torch.randn(16, 128), 4, 64)
+    assert isinstance(q, QuantizedTensor) and q.nbytes == 16 * 64 + 2 * (16 * 2 * 2)
+    q2 = q.to("cpu")
+    assert torch.equal(q2.packed, q.packed) and q2.shape == q.shape and q2.bits == 4
+
+
+def test_swiglu_reference_is_the_expert_formula():
+    g = torch.Generator().manual_seed(0)
+    x, w1, w3, w2 = (torch.randn(*s, generator=g) for s in ((3, 16), (24, 16), (24, 16), (16, 24)))
+    want = (torch.nn.functional.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+    assert torch.allclose(swiglu_reference(x, w1, w3, w2), want)
+    q1, q3, q2 = (quantize(w, 8, 8) for w in (w1, w3, w2))
+    deq = swiglu_reference(x, dequantize(q1), dequantize(q3), dequantize(q2))
+    assert torch.equal(swiglu_reference(x, q1, q3, q2), deq)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("rows,cols,group_size", [(4096, 1024, 64), (136, 320, 64), (72, 256, 128)])
+def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_size):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from ds_maximus.experts.quant_triton import quant_matmul
+    g = torch.Generator().manual_seed(bits * 1000 + rows)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(tokens, cols, generator=g).to(torch.bfloat16).cuda()
+    q = quantize(w, bits, group_size).to("cuda")
+    y = quant_matmul(x, q)
+    want = x.float() @ dequantize(q).t()
+    assert y.shape == (tokens, rows) and y.dtype == torch.float32
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
