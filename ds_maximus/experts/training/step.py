@@ -278,6 +278,7 @@ class StagedStep(ExpertStep):
                 host_uids, host = part, self._host_rows(part)
             width, n = hi - lo, len(part)
             buf = {name: pl.buffer(k, name, elems)[:n * width].view(n, width) for name in (*names, "grad")}
+            low = None if low_dtype is None else pl.buffer(k, "low", elems, low_dtype)[:n * width].view(n, width)
             rows, index = self._piece_rows(part, width), None
             with pl.loading(k):
                 if cuda:
@@ -306,9 +307,7 @@ class StagedStep(ExpertStep):
                             buf["grad"][j].mul_(grads.factor(u))
                 last = hi == numel
                 self._update_piece(buf, buf["grad"], part, width, last, index, rows)
-                low = None
-                if low_dtype is not None:
-                    low = pl.buffer(k, "low", elems, low_dtype)[:n * width].view(n, width)
+                if low is not None:
                     low.copy_(buf["weight"])
                 copy = low if low is not None else buf["weight"]
                 for j, u in enumerate(part):  # a resident slot is refreshed on the device

@@ -372,6 +372,12 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
         if opt.step % self.log_interval_steps == 0:
             logger.info("ExpertTrainer step %d: %s", opt.step, self.counters.line())
 
+    @property
+    def step_running(self) -> bool:
+        """Whether the last optimizer step still updates experts (a split step that overlaps the next forward;
+        :meth:`finish_step` waits for it)."""
+        return self._pending is not None
+
     def finish_step(self) -> None:
         """Wait until the last optimizer step has updated every expert and each copy of it (a split step runs
         on into the next forward unless ``moe.overlap_step`` is false); a no-op when none is running."""

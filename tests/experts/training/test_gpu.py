@@ -111,7 +111,7 @@ def test_overlapped_split_step_on_cuda_equals_the_synchronous_one(monkeypatch):
     _engines, trainers, losses = _split_runs(data, "overlap_step", (False, True), {"clip": 0.05},
                                              gpu_grad_experts=1)
     t, ts = trainers[True], trainers[False]
-    assert t._pending is not None and t.cache.device.type == "cuda"
+    assert t.step_running and t.cache.device.type == "cuda"
     assert losses[True] == losses[False]
     t.finish_step()
     # every forward after the first waited for the last step in a layer still being updated (a layer whose updates

@@ -39,14 +39,14 @@ def test_overlapped_step_equals_the_synchronous_one(monkeypatch, dtype):
     calls = _slow_cpu_side(monkeypatch)
     data = batches(8, batch=2, seqlen=8)
     sync, l_sync = _run(False, data, dtype)
-    assert sync.maximus.modules["moe"]._pending is None  # it waited for every expert before returning
+    assert sync.maximus.modules["moe"].step_running is False  # it waited for every expert before returning
     n_sync = len(calls)
     over, l_over = _run(True, data, dtype)
     t = over.maximus.modules["moe"]
-    assert t._pending is not None  # the last step still runs after engine.step() returned
+    assert t.step_running  # the last step still runs after engine.step() returned
     assert l_over == l_sync
     es, eo = mixtral_experts(sync), mixtral_experts(over)  # exports wait for the step to end
-    assert t._pending is None and len(calls) - n_sync == n_sync > 0
+    assert not t.step_running and len(calls) - n_sync == n_sync > 0
     for g in es:
         for n in es[g]:
             assert torch.equal(eo[g][n], es[g][n]), (g, n)
@@ -69,7 +69,7 @@ def test_checkpoint_while_the_step_runs_holds_its_updates(monkeypatch, tmp_path)
     _slow_cpu_side(monkeypatch)
     data = batches(4, batch=2, seqlen=8)
     over, _ = _run(True, data)
-    assert over.maximus.modules["moe"]._pending is not None
+    assert over.maximus.modules["moe"].step_running
     over.save_checkpoint(str(tmp_path), tag="t")
     sync, _ = _run(False, data)
     resumed, _ = _run(True, [])
