@@ -17,7 +17,7 @@ held against. GB/s counts the bytes the pass reads and writes (copy 8, triad 12 
 read-for-ownership is not counted).
 
 Prints one line per (beside copies, threads): median ms per expert of 3 calls run in a worker thread (as
-``ds_maximus.experts.training.step._cpu_side`` runs them), and G elements/s.
+``ds_maximus.experts.training.step.SplitStep._cpu_side`` runs them), and G elements/s.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _link(beside: bool):
 
 def _timed(n_threads: int, fn, repeat: int) -> float:
     """Median seconds of ``fn`` with ``n_threads`` OpenMP threads, run in a worker thread (as
-    ``ds_maximus.experts.training.step._cpu_side`` runs the op), after one untimed call."""
+    ``ds_maximus.experts.training.step.SplitStep._cpu_side`` runs the op), after one untimed call."""
     def once() -> float:
         torch.set_num_threads(n_threads)  # this worker thread's OpenMP team
         t0 = time.perf_counter()
