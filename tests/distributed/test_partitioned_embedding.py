@@ -101,6 +101,8 @@ def test_one_rank_takes_the_plain_path_without_collectives(tmp_path):
     assert st["last_step"]["collectives"] == 0 and st["prefetches"] == 6
     assert st["owner_rows_asked"] == st["lookups"] > 0 and st["owner_hit_rate"] == st["hit_rate"]
     ref, losses = reference(1, tied_grad=True)
-    assert got["losses"] == losses
-    assert torch.equal(got["weight"], ref.full_weight())
-    assert torch.equal(got["rows"], ref.rows_for_compute(0, 8, "cpu"))
+    # bit-equal on CPU; on a GPU the prefetched rows' catch-up runs on the fill stream (same kernel, other order)
+    tol = {"rtol": 1e-6, "atol": 1e-7} if on_gpus() else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), **tol)
+    torch.testing.assert_close(got["weight"], ref.full_weight().cpu(), **tol)
+    torch.testing.assert_close(got["rows"], ref.rows_for_compute(0, 8, "cpu"), **tol)
