@@ -1,0 +1,42 @@
+// SwiGLU experts for a few tokens on the host, from bf16, fp32 or group-wise quantized weights.
+// No torch headers: raw pointers in, fp32 out. fp32 accumulation; OpenMP over output rows; each weight row is
+// decoded once into fp32 and used by every token, so a row's bytes are read from memory once per call.
+#pragma once
+
+#include <cstdint>
+
+namespace maximus {
+namespace expert_cpu {
+
+enum class WeightKind : int { kBF16 = 0, kF32 = 1, kQuant = 2 };
+
+// One weight [rows, cols] in row-major order. kQuant: `data` is the packed codes (cols * bits / 8 bytes a row:
+// 8 codes in `bits` bytes, code j at bits [j * bits, (j + 1) * bits) of a little-endian word), `scales` and
+// `zeros` are fp16 bit patterns [rows, cols / group_size]; a weight is code * scale + zero (ds_maximus.experts.quant).
+struct WeightView {
+    WeightKind kind;
+    const void* data;
+    const uint16_t* scales;
+    const uint16_t* zeros;
+    int bits;
+    int64_t group_size;
+    int64_t rows;
+    int64_t cols;
+};
+
+// Row r of w in fp32 into out[cols].
+void decode_row(const WeightView& w, int64_t r, float* out);
+
+// y[t, n] = sum_k x[t, k] * w[n, k] for t < tokens, n < w.rows (x: [tokens, w.cols], y: [tokens, w.rows]).
+void linear(const float* x, int64_t tokens, const WeightView& w, float* y);
+
+// y = (silu(x w1^T) * (x w3^T)) w2^T; x [tokens, hidden], w1 and w3 [ffn, hidden], w2 [hidden, ffn],
+// h scratch [tokens, ffn], y [tokens, hidden].
+void swiglu(const float* x, int64_t tokens, const WeightView& w1, const WeightView& w3, const WeightView& w2,
+            float* h, float* y);
+
+// The fp16 bit pattern's value (exact).
+float half_to_float(uint16_t h);
+
+}  // namespace expert_cpu
+}  // namespace maximus

@@ -1,0 +1,78 @@
+"""Python face of the ``maximus_expert_cpu`` op: a SwiGLU expert computed on the host for a few tokens.
+
+The op (``csrc/expert_cpu``) reads each weight row once, decodes it to fp32 (bf16, fp32, or the quantized tier's
+packed codes with fp16 scales and offsets, :mod:`ds_maximus.experts.quant`), and takes its dot products with every
+token in fp32 with 16 independent partial sums; OpenMP splits the rows over the host's cores and the calls run
+without the GIL. One token through an expert reads the expert once from host memory, which is what lets a missed
+expert be computed where it lives instead of being copied to the GPU.
+
+The op is built (JIT, cached) and loaded once per process. There is no fallback: where it cannot be built,
+every call raises :class:`ds_maximus.errors.OpBuildError` with the compiler's log and the fix. The plain-PyTorch
+reference is :func:`ds_maximus.experts.quant.swiglu_reference`.
+
+>>> import torch
+>>> x = torch.ones(1, 8)
+>>> w1 = w3 = torch.full((16, 8), 0.5, dtype=torch.bfloat16)
+>>> w2 = torch.full((8, 16), 0.25, dtype=torch.bfloat16)
+>>> y = swiglu(x, w1, w3, w2)
+>>> torch.allclose(y, swiglu_reference(x, w1, w3, w2)), y.dtype
+(True, torch.float32)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from ds_maximus.experts.quant import QuantizedTensor, swiglu_reference  # noqa: F401  (the reference, re-exported)
+
+Weight = Union[Tensor, QuantizedTensor]
+
+
+@functools.lru_cache(maxsize=None)
+def load_op():
+    """The loaded op; raises :class:`~ds_maximus.errors.OpBuildError` (log and fix) when it cannot be built."""
+    from ds_maximus.ops import builder
+    return builder("expert_cpu", "ExpertCPUBuilder").load(verbose=False)
+
+
+def _x(x: Tensor) -> Tensor:
+    return x.detach().to("cpu", torch.float32).contiguous()
+
+
+def _parts(w: QuantizedTensor):
+    return [w.packed.contiguous(), w.scales.contiguous(), w.zeros.contiguous()]
+
+
+def linear(x: Tensor, w: Weight) -> Tensor:
+    """``x @ w^T`` in fp32 (``x [tokens, cols]``; ``w [rows, cols]``: bf16, fp32 or quantized), on the host."""
+    op = load_op()
+    if isinstance(w, QuantizedTensor):
+        return op.linear_quant(_x(x), *_parts(w), w.bits, w.group_size)
+    return op.linear_dense(_x(x), w.detach().contiguous())
+
+
+def swiglu(x: Tensor, w1: Weight, w3: Weight, w2: Weight) -> Tensor:
+    """One SwiGLU expert, ``(silu(x @ w1^T) * (x @ w3^T)) @ w2^T``, in fp32 on the host.
+
+    ``x [tokens, hidden]`` (any float dtype, any device: it is copied to the host as fp32); ``w1``, ``w3``
+    ``[ffn, hidden]`` and ``w2 [hidden, ffn]``, all three plain CPU tensors of one dtype (bf16 or fp32) or all
+    three :class:`~ds_maximus.experts.quant.QuantizedTensor` of one width and group size. Returns fp32
+    ``[tokens, hidden]`` on the host.
+    """
+    op = load_op()
+    quant = [isinstance(w, QuantizedTensor) for w in (w1, w3, w2)]
+    if any(quant):
+        if not all(quant) or len({(w.bits, w.group_size) for w in (w1, w3, w2)}) != 1:
+            raise TypeError("swiglu takes three plain weights or three quantized weights of one bits and group_size")
+        return op.swiglu_quant(_x(x), _parts(w1), _parts(w3), _parts(w2), w1.bits, w1.group_size, w1.shape[0])
+    if len({w1.dtype, w3.dtype, w2.dtype}) != 1:
+        raise TypeError(f"w1, w3 and w2 must share a dtype; got {w1.dtype}, {w3.dtype}, {w2.dtype}")
+    return op.swiglu_dense(_x(x), *(w.detach().contiguous() for w in (w1, w3, w2)))
+
+
+def max_threads() -> int:
+    """OpenMP threads one call uses (``OMP_NUM_THREADS``, else the host's cores)."""
+    return load_op().omp_max_threads()

@@ -1,0 +1,77 @@
+"""maximus_expert_cpu against the plain-PyTorch reference: bf16, fp32 and every quantized width, several token
+counts, odd shapes; the decode of quantized rows is exact (same two roundings as the reference)."""
+import pytest
+import torch
+
+from ds_maximus.experts.quant import SUPPORTED_BITS, dequantize, quantize, swiglu_reference
+from ds_maximus.ops import expert_cpu
+
+
+def _expert(hidden, ffn, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w1, w3 = ((torch.randn(ffn, hidden, generator=g) / hidden ** 0.5).to(dtype) for _ in range(2))
+    w2 = (torch.randn(hidden, ffn, generator=g) / ffn ** 0.5).to(dtype)
+    return w1, w3, w2
+
+
+def _close(y, want):
+    # fp32 accumulation in a different order: a few ulps of the sum of |terms| per output
+    torch.testing.assert_close(y, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 2, 7])
+@pytest.mark.parametrize("hidden,ffn", [(64, 96), (33, 17), (128, 352)])
+def test_swiglu_dense_equals_reference(dtype, tokens, hidden, ffn):
+    w1, w3, w2 = _expert(hidden, ffn, dtype, seed=hidden + ffn)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    y = expert_cpu.swiglu(x, w1, w3, w2)
+    assert y.shape == (tokens, hidden) and y.dtype == torch.float32
+    _close(y, swiglu_reference(x, w1, w3, w2))
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("hidden,ffn,group_size", [(64, 96, 32), (136, 200, 8), (256, 128, 128)])
+def test_swiglu_quant_equals_reference(bits, tokens, hidden, ffn, group_size):
+    w1, w3, w2 = _expert(hidden, ffn, torch.bfloat16, seed=bits * 7 + hidden)
+    q1, q3, q2 = (quantize(w, bits, group_size) for w in (w1, w3, w2))
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens + bits))
+    y = expert_cpu.swiglu(x, q1, q3, q2)
+    _close(y, swiglu_reference(x, q1, q3, q2))
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_quantized_rows_decode_exactly(bits):
+    """One token of a one-hot x reads one column of W: the op's decode equals the reference's bits."""
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(bits)).to(torch.bfloat16)
+    q = quantize(w, bits, 16)
+    eye = torch.eye(64)
+    assert torch.equal(expert_cpu.linear(eye, q), dequantize(q).t())
+    assert torch.equal(expert_cpu.linear(eye, w), w.float().t())
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 100])
+def test_linear_odd_lengths(cols):
+    g = torch.Generator().manual_seed(cols)
+    w, x = torch.randn(5, cols, generator=g), torch.randn(3, cols, generator=g)
+    _close(expert_cpu.linear(x, w), x @ w.t())
+
+
+def test_bad_inputs_raise_clear_errors():
+    w1, w3, w2 = _expert(16, 24, torch.bfloat16, 0)
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="expert shapes disagree"):
+        expert_cpu.swiglu(x, w1, w3, w1)
+    with pytest.raises(TypeError, match="share a dtype"):
+        expert_cpu.swiglu(x, w1, w3.float(), w2)
+    with pytest.raises(TypeError, match="three quantized"):
+        expert_cpu.swiglu(x, quantize(w1, 4, 8), w3, w2)
+    with pytest.raises(RuntimeError, match="features"):
+        expert_cpu.swiglu(torch.randn(2, 8), w1, w3, w2)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        expert_cpu.linear(x, w1.half())
+
+
+def test_threads_are_openmp_threads():
+    assert expert_cpu.max_threads() >= 1
