@@ -150,12 +150,14 @@ def _ds_config(a, shape: dict, ours: bool, bf16: bool) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0, "betas": [0.9, 0.95],
                                                      "eps": 1e-8, "torch_adam": True}},
            "zero_optimization": {"stage": 2 if bf16 else 0}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if bf16:  # only LoRA (and PEFT's copies) train: DeepSpeed's default 5e8-element buckets would hold ~2 GiB idle
+        cfg["zero_optimization"].update(reduce_bucket_size=a.bucket_elems, allgather_bucket_size=a.bucket_elems)
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if ours:
         cfg["maximus"] = {"embedding": {"min_rows": shape["vocab"], "gpu_cache_rows": a.cache_rows,
                                         "optimizer": {"mode": "exact"}},
-                          "lm_head": {"enabled": True, "chunk_rows": min(16384, shape["vocab"]),
+                          "lm_head": {"enabled": True, "chunk_rows": min(a.chunk_rows, shape["vocab"]),
                                       "placement": "gpu" if shape["tied"] else "cpu"},
                           "logging": {"interval_steps": 10**6}}
     return cfg
@@ -227,6 +229,7 @@ def _spawn(peer: str, a, timeout_s: float) -> dict:
         cmd = [sys.executable, "-m", "benchmarks.bench_peft_vocab", "--peer", peer, "--json-out", out,
                "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
                "--cap-gib", str(a.cap_gib), "--new-rows", str(a.new_rows), "--cache-rows", str(a.cache_rows),
+               "--chunk-rows", str(a.chunk_rows), "--bucket-elems", str(a.bucket_elems),
                "--lr", str(a.lr)] + (["--small"] if a.small else [])
         env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
@@ -268,7 +271,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="first steps left out of the timing")
     ap.add_argument("--cap-gib", type=float, default=16.0)
     ap.add_argument("--new-rows", type=int, default=2048, help="rows trainable_token_indices trains (the newest)")
-    ap.add_argument("--cache-rows", type=int, default=65536, help="maximus GPU row cache")
+    ap.add_argument("--cache-rows", type=int, default=16384,
+                    help="maximus GPU row cache (rows; a step of 8x2048 tokens touches fewer distinct rows)")
+    ap.add_argument("--chunk-rows", type=int, default=8192, help="vocabulary rows a chunk of our streamed loss")
+    ap.add_argument("--bucket-elems", type=int, default=50_000_000,
+                    help="ZeRO-2 reduce/allgather bucket (elements), every bf16 peer alike")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--peer-timeout-s", type=float, default=1800)
     ap.add_argument("--out", default=None, help="markdown file for the table")
