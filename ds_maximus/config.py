@@ -203,6 +203,39 @@ _REMOVED_MOE_KEYS = {
 }
 
 
+class ExpertCPUCompute(str, enum.Enum):
+    """Where a decode step computes an expert its layer routes to but that is not resident on the GPU."""
+
+    OFF = "off"
+    """Copy it to the GPU (into a slot) and compute it there."""
+    MISSES = "misses"
+    """Compute every missed expert on the host from its CPU-tier weights (the ``maximus_expert_cpu`` op) while the
+    GPU computes the resident ones: one token through an expert reads it once from host memory, where a copy
+    moves all of it over the link."""
+    AUTO = "auto"
+    """Per missed expert, from the tokens routed to it: at most ``cpu_compute_max_tokens`` on the host, more (a
+    prefill) on the GPU, whose GEMM is faster once the copy is shared by many tokens."""
+
+
+class ExpertQuantConfig(_Section):
+    bits: Optional[int] = None
+    """Code width of the quantized expert tier: 8, 4, 3 or 2. ``None``: off, experts stay exact (bf16). Group-wise
+    affine quantization with fp16 scales and offsets (``ds_maximus.experts.quant``): the tier holds and the link
+    moves the packed form, a fraction ``(bits + 32 / group_size) / 16`` of bf16."""
+    group_size: int = Field(64, gt=0)
+    """Consecutive weights of a row that share one scale and offset; a multiple of 8 that divides the experts'
+    hidden and ffn sizes (checked when experts are quantized). Smaller groups: less error, more bytes."""
+
+    @model_validator(mode="after")
+    def _valid(self):
+        if self.bits is not None and self.bits not in (8, 4, 3, 2):
+            raise ValueError(f"moe.quant.bits={self.bits} is not supported; use 8, 4, 3 or 2, or null for exact bf16")
+        if self.group_size % 8:
+            raise ValueError(f"moe.quant.group_size={self.group_size} must be a multiple of 8 (a group is whole packed "
+                             f"bytes at every width); e.g. 64 or 128")
+        return self
+
+
 class MoEConfig(_Section):
     enabled: bool = False
     """Offload MoE experts into the partition cache."""
@@ -220,6 +253,12 @@ class MoEConfig(_Section):
     """Experts to prefetch per layer (``None``: the model's top-k) where guesses are loaded into slots (an
     NVMe tier, which cannot stage); a staged guess is always one expert. Into slots, 1 measured best on a
     Mixtral-shaped model: a wrong guess evicts a resident expert the next layer needs."""
+    quant: ExpertQuantConfig = Field(default_factory=ExpertQuantConfig)
+    """Inference: the quantized expert tier (``bits: null`` = off, exact bf16)."""
+    cpu_compute: ExpertCPUCompute = ExpertCPUCompute.OFF
+    """Inference: where a decode step computes a routed expert that is not resident (see :class:`ExpertCPUCompute`)."""
+    cpu_compute_max_tokens: int = Field(8, ge=1)
+    """With ``cpu_compute: auto``: the most tokens routed to a missed expert that the host computes it for."""
     train: bool = False
     """Train experts as swappable partitions (under ``ds_maximus.initialize``)."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
