@@ -10,6 +10,9 @@ fp32 policy) with a row cache smaller than the rows a run touches, ZeRO-0 and Ze
 
 What maximus cannot do with PEFT is refused: naming the frozen original, and swapping a frozen table or
 head (PEFT without ``modules_to_save``: maximus would train rows PEFT froze).
+
+A tied model kept tied (``ensure_weight_tying``), the saved adapter folder reloaded with plain peft, HF Trainer and
+vocabulary growth: tests/integrations/test_peft_vocab.py.
 """
 import pytest
 import torch
