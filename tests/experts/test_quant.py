@@ -130,3 +130,13 @@ def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_
     want = x.float() @ dequantize(q).t()
     assert y.shape == (tokens, rows) and y.dtype == torch.float32
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_bench_moe_quant_error_small_runs(capsys):
+    """The error report's CPU size runs end to end: one row per width for ours and one for the hqq peer."""
+    from benchmarks.bench_moe_quant_error import main
+    assert main(["--small", "--tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    for bits in SUPPORTED_BITS:
+        assert f"| ours int{bits} |" in out and f"| hqq int{bits} |" in out
+    assert "rel_err_text" in out
