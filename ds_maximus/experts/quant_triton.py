@@ -79,7 +79,7 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: int = 32, block_k
     x = x.contiguous()
     T = x.shape[0]
     y = torch.empty(T, rows, dtype=torch.float32, device=x.device)
-    block_t = max(1, min(16, triton.next_power_of_2(T)))
+    block_t = max(2, min(16, triton.next_power_of_2(T)))  # a tile of at least 2 (masked) rows
     grid = (triton.cdiv(rows, block_n), triton.cdiv(T, block_t))
     _quant_matmul_kernel[grid](x, q.packed, q.scales, q.zeros, y, T, rows, cols, q.packed.shape[1],
                                cols // q.group_size, BITS=q.bits, GROUP=q.group_size, BLOCK_T=block_t,
