@@ -42,6 +42,20 @@ void decode_quant_row(const WeightView& w, int64_t r, float* out) {
     for (int64_t g = 0; g < groups; ++g) {
         const float s = half_to_float(w.scales[r * groups + g]);
         const float z = half_to_float(w.zeros[r * groups + g]);
+        if constexpr (8 % BITS == 0) {  // whole codes in a byte: a plain loop over the group's bytes vectorises
+            constexpr int per_byte = 8 / BITS;
+            const uint8_t* p = row + g * w.group_size / per_byte;
+            float* o = out + g * w.group_size;
+            const int64_t nb = w.group_size / per_byte;
+#pragma omp simd
+            for (int64_t i = 0; i < nb; ++i) {
+                for (int j = 0; j < per_byte; ++j) {
+                    const float q = static_cast<float>((p[i] >> (j * BITS)) & mask);
+                    o[i * per_byte + j] = q * s + z;
+                }
+            }
+            continue;
+        }
         for (int64_t c = g * w.group_size; c < (g + 1) * w.group_size; c += 8) {
             const uint8_t* p = row + c / 8 * BITS;
             uint64_t word = 0;
