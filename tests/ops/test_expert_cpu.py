@@ -75,3 +75,16 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_threads_are_openmp_threads():
     assert expert_cpu.max_threads() >= 1
+
+
+def test_no_fallback_when_the_op_cannot_build(tmp_path):
+    """Without a working compiler a call raises OpBuildError (what failed and the fix), never a slow fallback."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch\nfrom ds_maximus.errors import OpBuildError\nfrom ds_maximus.ops import expert_cpu\n"
+            "try:\n    expert_cpu.swiglu(torch.ones(1, 8), *(torch.ones(8, 8),) * 3)\n"
+            "except OpBuildError as e:\n    print('OpBuildError', e.op_name)\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert "OpBuildError maximus_expert_cpu" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
