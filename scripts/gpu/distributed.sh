@@ -18,7 +18,7 @@ if [ "$NGPU" -ge 4 ]; then RANKS=1,2,4; fi
 if [ "$NGPU" -ge 8 ]; then RANKS=1,2,4,8; fi
 nvidia-smi topo -m | tee "$OUT/topo.txt"
 # both ops once, outside the time limits below (ranks must not race to build them)
-python -c "from ds_maximus.ops import sharded_embedding as o; print('ops', o.load_op('cpu') is not None, o.load_op('cuda') is not None)"
+python -c "from ds_maximus.ops import row_ops as o; print('ops', o.load_op('cpu') is not None, o.load_op('cuda') is not None)"
 
 if [[ " $PARTS " == *" tests "* ]]; then
   MAXIMUS_TEST_RANKS=cuda timeout ${TESTS_S:-480} python -m pytest -q -rs -m distributed -p no:cacheprovider \

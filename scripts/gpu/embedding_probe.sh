@@ -5,7 +5,7 @@
 # Everything it writes comes back as $OUT/probe_outputs.tgz.
 set -x
 . "$(dirname "$0")/common.sh"
-python -u -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_op('cuda') is not None; print('op built')" \
+python -u -c "from ds_maximus.ops import row_ops as o; assert o.load_op('cuda') is not None; print('op built')" \
   > "$OUT/op_build.log" 2>&1
 echo "build rc=$?"; tail -2 "$OUT/op_build.log"
 if [ "${PROBE_TESTS:-1}" = 1 ]; then  # PROBE_TESTS=0: the benchmark and profile only

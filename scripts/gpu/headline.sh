@@ -18,7 +18,7 @@ python -u -c "
 from deepspeed.ops.op_builder import CPUAdamBuilder
 CPUAdamBuilder().load(); print('cpu_adam built', flush=True)" > "$OUT/headline_ds_ops_build.log" 2>&1 &
 ds_build=$!
-python -u -c "from ds_maximus.ops import sharded_embedding as o; print('op', o.load_op('cuda') is not None)" \
+python -u -c "from ds_maximus.ops import row_ops as o; print('op', o.load_op('cuda') is not None)" \
   > "$OUT/headline_build.txt" 2>&1
 tail -3 "$OUT/headline_build.txt"
 # the head's CUDA step tests (staged step, gradient kept on the GPU) against the host step

@@ -11,7 +11,7 @@ export DS_ACCELERATOR=cuda MASTER_ADDR=127.0.0.1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=
 args="--deepspeed_config ds_configs/llama_262k_16gib.json --vocab 262144 --hidden 2048 --layers 16 --heads 16
   --ffn 2816 --seq 2048 --micro-batch 8 --zipf 1.1 --seed 0 --grad-checkpointing --steps 6 --warmup-steps 3 --log-every 1"
 # our CUDA op first (~70 s cold), outside the runs' time limits
-python -c "from ds_maximus.ops import sharded_embedding as o; print('op', o.load_op('cuda') is not None)"
+python -c "from ds_maximus.ops import row_ops as o; print('op', o.load_op('cuda') is not None)"
 MASTER_PORT=29701 timeout 120 python -u examples/train_llama.py $args --cap-gib 16 \
   ${MAXIMUS_ARGS:-} --profile "$OUT/headline_profile/maximus" > "$OUT/headline_profile_maximus.log" 2>&1
 [ "${PROFILE_PLAIN:-1}" = 0 ] || MASTER_PORT=29702 timeout 120 python -u examples/train_llama.py $args --plain \

@@ -19,7 +19,7 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 python -c "from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 CPUAdamBuilder().load(); FusedAdamBuilder().load()" > "$OUT/moe_training_adam_build.log" 2>&1 &
 build_pid=$!
-python -c "from ds_maximus.ops import sharded_embedding as o; print('ops', o.load_op('cuda') is not None, o.load_op('cpu') is not None)" \
+python -c "from ds_maximus.ops import row_ops as o; print('ops', o.load_op('cuda') is not None, o.load_op('cpu') is not None)" \
   > "$OUT/moe_training_op_build.log" 2>&1
 tail -2 "$OUT/moe_training_op_build.log"
 timeout 80 python -m pytest -q -x tests/experts/training/test_gpu.py tests/experts/training/test_store.py \

@@ -15,7 +15,7 @@ RUNS=${RUNS:-"4:-:-:ours_split,zero3_offload_nocap"}
 python -c "from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 CPUAdamBuilder().load(); FusedAdamBuilder().load()" > "$OUT/sweep_adam_build.log" 2>&1 &
 build_pid=$!
-python -c "from ds_maximus.ops import sharded_embedding as o; print('ops', o.load_op('cuda') is not None, o.load_op('cpu') is not None)"
+python -c "from ds_maximus.ops import row_ops as o; print('ops', o.load_op('cuda') is not None, o.load_op('cpu') is not None)"
 if [ -n "$TESTS" ]; then
   timeout ${TESTS_S:-150} python -m pytest -q -x -p no:cacheprovider $TESTS > "$OUT/sweep_tests.log" 2>&1
   echo "tests rc=$?"; tail -4 "$OUT/sweep_tests.log"

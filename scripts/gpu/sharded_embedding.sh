@@ -19,7 +19,7 @@ for b in (FusedAdamBuilder, CPUAdamBuilder):
     except Exception:
         traceback.print_exc()" > "$OUT/sharded_embedding_ds_ops_build.log" 2>&1 &
 ds_build=$!
-timeout 150 python -u -c "from ds_maximus.ops import sharded_embedding as o; assert o.load_op('cuda') is not None, 'CUDA op build failed'; print('op built')" \
+timeout 150 python -u -c "from ds_maximus.ops import row_ops as o; assert o.load_op('cuda') is not None, 'CUDA op build failed'; print('op built')" \
   > "$OUT/sharded_embedding_build.txt" 2>&1
 build_rc=$?
 tail -5 "$OUT/sharded_embedding_build.txt"
