@@ -23,7 +23,7 @@ def test_names_and_build_vars():
     from ds_maximus.op_builder.nvme_loader import NVMeLoaderBuilder
     from ds_maximus.op_builder.row_ops import RowOpsBuilder
     for cls, var in ((NVMeLoaderBuilder, "DS_BUILD_MAXIMUS_NVME_LOADER"),
-                     (RowOpsBuilder, "DS_BUILD_MAXIMUS_SHARDED_EMBEDDING")):
+                     (RowOpsBuilder, "DS_BUILD_MAXIMUS_ROW_OPS")):
         b = cls()
         assert b.name.startswith("maximus_") and b.BUILD_VAR == var
         assert all(src.startswith("/") for src in b.sources())
