@@ -25,7 +25,7 @@ logger = logging.getLogger("ds_maximus")
 
 _ops = {}
 _lock = threading.Lock()
-_DISABLE_ENV = "MAXIMUS_SHARDED_EMBEDDING_REFERENCE"  # "1": always use the PyTorch reference
+_DISABLE_ENV = "MAXIMUS_ROW_OPS_REFERENCE"  # "1": always use the PyTorch reference
 
 
 def load_op(kind: str = "cpu"):

@@ -57,7 +57,7 @@ def test_grad_sum_rejects_bad_arguments_before_the_op():
 
 
 def test_the_wrapper_falls_back_to_the_reference(monkeypatch):
-    monkeypatch.setenv("MAXIMUS_SHARDED_EMBEDDING_REFERENCE", "1")
+    monkeypatch.setenv("MAXIMUS_ROW_OPS_REFERENCE", "1")
     out = torch.empty(5)
     sq, fin = ops.grad_sum(out, torch.full((5,), 2.0, dtype=torch.bfloat16), 0.5, torch.ones(5))
     assert torch.equal(out, torch.full((5,), 2.0)) and sq == 20.0 and fin
@@ -94,7 +94,7 @@ def test_grad_sum_parts_wrapper_checks_and_falls_back(monkeypatch):
         ops.grad_sum_parts(torch.empty(4), torch.ones(4), 1.0, [torch.ones(4), torch.ones(4, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match="differ in size"):
         ops.grad_sum_parts(torch.empty(4), torch.ones(4), 1.0, [torch.ones(4), torch.ones(3)])
-    monkeypatch.setenv("MAXIMUS_SHARDED_EMBEDDING_REFERENCE", "1")
+    monkeypatch.setenv("MAXIMUS_ROW_OPS_REFERENCE", "1")
     out = torch.empty(3)
     sq, fin = ops.grad_sum_parts(out, torch.ones(3), 2.0, [torch.ones(3)] * 3)
     assert torch.equal(out, torch.full((3,), 5.0)) and sq == 75.0 and fin

@@ -280,7 +280,7 @@ def test_copy_rows_between_pinned_host_and_gpu(dim):
 
 
 def test_ops_fall_back_to_reference_when_disabled(monkeypatch):
-    monkeypatch.setenv("MAXIMUS_SHARDED_EMBEDDING_REFERENCE", "1")
+    monkeypatch.setenv("MAXIMUS_ROW_OPS_REFERENCE", "1")
     assert ops.load_op("cpu") is None
     out = ops.gather(torch.eye(4), torch.tensor([1]), torch.tensor([0, 0]), torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out[0, 1] == 1
