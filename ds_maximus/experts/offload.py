@@ -28,10 +28,11 @@ from typing import List, Optional, Union
 import torch
 from torch import nn
 
-from ds_maximus.config import MaximusConfig, MoEConfig, OffloadDevice
+from ds_maximus.config import ExpertCPUCompute, MaximusConfig, MoEConfig, OffloadDevice
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts import compute
 from ds_maximus.experts.adapters import FusedExpertsForm, MoEBlockInfo, find_moe_blocks
+from ds_maximus.experts.cpu_compute import HostExpertCompute
 from ds_maximus.experts.expert_cache import ExpertCache
 from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.experts.layout import ExpertLayout
@@ -104,6 +105,7 @@ class MoEOffload:
         self._t_first: Optional[float] = None
         self._t_last: Optional[float] = None
         self.modules: List[OffloadedExperts] = []
+        self.host_compute: Optional[HostExpertCompute] = None  # moe.cpu_compute: missed experts on the host
 
     # -- the forward of one layer -------------------------------------------------------------
     def _prefetch_plan(self, group: int, hidden: torch.Tensor):
@@ -138,12 +140,23 @@ class MoEOffload:
         n_pairs = top_k_index.numel()
         counts, pairs, votes = host[:E], host[E:E + n_pairs], host[E + n_pairs:]
         used = [e for e in range(E) if counts[e] > 0]
+        on_host = self.host_compute.choose(used, counts, self.cache.resident(group)) if self.host_compute else []
+        if on_host:  # copied before the GPU's expert work is queued, so the host computes while the GPU does
+            used = [e for e in used if e not in on_host]
+            host_in = (hidden.to("cpu"), top_k_weights.to("cpu"))
         ctx = compute.ExpertComputeContext(self.cache, group, mod._original._apply_gate, E, mod.form)
         ctx.needed = used
         if votes:
             ctx.on_first_acquire = lambda: self._issue_prefetch(group + 1, votes)
         impl = getattr(getattr(mod._original, "config", None), "_experts_implementation", "eager")
-        if impl == "grouped_mm":
+        if on_host:  # the resident experts by the eager loop (the grouped forms need every routed row)
+            out = compute.eager_forward(ctx, hidden, top_k_index, top_k_weights, used, pairs)
+            prefetch, ctx.on_first_acquire = ctx.on_first_acquire, None
+            if prefetch is not None:  # no slot was acquired (every expert on the host): queue it now
+                prefetch()
+            where = compute._pairs_of(pairs, top_k_index.size(-1), on_host)
+            out = out + self.host_compute.forward(group, *host_in, on_host, where).to(out.device, out.dtype)
+        elif impl == "grouped_mm":
             out = compute.grouped_forward(ctx, hidden, top_k_index, top_k_weights, used, counts)
         elif impl == "batched_mm":
             out = compute.batched_forward(ctx, hidden, top_k_index, top_k_weights, used, pairs)
@@ -174,11 +187,15 @@ class MoEOffload:
         s["tokens_per_s"] = self._tokens / span if span > 0 else 0.0
         s["tier"] = self.cache.store.tier
         s["speculative_prefetch"] = self.speculative_prefetch
+        if self.host_compute is not None:
+            s.update(self.host_compute.stats())
         return s
 
     def reset_stats(self) -> None:
         self.cache.synchronize()
         self.cache.reset_stats()
+        if self.host_compute is not None:
+            self.host_compute.reset_stats()
         self._tokens, self._t_first, self._t_last = 0, None, None
 
     def close(self) -> None:
@@ -193,6 +210,10 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     (dict or JSON path) with a ``"maximus"`` section. Call it after placing the model on its device.
     """
     cfg, io_cfg = _resolve(config)
+    if cfg.quant.bits is not None:
+        raise ConfigError(f"moe.quant.bits={cfg.quant.bits}: offload_experts keeps its experts exact (bf16); the "
+                          "quantized format and kernels (ds_maximus.experts.quant, docs/moe_inference.md) are not in "
+                          "the expert cache yet; set bits to null")
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ConfigError(f"{type(model).__name__} has no MoE block with fused experts (gate_up_proj/down_proj); "
@@ -227,6 +248,9 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
                         prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=True)
     handle = MoEOffload(blocks, cache, cfg)
+    if cfg.cpu_compute != ExpertCPUCompute.OFF:
+        HostExpertCompute.check_supported(store, blocks[0].experts, blocks[0].form)
+        handle.host_compute = HostExpertCompute(store, E, cfg.cpu_compute, cfg.cpu_compute_max_tokens)
     with torch.no_grad():
         for gi, b in enumerate(blocks):
             tensors = b.expert_tensors()

@@ -1,0 +1,126 @@
+"""Missed experts computed on the host (moe.cpu_compute): the policy, the host forward against the plain-PyTorch
+expert, and offload_experts with cpu_compute on tiny MoE models: the same greedy tokens and logits (within
+fp32-accumulation tolerance) as the model without offload."""
+import pytest
+import torch
+
+from ds_maximus.config import ExpertCPUCompute
+from ds_maximus.errors import ConfigError
+from ds_maximus.experts import offload_experts
+from ds_maximus.experts.cpu_compute import HostExpertCompute
+from ds_maximus.experts.expert_store import CpuExpertStore
+from ds_maximus.experts.layout import ExpertLayout
+
+from .test_offload_generate import greedy
+from .tiny_moe import clone, tiny_model
+
+
+def _store(E=4, H=16, F=24, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"gate_up_proj": torch.randn(E, 2 * F, H, generator=g).to(dtype),
+               "down_proj": torch.randn(E, H, F, generator=g).to(dtype)}
+    store = CpuExpertStore(ExpertLayout.from_stacked(tensors, E), E, pin_memory=False)
+    for e in range(E):
+        store.write(e, {n: t[e] for n, t in tensors.items()})
+    return store, tensors
+
+
+@pytest.mark.parametrize("mode,max_tokens,want", [("off", 8, []), ("misses", 1, [2, 3]), ("auto", 2, [3]),
+                                                  ("auto", 5, [2, 3])])
+def test_choose(mode, max_tokens, want):
+    store, _ = _store()
+    h = HostExpertCompute(store, 4, ExpertCPUCompute(mode), max_tokens)
+    assert h.choose(used=[0, 2, 3], counts=[1, 0, 5, 2], resident=[0, 1]) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_forward_equals_the_eager_expert_loop(dtype):
+    store, t = _store(dtype=dtype)
+    h = HostExpertCompute(store, 4, ExpertCPUCompute.MISSES)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 16, generator=g).to(dtype)
+    rw = torch.rand(3, 2, generator=g)
+    where = {1: ([0, 1], [0, 2]), 3: ([1], [1])}
+    got = h.forward(0, hidden, rw, [1, 3], where)
+    want = torch.zeros(3, 16)
+    for e, (pos, tok) in where.items():
+        x = hidden[tok].float()
+        gate, up = (x @ t["gate_up_proj"][e].float().t()).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ t["down_proj"][e].float().t()
+        want.index_add_(0, torch.tensor(tok), y * rw[tok, pos, None])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert h.stats() == {"cpu_experts": 2, "cpu_expert_tokens": 3}
+
+
+def _run(model, cfg, batch=1, prompt_len=6, new_tokens=12):
+    ref = clone(model)
+    ids = torch.randint(1, 128, (batch, prompt_len), generator=torch.Generator().manual_seed(7))
+    seq_ref, logits_ref = greedy(ref, ids, new_tokens)
+    handle = offload_experts(model, cfg)
+    try:
+        seq, logits = greedy(model, ids, new_tokens)
+        return seq, logits, seq_ref, logits_ref, handle.stats()
+    finally:
+        handle.close()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_offload_with_cpu_misses_generates_the_same(kind, impl):
+    model = tiny_model(kind, impl, top_k=2)
+    seq, logits, seq_ref, logits_ref, st = _run(model, {"gpu_experts_per_layer": 1, "cpu_compute": "misses"})
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
+    assert st["cpu_experts"] > 0 and st["cpu_expert_tokens"] >= st["cpu_experts"]
+
+
+def test_auto_sends_crowded_experts_to_the_device():
+    """auto with max 1 token: a prefill's experts (many tokens) go to the slots, decode misses to the host."""
+    model = tiny_model("mixtral", top_k=2)
+    cfg = {"gpu_experts_per_layer": 2, "cpu_compute": "auto", "cpu_compute_max_tokens": 1}
+    seq, logits, seq_ref, logits_ref, st = _run(model, cfg, prompt_len=16)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
+    assert st["cpu_experts"] > 0 and st["cpu_expert_tokens"] == st["cpu_experts"]  # one token each
+    assert st["demand_misses"] > 0  # the prefill's loads
+
+
+def test_batched_decode_with_cpu_misses():
+    model = tiny_model("mixtral", "eager", top_k=2)
+    seq, logits, seq_ref, logits_ref, st = _run(model, {"gpu_experts_per_layer": 1, "cpu_compute": "misses"},
+                                                batch=3, prompt_len=4, new_tokens=6)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_compute_refuses_an_nvme_tier(tmp_path):
+    cfg = {"cpu_compute": "misses", "offload": {"device": "nvme", "nvme_path": str(tmp_path / "x")}}
+    with pytest.raises(ConfigError, match="CPU memory"):
+        offload_experts(tiny_model("mixtral"), cfg)
+
+
+
+def test_quantized_tier_is_refused_not_ignored():
+    """moe.quant is not in the expert cache yet: offload_experts says so instead of running exact bf16 silently."""
+    with pytest.raises(ConfigError, match="quant.bits=4"):
+        offload_experts(tiny_model("mixtral"), {"quant": {"bits": 4}})
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["misses", "auto"])
+def test_offload_with_cpu_misses_on_the_gpu(mode):
+    """On CUDA: the resident experts on the device, the missed ones on the host, the same greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny_model("mixtral", top_k=2).cuda()
+    ref = clone(model)
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(7)).cuda()
+    seq_ref, logits_ref = greedy(ref, ids, 12)
+    handle = offload_experts(model, {"gpu_experts_per_layer": 1, "cpu_compute": mode, "cpu_compute_max_tokens": 2})
+    try:
+        seq, logits = greedy(model, ids, 12)
+        st = handle.stats()
+    finally:
+        handle.close()
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
+    assert st["cpu_experts"] > 0
