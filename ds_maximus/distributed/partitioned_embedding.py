@@ -33,6 +33,7 @@ from ds_maximus.distributed.collectives import Collectives
 from ds_maximus.distributed.partition import RowPartition, default_block_rows
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_with_engine
 from ds_maximus.errors import DistributedError
+from ds_maximus.vocab.sharded_state import whole_table
 
 
 class _Exchange(torch.autograd.Function):
@@ -214,11 +215,8 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         state files do, and a checkpoint resume loads them after this)."""
         key = prefix + "weight"
         if key in state_dict:
-            w = state_dict[key]
-            if tuple(w.shape) != (self.num_embeddings, self.embedding_dim):
-                error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(w.shape)}, module "
-                                  f"({self.num_embeddings}, {self.embedding_dim})")
-            else:
+            w = whole_table(state_dict, key, (self.num_embeddings, self.embedding_dim), error_msgs)
+            if w is not None:
                 mine = w.detach().to("cpu").index_select(0, self.owned)
                 self.local._load_from_state_dict({key: mine}, prefix, local_metadata, strict, [], [], error_msgs)
         rest = {k: v for k, v in state_dict.items() if k != key}

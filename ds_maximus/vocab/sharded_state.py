@@ -3,8 +3,20 @@ its tier, so every one of these first brings the rows to the current step and wr
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
+
+
+def whole_table(state_dict: dict, key: str, shape, error_msgs: list) -> Optional[Tensor]:
+    """The whole table at ``key`` of a state dict when its shape is ``shape``; else ``None`` with the size mismatch
+    in ``error_msgs`` (as ``nn.Module.load_state_dict`` reports one)."""
+    w = state_dict[key]
+    if tuple(w.shape) != tuple(shape):
+        error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(w.shape)}, module {tuple(shape)}")
+        return None
+    return w
 
 
 class ShardedStateMixin:
@@ -69,11 +81,8 @@ class ShardedStateMixin:
                               error_msgs):
         key = prefix + "weight"
         if key in state_dict:
-            w = state_dict[key]
-            if tuple(w.shape) != (self.num_embeddings, self.embedding_dim):
-                error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(w.shape)}, module "
-                                  f"({self.num_embeddings}, {self.embedding_dim})")
-            else:
+            w = whole_table(state_dict, key, (self.num_embeddings, self.embedding_dim), error_msgs)
+            if w is not None:
                 self._catch_up_all()
                 self.cache.clear()
                 self.tier.load({"weight": w.detach().to("cpu", torch.float32)})
