@@ -7,7 +7,7 @@ import torch
 from tests.distributed.ranks import ROOT, launch
 from tests.engine.llama_utils import assert_weights_close
 
-WORKER = ROOT / "tests" / "zero" / "dp_worker.py"
+WORKER = ROOT / "tests" / "engine" / "dp_worker.py"
 
 
 def _run(n: int, out: Path):
