@@ -73,7 +73,9 @@ def test_deepspeed_allow_list_is_needed_and_importable(checkpoints):
     optim = [f for f in os.listdir(checkpoints[2] / "t") if f.endswith("optim_states.pt")][0]
     path = str(checkpoints[2] / "t" / optim)
     found = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    assert found and found <= set(DEEPSPEED_GLOBALS)
+    # some Pythons (Debian's 3.11.2) pickle ZeroStageEnum's member as getattr(ZeroStageEnum, NAME): the loader
+    # maps that getattr to allow-listed enum members only (test_safe_loading_enum.py), so it is not on the list
+    assert found and found - {"builtins.getattr"} <= set(DEEPSPEED_GLOBALS)
     with pytest.raises(UntrustedCheckpointError, match="ZeroStageEnum|LossScaler|fragment_address"):
         safe_torch_load(path)  # without DeepSpeed's allow-list
     assert "optimizer_state_dict" in safe_torch_load(path, allow_deepspeed=True)
