@@ -255,11 +255,12 @@ class NVMeLoader:
     def __exit__(self, *exc):
         self.close()
 
-    def __del__(self):
+    def __del__(self, _getpid=os.getpid):
         # stop the workers with the GIL released (close() releases it): a worker dropping the last
-        # reference to a tensor may need the GIL, which the C++ destructor would hold while joining
+        # reference to a tensor may need the GIL, which the C++ destructor would hold while joining.
+        # ``_getpid`` is bound at definition: at interpreter exit the module's ``os`` may already be None.
         impl = getattr(self, "_impl", None)
-        if impl is not None and not impl.closed() and os.getpid() == self._pid:
+        if impl is not None and not impl.closed() and _getpid() == self._pid:
             impl.close(cancel=False)
 
     def __repr__(self):
