@@ -63,8 +63,10 @@ def _worker(rank, world, port, args, out):
     from ds_maximus.distributed.broadcast import BroadcastEmbedding
     from ds_maximus.vocab import ShardedEmbedding
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    rows = {}
-    for mode in args.modes.split(","):
+    rows, round_ms = {}, {}
+    # --rounds R runs every mode R times, interleaved (A B A B ...): the order a mode runs in (allocator state, host
+    # page cache, clocks) then weighs on every mode alike; a mode's time is the median of its rounds' medians
+    for mode in [m for _ in range(args.rounds) for m in args.modes.split(",")]:
         # the GPU cache holds --cache-frac of the rows this rank keeps: partitioned keeps 1/world of them
         held = args.vocab // world if mode == "partitioned" else args.vocab  # broadcast: the master's rows
         cache = args.cache_rows or max(1, int(args.cache_frac * held))
@@ -115,7 +117,8 @@ def _worker(rank, world, port, args, out):
                 if args.phases:
                     mark()
                     phases.append([(b - a) * 1e3 for a, b in zip(ph, ph[1:])])
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
+        round_ms.setdefault(mode, []).append(statistics.median(times))
+        t = torch.tensor([statistics.median(round_ms[mode])], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         peak = torch.tensor([torch.cuda.max_memory_allocated(dev) if cuda else 0], dtype=torch.float64, device=dev)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -126,14 +129,16 @@ def _worker(rank, world, port, args, out):
         table = emb.tier_bytes() if hasattr(emb, "tier_bytes") else args.vocab * args.dim * 12
         st = emb.stats()
         last = st.get("last_step", {})
-        rows[mode] = {"ms": float(t), "bytes_sent_per_step": statistics.mean(sent), "tier_bytes": table,
+        rows[mode] = {"ms": float(t), "round_ms": round_ms[mode], "bytes_sent_per_step": statistics.mean(sent), "tier_bytes": table,
                       "held_bytes": [float(b) for b in every],
                       "comm_ms": emb.comm.stats()["comm_ms"] / (args.warmup + args.steps)
                       if exchanges else None, "collectives": last.get("collectives"), "cache_rows": cache,
                       "peak_gib": float(peak) / 2**30,
                       "hit_rate": st.get("last_step", {}).get("hit_rate", st.get("hit_rate")),
                       "phases": [statistics.median(c) for c in zip(*phases)] if phases else None}
-        del emb
+        del emb, y  # the last output's graph holds the module: free both before the next mode is built
+        if cuda:
+            torch.cuda.empty_cache()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -152,6 +157,8 @@ def main():
     ap.add_argument("--cache-frac", type=float, default=0.1, help="GPU cache as a fraction of the rows a rank holds")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="run every mode this many times, interleaved; a mode's "
+                    "time is the median of its rounds' medians")
     ap.add_argument("--phases", action="store_true", help="also time forward, backward, the replicated mode's "
                     "reduction and the step apart (a device sync between them)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
@@ -174,7 +181,7 @@ def main():
         for mode, r in res.items():
             base.setdefault(mode, r["ms"])
             one = base.get("replicated", base[mode])  # replicated on one rank is one plain ShardedEmbedding
-            bench.add(f"{mode} x{world}", r["ms"], efficiency=round(base[mode] / r["ms"], 3),
+            bench.add(f"{mode} x{world}", r["ms"], rounds_ms="/".join(f"{x:.2f}" for x in r["round_ms"]), efficiency=round(base[mode] / r["ms"], 3),
                       vs_one_gpu=round(one / r["ms"], 3),
                       MiB_sent_per_step=r["bytes_sent_per_step"] / 2**20,
                       comm_ms_per_step=r["comm_ms"] if r["comm_ms"] is not None else "-",

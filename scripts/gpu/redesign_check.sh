@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The partition-core redesign on the GPU machine, one call (~8 min on an H200):
+#   1. every op built once, outside any time limit (a killed JIT build leaves torch's lock behind): ours, and, when
+#      $OLD names an older tree (scripts/gpu/before_after.sh compares against it), that tree's, into its own folder
+#   2. the whole GPU suite: pytest -m gpu tests (the MoE benchmark smoke test is left out: it is a CPU test)
+#   3. the shard modes' one-GPU ratio: bench_distributed_embedding, partitioned x1 against one plain ShardedEmbedding
+# Writes $OUT/gpu_tests.log, $OUT/distributed.md and the build logs.
+set -x
+. "$(dirname "$0")/common.sh"
+nvidia-smi --query-gpu=name,memory.total --format=csv || true
+python -u -c "
+from ds_maximus.ops import row_ops, expert_cpu, nvme_loader
+print('row_ops', row_ops.load_op('cuda') is not None, row_ops.load_op('cpu') is not None)
+print('expert_cpu', expert_cpu.load_op() is not None)
+print('nvme_loader', nvme_loader.nvme_loader_available())" > "$OUT/build.log" 2>&1 &
+build=$!
+if [ -n "${OLD:-}" ]; then
+  (cd "$OLD" && PYTHONPATH="$OLD:/tmp/site" TORCH_EXTENSIONS_DIR=/tmp/torch_ext_old python -u -c "
+from ds_maximus.ops import sharded_embedding as o; print('old op', o.load_op('cuda') is not None, o.load_op('cpu') is not None)"
+  ) > "$OUT/build_old.log" 2>&1 &
+  build_old=$!
+fi
+wait $build; tail -5 "$OUT/build.log"
+timeout ${TESTS_S:-330} python -m pytest -q -rs -m gpu -p no:cacheprovider tests \
+  --deselect tests/experts/training/test_bench_smoke.py > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -30
+[ -n "${OLD:-}" ] && { wait $build_old; tail -3 "$OUT/build_old.log"; }
+timeout ${DIST_S:-120} python -u -m benchmarks.bench_distributed_embedding --ranks 1 --vocab 262144 --dim 4096 \
+  --tokens 16384 --cache-frac 0.1 --modes replicated,partitioned --out "$OUT/distributed.md" > "$OUT/distributed.log" 2>&1
+echo "dist bench rc=$?"; cat "$OUT/distributed.md"; tail -5 "$OUT/distributed.log"
