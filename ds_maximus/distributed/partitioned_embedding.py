@@ -326,6 +326,10 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         """The local table's optimizer betas/eps follow DeepSpeed's unless ``embedding.optimizer`` sets them."""
         align_adam_with_engine(self.optimizer, engine, cfg.embedding.optimizer)
 
+    def train_padding_row(self) -> None:
+        """A tied head's gradient reaches the ``padding_idx`` row: the local table's optimizer updates it too."""
+        self.optimizer.frozen_row = None
+
     def set_grad_anchor(self, fn) -> None:
         self._anchor_fn = fn
         self.local.set_grad_anchor(fn)  # the one-rank path's lookup is the local table's

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Iterable, Iterator, List
+from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import Tensor
 
 from ds_maximus.distributed.partition import RowPartition
+from ds_maximus.engine.protocol import MaximusModule
 from ds_maximus.errors import DistributedError, ShardStoreError
 from ds_maximus.safe_load import safe_torch_load
 
@@ -37,11 +38,13 @@ def rank_files(folder: str) -> List[str]:
     return files
 
 
-def iter_module_states(files: List[str], name: str, trust: bool = False) -> Iterator[dict]:
+def iter_module_states(files: List[str], name: str, trust: bool = False,
+                       first: Optional[dict] = None) -> Iterator[dict]:
     """Module ``name``'s state from each file, loading one file at a time (``weights_only``; see
-    :mod:`ds_maximus.safe_load` for ``trust``)."""
-    for f in files:
-        st = safe_torch_load(f, trust=trust)
+    :mod:`ds_maximus.safe_load` for ``trust``). ``first``: what ``files[0]`` holds, when the caller has it
+    already (that file is not read again)."""
+    for i, f in enumerate(files):
+        st = first if i == 0 and first is not None else safe_torch_load(f, trust=trust)
         if name not in st["modules"]:
             raise ShardStoreError(f"{f} has no state for module {name} (it has {sorted(st['modules'])})", f)
         yield st["modules"][name]
@@ -105,10 +108,12 @@ def load_partitioned(module, states: Iterable[dict]) -> None:
                                    "tensors": tensors, "optimizer": {**opt, "last_step": last_step}})
 
 
-def load_partitioned_checkpoint(folder: str, modules: dict, trust: bool = False):
+def load_partitioned_checkpoint(folder: str, modules: Dict[str, MaximusModule], trust: bool = False):
     """Load every module of a runtime from a checkpoint folder; returns ``(steps, skipped_steps)``.
 
-    Partitioned modules re-partition the per-rank files; other modules take rank 0's copy.
+    Each module takes its states from the per-rank files through
+    :meth:`~ds_maximus.engine.protocol.MaximusModule.load_maximus_state_dicts`: partitioned modules
+    re-partition them, other modules take rank 0's copy.
     """
     whole = os.path.join(folder, WHOLE_FILE)
     if not glob.glob(os.path.join(folder, "maximus_states_rank*.pt")) and os.path.isfile(whole):
@@ -117,10 +122,7 @@ def load_partitioned_checkpoint(folder: str, modules: dict, trust: bool = False)
         files = rank_files(folder)
     head = safe_torch_load(files[0], trust=trust)
     for name, m in modules.items():
-        if hasattr(m, "load_maximus_state_dicts"):
-            m.load_maximus_state_dicts(iter_module_states(files, name, trust))
-        else:
-            m.load_maximus_state_dict(head["modules"][name])
+        m.load_maximus_state_dicts(iter_module_states(files, name, trust, first=head))
     return head["steps"], head["skipped_steps"]
 
 

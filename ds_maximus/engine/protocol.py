@@ -14,7 +14,8 @@ Abstract (every module implements them): the row-sparse gradient (``sparse_grads
 Concrete defaults (override where the module differs): ``reduce_grads(group)`` sums the shared rows over the
 data-parallel ranks, ``reduce_norm_sq`` is the identity, ``prefetch`` does nothing, ``owns_partition`` is
 False, ``engine_driven`` is True, ``set_out_dtype`` and ``configure_from_engine`` do nothing,
-``defer_step_to`` defers nothing, ``grad_anchor_host`` is the module itself, ``removed_params`` is empty.
+``defer_step_to`` defers nothing, ``grad_anchor_host`` is the module itself, ``removed_params`` is empty,
+``load_maximus_state_dicts`` loads rank 0's state, ``train_padding_row`` has no padding row to release.
 
 Example::
 
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -167,6 +168,17 @@ class MaximusModule(abc.ABC):
     def grad_anchor_host(self) -> nn.Module:
         """The module that holds the norm carrier parameter and whose backward feeds its anchor; default self."""
         return self
+
+    def load_maximus_state_dicts(self, states: Iterable[dict]) -> None:
+        """Restore from the states every rank saved in the partitioned shard mode (one dict per rank, in rank
+        order, each read when reached). Default: rank 0's, through :meth:`load_maximus_state_dict` (a module
+        the ranks replicate saved the same state on each); a table cut over the ranks re-partitions them."""
+        self.load_maximus_state_dict(next(iter(states)))
+
+    def train_padding_row(self) -> None:
+        """A tied LM head now reads this module's rows, and its gradient reaches every row, the ``padding_idx``
+        row's included (only the lookup's gradient stops there): the optimizer must update that row too.
+        Default: the module has no padding row."""
 
 
 def align_adam_with_engine(row_optimizer, engine, optimizer_config) -> None:

@@ -203,10 +203,7 @@ def _retie_heads(model: nn.Module, plan: SwapPlan, cfg: MaximusConfig) -> None:
                               "embedding unswapped (maximus.embedding.modules)", "maximus.embedding.modules")
         emb = plan.swapped[emb_name]
         setattr(parent, attr, ShardedLMHead(tied_to=emb, config=cfg.lm_head, bias=old.bias))
-        row_opt = getattr(emb, "optimizer", None)   # a ShardedEmbedding's, or a partitioned table's local one
-        if hasattr(row_opt, "frozen_row"):
-            # the head's gradient reaches the padding row (only the lookup's stops there), so it trains
-            row_opt.frozen_row = None
+        emb.train_padding_row()
 
 
 def remove_params_from_optimizer(optimizer: torch.optim.Optimizer, params: List[nn.Parameter]) -> int:

@@ -356,6 +356,10 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         """The row optimizer's betas/eps follow DeepSpeed's unless ``embedding.optimizer`` sets them."""
         align_adam_with_engine(self.optimizer, engine, cfg.embedding.optimizer)
 
+    def train_padding_row(self) -> None:
+        """A tied head's gradient reaches the ``padding_idx`` row: the row optimizer updates it too."""
+        self.optimizer.frozen_row = None
+
     def set_grad_anchor(self, fn) -> None:
         """Use ``fn()`` as the autograd anchor of each lookup (its backward runs after this module's)."""
         self._anchor_fn = fn
