@@ -58,11 +58,25 @@ def _tied_source(m: nn.Module) -> Optional[nn.Module]:
     return src[0] if isinstance(src, (list, tuple)) and src else None
 
 
+def _plain_table(m: nn.Module) -> Optional[nn.Module]:
+    """A partitioned or broadcast table as a plain ``nn.Embedding`` holding its whole table (its own state dict
+    holds no rows: a rank's slice must not reach DeepSpeed's module checkpoint). ``full_weight`` is a collective:
+    every rank calls it, in the same module order. None for any other module."""
+    from ds_maximus.distributed.partitioned_embedding import PartitionedEmbedding
+    if not isinstance(m, PartitionedEmbedding):
+        return None
+    w = m.full_weight()
+    plain = nn.Embedding(w.shape[0], w.shape[1], padding_idx=m.padding_idx, device="meta")
+    plain.weight = nn.Parameter(w, requires_grad=False)
+    return plain
+
+
 @contextlib.contextmanager
 def _plain_tied_heads(model: nn.Module):
     """Each head tied to a maximus table, inside a PEFT wrapper, seen as a plain ``nn.Linear`` holding the table's
     rows while PEFT collects the adapter's keys (PEFT asks the trained copy's own ``state_dict`` for them, and a
-    tied head owns no weight); the heads are put back afterwards."""
+    tied head owns no weight); a partitioned or broadcast table likewise as a plain ``nn.Embedding``
+    (:func:`_plain_table`). The modules are put back afterwards."""
     swapped = []
     for m in list(model.modules()):
         copies = getattr(m, "modules_to_save", None)
@@ -71,6 +85,10 @@ def _plain_tied_heads(model: nn.Module):
         for key, head in list(copies.items()):
             src = _tied_source(head)
             if src is None:
+                plain = _plain_table(head)
+                if plain is not None:
+                    copies[key] = plain
+                    swapped.append((copies, key, head))
                 continue
             w = src.full_weight()
             plain = nn.Linear(w.shape[1], w.shape[0], bias=head.bias is not None, device="meta")
