@@ -37,7 +37,7 @@ _LAZY = {
 
 # modules that register a model adapter with the engine when imported: ds_maximus.engine.adapters imports them
 # by name the first time it needs adapters (the engine itself imports no integration)
-ADAPTERS = ("ds_maximus.integrations.hf",)
+ADAPTERS = ("ds_maximus.integrations.hf", "ds_maximus.integrations.peft")
 
 __all__ = ["MaximusConfig", "ConfigError", "ShardStoreError", "CapacityError", "OpBuildError", *_LAZY]
 

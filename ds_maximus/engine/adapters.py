@@ -34,6 +34,9 @@ class ModelAdapter:
     attach_lm_head: Optional[Callable[[nn.Module, MaximusConfig], Optional[nn.Module]]] = None
     """``(model, cfg) -> head``: route the model's loss through a streamed LM head (``lm_head.enabled``);
     returns the head when it holds rows the engine must step, else ``None``."""
+    prepare_model: Optional[Callable[[nn.Module, MaximusConfig], None]] = None
+    """``(model, cfg)``: rework the model once its tables are swapped and its head attached, before DeepSpeed
+    places it on the device (PEFT: the frozen originals of the swapped tables go to host memory)."""
     on_enable: Optional[Callable[[], None]] = None
     """Called by ``ds_maximus.enable()`` (install the integration's own hooks, e.g. a Trainer callback)."""
     on_disable: Optional[Callable[[], None]] = None
@@ -74,6 +77,13 @@ def attach_lm_head(model: nn.Module, cfg: MaximusConfig) -> Optional[nn.Module]:
             if head is not None:
                 return head
     return None
+
+
+def prepare_model(model: nn.Module, cfg: MaximusConfig) -> None:
+    """Every adapter's ``prepare_model`` hook, in registration order."""
+    for a in adapters():
+        if a.prepare_model is not None:
+            a.prepare_model(model, cfg)
 
 
 def run_enable_hooks() -> None:

@@ -106,6 +106,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if cfg.moe.enabled and cfg.moe.train:  # experts become a runtime module; their params leave the model
         from ds_maximus.experts.training import attach_expert_training
         modules["moe"] = attach_expert_training(model, cfg)
+    if modules:   # the integrations' last word on the swapped model (PEFT's frozen originals to host memory)
+        adapters.prepare_model(model, cfg)
     # the replaced head's weight (placement cpu) and the trained experts leave the model like the embedding's
     removed = list(plan.removed_params)
     for m in modules.values():

@@ -7,6 +7,12 @@ swaps the trained embedding copy for a ``ShardedEmbedding`` (exact sparse AdamW 
 table in the CPU tier) and streams the loss through the head (``lm_head`` section), so neither a dense
 V x d gradient nor full logits exist. LoRA adapters stay ordinary DeepSpeed parameters.
 
+**Frozen originals.** Each wrapper's frozen ``original_module`` (read only with the adapters disabled) is moved
+to host memory as a :class:`~ds_maximus.vocab.host_table.HostTable` when the model is swapped (the
+``prepare_model`` hook of the engine, :func:`host_frozen_originals`): no dense V x d table of it stays on the
+compute device, ``with model.disable_adapter():`` computes the original's forward, and ``state_dict`` keeps its
+keys.
+
 **Ties.** PEFT's default (``ensure_weight_tying=False``) gives a tied model (Gemma-3) two independent copies,
 an untied head; maximus reproduces that as it is: two tables. With ``LoraConfig(ensure_weight_tying=True)``
 (``modules_to_save=["embed_tokens"]`` suffices) PEFT keeps one trained copy that the head reads; maximus
@@ -29,11 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
+from ds_maximus.config import MaximusConfig
+from ds_maximus.engine.adapters import ModelAdapter, register_adapter
 from ds_maximus.errors import ConfigError
 
 COPY = ".modules_to_save."
@@ -142,3 +150,35 @@ def save_peft(model_or_engine, out_dir: str, **save_kwargs) -> str:
         if rank == 0:
             model.save_pretrained(out_dir, state_dict=sd, **save_kwargs)
     return out_dir
+
+
+def _wrappers(model: nn.Module):
+    """``(name, wrapper)`` of every PEFT ``ModulesToSaveWrapper`` (a frozen ``original_module`` beside the trained
+    copies in a ``modules_to_save`` ModuleDict), by structure: peft stays optional."""
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "modules_to_save", None), nn.ModuleDict) and "original_module" in m._modules:
+            yield name, m
+
+
+def host_frozen_originals(model: nn.Module, cfg: MaximusConfig) -> List[str]:
+    """Move the frozen ``original_module`` of every PEFT wrapper around a vocabulary table (an ``nn.Embedding``
+    or ``nn.Linear`` with at least ``embedding.min_rows`` rows) to host memory as a ``HostTable``, once the
+    engine swapped the model's tables: PEFT reads the original only with the adapters disabled, and as a
+    Parameter it would put a dense V x d table on the compute device. Returns the wrappers' names."""
+    from ds_maximus.vocab.host_table import HostTable
+    if not is_peft_model(model):
+        return []
+    done = []
+    for name, wrapper in _wrappers(model):
+        orig = wrapper.original_module
+        if isinstance(orig, HostTable) or not isinstance(orig, (nn.Embedding, nn.Linear)):
+            continue
+        weight = orig.weight
+        if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[0] < cfg.embedding.min_rows:
+            continue
+        wrapper._modules["original_module"] = HostTable(orig, chunk_rows=cfg.lm_head.chunk_rows)
+        done.append(name)
+    return done
+
+
+register_adapter(ModelAdapter("peft", prepare_model=host_frozen_originals))
