@@ -16,37 +16,91 @@ from torch import Tensor
 
 
 class SparseRowGrad:
-    """Coalesced row-sparse gradient: sorted unique ``ids`` (CPU) and ``rows`` ([U, d] fp32, any device)."""
+    """Coalesced row-sparse gradient: sorted unique ``ids`` (CPU) and ``rows`` ([U, d] fp32, any device).
+
+    Two adds cost no reallocation of what is held: rows for ids past the last one held (a tied head's gradient,
+    chunk after chunk of the vocabulary) wait as pieces joined once when read, and rows for ids already held
+    (the lookup's gradient on top of a tied head's) are added in place.
+    """
 
     def __init__(self):
-        self.ids: Optional[Tensor] = None
-        self.rows: Optional[Tensor] = None
+        self._ids: Optional[Tensor] = None
+        self._rows: Optional[Tensor] = None
+        self._tail: list = []   # (ids, rows) past the last id held, in order: joined once, when read
+
+    @property
+    def ids(self) -> Optional[Tensor]:
+        self._join_tail()
+        return self._ids
+
+    @ids.setter
+    def ids(self, value: Optional[Tensor]) -> None:
+        self._join_tail()
+        self._ids = value
+
+    @property
+    def rows(self) -> Optional[Tensor]:
+        self._join_tail()
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: Optional[Tensor]) -> None:
+        self._join_tail()
+        self._rows = value
 
     def __bool__(self) -> bool:
-        return self.ids is not None and self.ids.numel() > 0
+        return (self._ids is not None and self._ids.numel() > 0) or bool(self._tail)
+
+    def _join_tail(self) -> None:
+        if not self._tail:
+            return
+        dev = self._rows.device
+        ids = torch.cat([self._ids] + [i for i, _ in self._tail])
+        rows = torch.empty(ids.numel(), self._rows.shape[1], dtype=self._rows.dtype, device=dev)
+        parts, self._tail = [self._rows] + [r for _, r in self._tail], []
+        self._rows, lo = None, 0
+        while parts:                  # each piece dropped once copied: the peak is the result plus what is left
+            r = parts.pop(0)
+            rows[lo:lo + r.shape[0]].copy_(r)
+            lo += r.shape[0]
+        self._ids, self._rows = ids, rows
 
     def add(self, ids: Tensor, rows: Tensor) -> None:
         """Add ``rows`` for unique ``ids`` (CPU LongTensor); duplicates with earlier adds are summed."""
         from ds_maximus.ops import row_ops as ops
         ids = ids.to("cpu", torch.long)
         rows = rows.float()
-        if self.ids is None:
-            a = ids.numpy()  # numpy: the torch comparison and reduction cost ~40 us a step on the host
-            if a.size > 1 and not (a[1:] > a[:-1]).all():
+        a = ids.numpy()  # numpy: the torch comparison and reduction cost ~40 us a step on the host
+        ascending = a.size <= 1 or bool((a[1:] > a[:-1]).all())
+        if self._ids is None:
+            if not ascending:
                 order = torch.argsort(ids)
                 ids, rows = ids.index_select(0, order), rows.index_select(0, order.to(rows.device))
-            self.ids, self.rows = ids, rows
+            self._ids, self._rows = ids, rows
             return
-        rows = rows.to(self.rows.device)
-        cat_ids = torch.cat([self.ids, ids])
+        if not a.size:
+            return
+        last = self._tail[-1][0] if self._tail else self._ids
+        if ascending and last.numel() and a[0] > int(last[-1]):
+            self._tail.append((ids, rows.to(self._rows.device)))
+            return
+        self._join_tail()
+        rows = rows.to(self._rows.device)
+        n = self._ids.numel()
+        if n:
+            pos = torch.searchsorted(self._ids, ids)
+            if bool((pos < n).all()) and torch.equal(self._ids[pos], ids):   # every id held: add in place
+                self._rows.index_add_(0, pos.to(rows.device), rows)
+                return
+        cat_ids = torch.cat([self._ids, ids])
         uniq, inverse = torch.unique(cat_ids, sorted=True, return_inverse=True)
         if uniq.numel() == cat_ids.numel():
             order = torch.argsort(cat_ids)
-            self.ids = cat_ids[order]
-            self.rows = torch.cat([self.rows, rows]).index_select(0, order.to(rows.device))
+            self._ids = cat_ids[order]
+            self._rows = torch.cat([self._rows, rows]).index_select(0, order.to(rows.device))
         else:
-            self.rows = ops.segment_reduce(torch.cat([self.rows, rows]), inverse.to(rows.device), uniq.numel())
-            self.ids = uniq
+            self._rows = ops.segment_reduce(torch.cat([self._rows, rows]), inverse.to(rows.device), uniq.numel())
+            self._ids = uniq
 
     def norm_sq(self, device=None) -> Tensor:
         if not self:
@@ -62,4 +116,4 @@ class SparseRowGrad:
         return not self or bool(torch.isfinite(self.rows).all())
 
     def clear(self) -> None:
-        self.ids, self.rows = None, None
+        self._ids, self._rows, self._tail = None, None, []
