@@ -330,6 +330,24 @@ class PiecedHostTable:
             raise IndexError(f"row {i} is out of range for a table of {self.num_rows} rows")
         return self.piece(i // self.rows_per_piece)[i % self.rows_per_piece]
 
+    def release(self) -> None:
+        """Drop every piece: its memory is unmapped (and unregistered) once no view of it is left, and a piece
+        asked for again is mapped anew, zeroed."""
+        self._pieces = [None] * self.num_pieces
+
+
+def pinned_empty(shape: Sequence[int], dtype: torch.dtype = torch.float32, pin: bool = True) -> torch.Tensor:
+    """An uninitialized CPU tensor, page-locked when ``pin`` and CUDA is available, from PyTorch's caching host
+    allocator: for short-lived buffers made over and over (staging, a gradient copied off the device), which that
+    allocator reuses once they are freed and holds back while a non-blocking copy still uses them. Long-lived
+    tables take :func:`host_tensor` or :class:`PiecedHostTable` (exact size, registered once) instead.
+
+    >>> t = pinned_empty((2, 3), torch.bfloat16, pin=False)
+    >>> t.shape, t.dtype, t.is_pinned()
+    (torch.Size([2, 3]), torch.bfloat16, False)
+    """
+    return torch.empty(tuple(int(s) for s in shape), dtype=dtype, pin_memory=bool(pin and torch.cuda.is_available()))
+
 
 def check_cpu_tier(nbytes: int, what: str, fix: str) -> None:
     """Refuse, before anything is allocated, a CPU-tier table of ``nbytes`` that this host's free memory

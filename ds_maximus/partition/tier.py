@@ -200,6 +200,12 @@ class TensorTier(Tier):
         """The pieced host table that holds ``name`` (flat entries ``[num_ids, numel]``)."""
         return self._tables[name]
 
+    def release(self, name: str) -> None:
+        """Give back the memory of table ``name`` (once no view of it is left); its entries read as zeros
+        afterwards, mapped anew when next used (a table whose contents moved elsewhere, e.g. to the device)."""
+        self._tables[name].release()
+        self._whole = None
+
     def pieces(self, name="weight"):
         t = self._tables[name]
         out = []

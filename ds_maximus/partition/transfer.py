@@ -15,6 +15,16 @@ the cache and prefetch logic are identical on GPU and CPU:
   CPU: blocks until the worker finished). Returns the host ms spent blocked (CPU only).
 * ``record_use() -> Event`` marks "the compute queued so far is done with the slot".
 
+Whole tensors (an LM head's chunk of rows, a gradient leaving the device) move by the same engine, again with
+the same calls on both:
+
+* ``load_chunk(src, after) -> (tensor, Event)``: a new device copy of the host tensor ``src`` on the fill
+  stream; ``take(tensor, event)`` hands it to the compute stream.
+* ``with storing(after) as s:`` queues device -> host work (copies out and the device work that makes what
+  they copy) on the write-back stream, after the compute stream's work so far; ``s.keep(t)`` holds device
+  tensors it reads, ``s.event`` marks its end. ``to_host(t) -> (host, Event)`` is one such copy into a new
+  pinned buffer; ``record_store()`` is an event after every store queued so far, ``drain()`` waits for all.
+
 Speculative loads (``prefetch(..., chunk_bytes)``) are :class:`~ds_maximus.partition.speculation.PrefetchJob`
 handles instead of one copy: only the guess's first ``chunk_bytes`` are queued at once (sized to the link's
 idle gap before the next layer's routing is known); ``cancel`` drops the rest of a wrong guess,
@@ -35,19 +45,37 @@ loop's host path through the GIL).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ds_maximus.ops import to_device, to_device_pair
+from ds_maximus.partition.host_memory import pinned_empty
 from ds_maximus.partition.speculation import PrefetchJob, cancel
 
 
 def host_staging(like: Dict[str, torch.Tensor], n: int, pin: bool) -> Dict[str, torch.Tensor]:
     """Host buffers for ``n`` entries shaped like the tables ``like`` (``[slots, ...]`` each), pinned when
     ``pin`` (so a copy to or from the device is asynchronous)."""
-    return {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype, pin_memory=pin) for k, v in like.items()}
+    return {k: pinned_empty((n, *v.shape[1:]), v.dtype, pin=pin) for k, v in like.items()}
+
+
+class Stored:
+    """What one ``storing`` block queued: :meth:`keep` the device tensors its work reads that were made on
+    another stream (their memory is not reused before that work has run); ``event`` marks the end of its work
+    once the block has exited (``None`` on the CPU, where the work is done by then)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+        self.event = None
+
+    def keep(self, *tensors: torch.Tensor) -> None:
+        if self.stream is not None:
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(self.stream)
 
 
 def row_copy_op(tier, names: Sequence[str], device: torch.device):
@@ -188,6 +216,46 @@ class CpuTransfer:
     def wait_event(self, ev) -> None:
         """Loads queued from now on start after ``ev`` (on the CPU nothing is queued ahead: a no-op)."""
 
+    # -- whole tensors ----------------------------------------------------------------------------
+    def load_chunk(self, src: torch.Tensor, after=None):
+        """A copy of ``src`` made by the worker once ``after`` (a load's future, or ``None``) is done:
+        ``(tensor, future)``; read the tensor after :meth:`take`."""
+        dst = torch.empty(src.shape, dtype=src.dtype)
+
+        def run():
+            if after is not None:
+                after.result()
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            dst.copy_(src)
+        return dst, self._pool.submit(run)
+
+    def take(self, t: torch.Tensor, event) -> torch.Tensor:
+        """``t`` once its load ``event`` is done."""
+        self.wait(event)
+        return t
+
+    @contextlib.contextmanager
+    def storing(self, after=None) -> Iterator[Stored]:
+        """Run the block on the calling thread once ``after`` (a future, or ``None``) is done: the CPU
+        stand-in for work queued on the write-back stream, done when the block exits."""
+        self.wait(after)
+        yield Stored()
+
+    @staticmethod
+    def to_host(t: torch.Tensor):
+        """``t`` on the host (itself where it is there already) and ``None``: nothing is left in flight."""
+        return (t if t.device.type == "cpu" else t.to("cpu")), None
+
+    @staticmethod
+    def record_store():
+        """Stores run on the calling thread: none is ever in flight."""
+        return None
+
+    def drain(self) -> None:
+        """Wait until every copy queued on the worker so far has finished."""
+        self._pool.submit(lambda: None).result()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -216,7 +284,7 @@ class CudaTransfer:
         """A pinned staging buffer for the file tier; reused once its last copy has left it."""
         if not self._staging:
             for _ in range(self._n_staging):
-                self._staging.append(torch.empty(numel, dtype=dtype, pin_memory=True))
+                self._staging.append(pinned_empty((numel,), dtype))
                 self._staging_ev.append(None)
         i = self._next
         self._next = (i + 1) % self._n_staging
@@ -409,6 +477,69 @@ class CudaTransfer:
             ev = torch.cuda.Event()
             ev.record(self.wb_stream)
         return ev
+
+    # -- whole tensors: a chunk in, copies out -------------------------------------------------------
+    def load_chunk(self, src: torch.Tensor, after=None) -> Tuple[torch.Tensor, torch.cuda.Event]:
+        """A new device copy of the host tensor ``src`` (pinned: one asynchronous DMA), allocated and copied on
+        the fill stream once event ``after`` (or ``None``) has passed; returns it with its copy's event. Give it
+        to the compute stream with :meth:`take`."""
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return dst, ev
+
+    def take(self, t: torch.Tensor, event) -> torch.Tensor:
+        """``t`` (made on a copy stream, e.g. by :meth:`load_chunk`) for the compute stream: the compute stream
+        waits for ``event`` (never the host) and owns ``t`` from now on (its memory is not reused before the
+        compute stream's work queued with it has run)."""
+        self.wait(event)
+        t.record_stream(torch.cuda.current_stream(self.device))
+        return t
+
+    def _store_stream(self) -> torch.cuda.Stream:
+        return self.wb_stream if self.wb_stream is not None else self.stream
+
+    @contextlib.contextmanager
+    def storing(self, after=None) -> Iterator[Stored]:
+        """Queue device -> host work on the write-back stream (the fill stream for an engine without one): what
+        the block queues runs after the compute stream's work queued so far (what wrote its sources) and after
+        event ``after``. ``s.keep(t)`` holds device tensors made on another stream that the work reads;
+        ``s.event``, set on exit, marks its end: wait on it before the host reads what was copied out."""
+        side = self._store_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            side.wait_event(after)
+        s = Stored(side)
+        with torch.cuda.stream(side):
+            yield s
+            s.event = torch.cuda.Event()
+            s.event.record(side)
+
+    def to_host(self, t: torch.Tensor) -> Tuple[torch.Tensor, torch.cuda.Event]:
+        """A copy of the device tensor ``t`` into a new pinned host buffer, queued by :meth:`storing` (after the
+        kernels that wrote ``t``; ``t`` is held until the copy has run); returns the buffer and the event after
+        which the host may read it."""
+        host = pinned_empty(t.shape, t.dtype)
+        with self.storing() as s:
+            host.copy_(t, non_blocking=True)
+            s.keep(t)
+        return host, s.event
+
+    def record_store(self) -> torch.cuda.Event:
+        """An event after every store queued so far (work that must see their copies waits on it)."""
+        ev = torch.cuda.Event()
+        ev.record(self._store_stream())
+        return ev
+
+    def drain(self) -> None:
+        """Wait on the host until every copy queued on this engine's streams has finished."""
+        self.stream.synchronize()
+        if self.wb_stream is not None:
+            self.wb_stream.synchronize()
 
     def gpu_stall_ms(self) -> float:
         """Sum of the compute stream's waits on loads (resolves the recorded event pairs)."""

@@ -1,9 +1,10 @@
 """The accumulated weight gradient of a CPU-tier LM head (:class:`HeadGradients`, a part of ``HeadTier``).
 
 Gradient chunks arrive from the streamed cross-entropy's backward. By default they go device-to-host
-on a side stream into a pinned ``[V, dim]`` fp32 buffer, added on the GPU to what earlier micro-batches
-accumulated. With ``grad_on_device`` (fp32 or bf16) they stay where they are computed (``dgrad``), and the
-staged step reads them in place. Either way the squared norm of each chunk is summed on the device as it
+on the write-back stream of the partition core's transfer engine into the ``grad`` table of the head's pinned
+CPU tier (``[V, dim]`` fp32), added on the GPU to what earlier micro-batches accumulated. With
+``grad_on_device`` (fp32 or bf16) they stay where they are computed (``dgrad``), and the staged step reads
+them in place. Either way the squared norm of each chunk is summed on the device as it
 arrives and a clipping scale is only recorded (applied by the step), so the host never walks the
 ``[V, dim]`` gradient.
 """
@@ -17,19 +18,15 @@ import torch
 from ds_maximus.vocab.lm_head_update import device_with_index
 
 
-def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    if pin and torch.cuda.is_available() and not t.is_pinned():
-        return t.pin_memory()
-    return t
-
-
 class HeadGradients:
     """Gradient accumulation, norm, scaling and finiteness of :class:`~ds_maximus.vocab.lm_head_tier.HeadTier`
-    (its ``__init__`` sets the attributes used here: ``grad``, ``dgrad``, ``grad_rows``, ``_sq`` ...)."""
+    (its ``__init__`` sets the attributes used here: ``grad``, ``dgrad``, ``grad_rows``, ``_sq`` ..., and it gives
+    the tables of its CPU tier, ``_table(name)``, and the copy engine of a device, ``_transfer(device)``)."""
 
     def _grad_buffer(self) -> torch.Tensor:
+        """The ``grad`` table of the CPU tier (zeros when first used)."""
         if self.grad is None:
-            self.grad = _pin(torch.zeros(self.vocab_size, self.dim, dtype=torch.float32), self.pin)
+            self.grad = self._table("grad")
         return self.grad
 
     def _grads(self) -> Optional[torch.Tensor]:
@@ -92,11 +89,9 @@ class HeadGradients:
             if self._device_update() is not None:
                 self._sq[(lo, hi)] = torch.linalg.vector_norm(buf[lo:hi], dtype=torch.float64).square()
             return
-        side = self._stream(grad.device, "d2h")
-        side.wait_stream(torch.cuda.current_stream(grad.device))
-        if self._step_event is not None:
-            side.wait_event(self._step_event)    # the in-flight step still reads this gradient
-        with torch.cuda.stream(side):
+        # on the write-back stream, after the backward's kernels that made ``grad`` and after an in-flight step,
+        # which still reads this gradient; the host reads ``buf`` only after ``sync`` waited on the event
+        with self._transfer(grad.device).storing(after=self._step_event) as out:
             g = grad.to(torch.float32)
             if not fresh:
                 prev = torch.empty_like(g)
@@ -105,11 +100,8 @@ class HeadGradients:
                 self.counters["bytes_h2d"] += g.numel() * 4
             self._sq[(lo, hi)] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
             buf[lo:hi].copy_(g, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(side)
-        grad.record_stream(side)
-        g.record_stream(side)
-        self._pending.append(ev)
+            out.keep(grad, g)
+        self._pending.append(out.event)
         self.counters["bytes_d2h"] += g.numel() * 4
 
     def sync(self) -> None:
@@ -120,8 +112,8 @@ class HeadGradients:
                 ev.synchronize()
             self.counters["stall_ms"] += (time.perf_counter() - t0) * 1e3
             self._pending.clear()
-        for s in self._streams.values():
-            s.synchronize()
+        for transfer in self._transfers.values():
+            transfer.drain()
         if self._step_event is not None:
             self._step_event.synchronize()
             self._step_event = None

@@ -1,11 +1,13 @@
 """The CPU tier of a ``placement: cpu`` LM head, and the chunk sources of streamed heads.
 
 :class:`HeadTier` keeps the head's fp32 master rows, its AdamW moments and its accumulated gradient
-in (pinned) CPU memory, plus a pinned copy of the rows in the compute dtype (bf16 halves the bytes
+in the partition core's pinned CPU tier (a :class:`~ds_maximus.partition.tier.TensorTier`, each table
+mapped when first used), plus a pinned copy of the rows in the compute dtype (bf16 halves the bytes
 crossing PCIe), refreshed chunk by chunk after each optimizer step. As a :class:`ChunkSource` it
-copies a chunk to the GPU on a side stream (the compute stream waits on an event, never on the
-host); the next chunk's copy is issued while the current one computes, so two chunks are in flight
-at most. Gradient chunks go back the same way (device-to-host on the side stream), added on the GPU
+copies a chunk to the GPU through the core's transfer engine
+(:class:`~ds_maximus.partition.transfer.CudaTransfer`: its fill stream; the compute stream waits on an
+event, never on the host); the next chunk's copy is issued while the current one computes, so two chunks
+are in flight at most. Gradient chunks go back the same way (device-to-host on its write-back stream), added on the GPU
 to what earlier micro-batches accumulated, or stay on the device (``grad_on_device``): that part is
 :class:`~ds_maximus.vocab.lm_head_grads.HeadGradients`.
 
@@ -24,13 +26,27 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ds_maximus.config import EmbeddingOptimizerConfig
-from ds_maximus.vocab.lm_head_grads import HeadGradients, _pin
+from ds_maximus.partition.tier import TensorTier
+from ds_maximus.partition.transfer import CudaTransfer
+from ds_maximus.vocab.lm_head_grads import HeadGradients
 from ds_maximus.vocab.lm_head_update import PendingStep, StagedAdamW, device_with_index
 
+_TABLES = ("weight", "exp_avg", "exp_avg_sq", "grad")  # the fp32 [V, dim] tables of the CPU tier
 
-def _zeros(shape, pin: bool) -> torch.Tensor:
-    """fp32 zeros on the CPU, allocated pinned in place (no second copy) when CUDA is there."""
-    return torch.zeros(shape, dtype=torch.float32, pin_memory=bool(pin and torch.cuda.is_available()))
+
+def _one_piece(tier: TensorTier, name: str, vocab: int, dim: int) -> torch.Tensor:
+    """Table ``name`` of ``tier`` as one ``[vocab, dim]`` tensor (mapped, zeroed, when first used)."""
+    return tier.host_table(name).whole.view(vocab, dim)
+
+
+def _row_tier(vocab: int, dim: int, names, dtype: torch.dtype, pin: bool, what: str) -> TensorTier:
+    """A CPU tier of ``vocab`` rows of ``dim`` elements per name, each table one piece (the step and the
+    chunk copies slice whole tables), pinned when ``pin``; refused before anything is allocated where the
+    host's free memory cannot hold it."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return TensorTier.allocate(vocab, {n: ((dim,), dtype) for n in names}, pin=pin,
+                               piece_bytes=max(1, vocab * dim * item), what=what,
+                               fix="keep the head on the GPU (lm_head.placement = 'gpu') or free host memory")
 
 
 class HeadTier(HeadGradients):
@@ -39,21 +55,18 @@ class HeadTier(HeadGradients):
     def __init__(self, weight: torch.Tensor, chunk_rows: int, optimizer: Optional[EmbeddingOptimizerConfig] = None,
                  pin_memory: bool = True, update_device="auto", update_rows: int = 4096,
                  master_on_device: bool = False, grad_on_device: Optional[torch.dtype] = None):
-        from ds_maximus.partition.host_memory import check_cpu_tier
-        check_cpu_tier(weight.numel() * 4 * 4, f"the {tuple(weight.shape)} head's fp32 master, AdamW moments and "
-                       "gradient", "keep the head on the GPU (lm_head.placement = 'gpu') or free host memory")
-        w = weight.detach().to("cpu", torch.float32).contiguous()
+        self.vocab_size, self.dim = (int(n) for n in weight.shape)
+        self.pin = pin_memory
+        # the whole tier is planned against free host memory before anything is allocated or copied
+        self.host_tier = _row_tier(self.vocab_size, self.dim, _TABLES, torch.float32, self.pin,
+                                   f"the {tuple(weight.shape)} head's fp32 master, AdamW moments and gradient")
         # ``master_on_device`` (placement cpu_optimizer): the fp32 rows move to the compute device on first
         # use and stay there; chunks are cast from them, the step updates them in place, and only the
         # AdamW moments and the gradient live here.
         self.master_on_device = bool(master_on_device)
-        self.vocab_size, self.dim = w.shape
         self.chunk_rows = int(chunk_rows)
-        self.pin = pin_memory
-        if pin_memory and torch.cuda.is_available():
-            self.weight = w.pin_memory()            # a copy
-        else:
-            self.weight = w.clone() if w.data_ptr() == weight.data_ptr() else w
+        self.weight = self._table("weight")
+        self.weight.copy_(weight.detach())     # a copy, in fp32
         self.opt = optimizer or EmbeddingOptimizerConfig()
         # AdamW constants; the engine sets them from the DeepSpeed optimizer unless the config names them
         self.beta1, self.beta2 = (float(b) for b in self.opt.betas)
@@ -69,7 +82,8 @@ class HeadTier(HeadGradients):
         self.step = 0
         self.lr_history: List[float] = []
         self._mirrors: Dict[torch.dtype, torch.Tensor] = {}
-        self._streams: Dict[Tuple[int, str], torch.cuda.Stream] = {}   # (device, "h2d" | "d2h")
+        # per device index: chunk copies in on its fill stream, gradient copies out on its write-back stream
+        self._transfers: Dict[int, CudaTransfer] = {}
         self._staged: Dict[Tuple, Tuple[torch.Tensor, torch.cuda.Event]] = {}
         self._pending: List[torch.cuda.Event] = []
         self.counters = {"rows_fetched": 0, "bytes_h2d": 0, "bytes_d2h": 0, "stall_ms": 0.0}
@@ -117,15 +131,24 @@ class HeadTier(HeadGradients):
         if dtype not in self._mirrors:
             if self._step_event is not None:
                 self.sync()
-            self._mirrors[dtype] = _pin(self.weight.to(dtype), self.pin)
+            tier = _row_tier(self.vocab_size, self.dim, ("weight",), dtype, self.pin,
+                             f"the ({self.vocab_size}, {self.dim}) head's {dtype} copy of its rows")
+            mirror = _one_piece(tier, "weight", self.vocab_size, self.dim)
+            mirror.copy_(self.weight)           # the same cast as weight.to(dtype)
+            self._mirrors[dtype] = mirror
         return self._mirrors[dtype][lo:hi]
 
-    def _stream(self, device: torch.device, kind: str) -> torch.cuda.Stream:
-        """One side stream per direction, so weight copies in and gradient copies out overlap."""
+    def _table(self, name: str) -> torch.Tensor:
+        """Table ``name`` of the CPU tier (one of ``_TABLES``) as one ``[V, dim]`` fp32 tensor."""
+        return _one_piece(self.host_tier, name, self.vocab_size, self.dim)
+
+    def _transfer(self, device: torch.device) -> CudaTransfer:
+        """The copy engine of CUDA ``device`` (one per device): chunks in on its fill stream and gradients out
+        on its write-back stream, so the two directions overlap."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        if (idx, kind) not in self._streams:
-            self._streams[(idx, kind)] = torch.cuda.Stream(device=idx)
-        return self._streams[(idx, kind)]
+        if idx not in self._transfers:
+            self._transfers[idx] = CudaTransfer(torch.device("cuda", idx), timing=False, write_back=True)
+        return self._transfers[idx]
 
     def _ensure_master(self, device: torch.device) -> bool:
         """Move the fp32 master to ``device`` (cpu_optimizer, once); True when it lives there."""
@@ -135,6 +158,7 @@ class HeadTier(HeadGradients):
         if self.weight.device != device:
             self.sync()
             self.weight = self.weight.to(device)
+            self.host_tier.release("weight")    # the device copy is the master from now on
             self._mirrors.clear()
         return True
 
@@ -151,15 +175,8 @@ class HeadTier(HeadGradients):
         if device.type != "cuda" or key in self._staged:
             return
         host = self.host_rows(lo, hi, dtype)
-        side = self._stream(device, "h2d")
-        if self._step_event is not None:
-            side.wait_event(self._step_event)    # the mirror is written by an in-flight step
-        with torch.cuda.stream(side):
-            t = torch.empty(host.shape, dtype=dtype, device=device)
-            t.copy_(host, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(side)
-        self._staged[key] = (t, ev)
+        # after an in-flight step, which writes the mirror
+        self._staged[key] = self._transfer(device).load_chunk(host, after=self._step_event)
         self.counters["rows_fetched"] += hi - lo
         self.counters["bytes_h2d"] += host.numel() * host.element_size()
 
@@ -180,9 +197,7 @@ class HeadTier(HeadGradients):
         if key not in self._staged:
             self.prefetch(lo, hi, device, dtype)
         t, ev = self._staged.pop(key)
-        torch.cuda.current_stream(device).wait_event(ev)
-        t.record_stream(torch.cuda.current_stream(device))
-        return t
+        return self._transfer(device).take(t, ev)
 
     # -- optimizer -----------------------------------------------------------------------------
     def step_(self, lr: Optional[float], weight_decay: Optional[float]) -> bool:
@@ -203,8 +218,8 @@ class HeadTier(HeadGradients):
         wd = float(wd or 0.0)
         b1, b2 = self.beta1, self.beta2
         if self.exp_avg is None:
-            self.exp_avg = _zeros(self.weight.shape, self.pin)
-            self.exp_avg_sq = _zeros(self.weight.shape, self.pin)
+            self.exp_avg = self._table("exp_avg")
+            self.exp_avg_sq = self._table("exp_avg_sq")
         self.step += 1
         if dev is not None:
             self._step_on_device(dev, float(lr), wd, b1, b2)
@@ -231,10 +246,9 @@ class HeadTier(HeadGradients):
             self._staged_opt = StagedAdamW(dev, min(self.update_rows, self.vocab_size), self.dim)
         after = reads = None
         if dev.type == "cuda":
-            key = (dev.index if dev.index is not None else torch.cuda.current_device(), "d2h")
-            if key in self._streams:              # the backward's gradient copies
-                after = torch.cuda.Event()
-                after.record(self._streams[key])
+            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+            if idx in self._transfers:            # the backward's gradient copies
+                after = self._transfers[idx].record_store()
             self._pending.clear()
             if self._step_event is not None:
                 self._staged_opt.h2d.wait_event(self._step_event)
@@ -283,9 +297,10 @@ class HeadTier(HeadGradients):
             v = d.get(name)
             if v is None:
                 setattr(self, name, None)
+                self.host_tier.release(name)     # zeros again when a step next needs it
             else:
                 if getattr(self, name) is None:
-                    setattr(self, name, torch.zeros_like(self.weight, device="cpu"))
+                    setattr(self, name, self._table(name))
                 getattr(self, name).copy_(v)
         self.step = int(d["step"])
         self.lr_history = list(d.get("lr_history", []))

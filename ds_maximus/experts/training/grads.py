@@ -36,6 +36,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ds_maximus.partition.transfer import CudaTransfer
+
 
 class ExpertGrads:
     """uid -> flat gradient, fp32 or a single bf16 one (on the compute device, or on the CPU after an eviction)."""
@@ -48,7 +50,7 @@ class ExpertGrads:
         self._left: Dict[int, Tuple[object, Tensor, Tensor]] = {}  # host uid -> (copy event, |g|^2, finite)
         self._factor: Dict[int, float] = {}  # uid -> pending scale (host gradients, and bf16 ones)
         self.moved_to_host = 0
-        self._out: Optional[torch.cuda.Stream] = None  # the copies out (made when first needed)
+        self._out: Optional[CudaTransfer] = None  # the copies out, on its write-back stream (made when first needed)
         self._unit = 0  # bytes of a gradient as the backward makes it: the unit of max_on_device
 
     def __bool__(self) -> bool:
@@ -117,9 +119,9 @@ class ExpertGrads:
         """Device gradients in units of one as the backward makes it (an fp32 sum in a bf16 run counts two)."""
         return sum(max(1.0, self.g[u].element_size() * self.g[u].numel() / self._unit) for u in self._recent)
 
-    def _out_stream(self, device: torch.device):
+    def _out_transfer(self, device: torch.device) -> CudaTransfer:
         if self._out is None:
-            self._out = torch.cuda.Stream(device)
+            self._out = CudaTransfer(device, timing=False, write_back=True)
         return self._out
 
     def factor(self, uid: int) -> float:
@@ -151,14 +153,8 @@ class ExpertGrads:
         t = self.g[uid]
         norm_sq, finite = _dot(t), torch.isfinite(t).all()  # on the device, before it leaves
         host, ev = t, None                                           # a CPU run: already there
-        if t.is_cuda:  # on a stream of its own: the backward's kernels do not queue behind the copy
-            self._out_stream(t.device)
-            self._out.wait_stream(torch.cuda.current_stream(t.device))
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            with torch.cuda.stream(self._out):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(self._out)
-            ev = self._out.record_event()
+        if t.is_cuda:  # on the write-back stream: the backward's kernels do not queue behind the copy
+            host, ev = self._out_transfer(t.device).to_host(t)  # into pinned memory, after what wrote t
         self.g[uid] = host
         self._left[uid] = (ev, norm_sq, finite)
         self.moved_to_host += 1
