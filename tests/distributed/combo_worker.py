@@ -10,7 +10,11 @@ A configuration (a dict in the spec's list) names: ``key``, ``model`` (``llama``
 (shard mode), ``stage`` (ZeRO), ``gas``, ``tie`` (tied head), ``steps``, ``batch`` (global batch per optimizer
 step), ``prefetch`` (iterate through :func:`ds_maximus.integrations.hf.lookahead`), ``save_at``/``save_dir``
 (checkpoint after that step), ``resume_dir``/``resume_tag`` (load it first and train on), ``expect_error``
-(the resume must fail: the error's type and message are recorded).
+(the resume must fail: the error's type and message are recorded), ``head`` (``"streamed"``: the ``lm_head``
+section's CPU tier, ``placement: cpu``, streams the loss chunk by chunk; else the model's own head), ``peft``
+(the model wrapped by ``peft.get_peft_model``: LoRA on the blocks, ``modules_to_save=["embed_tokens", "lm_head"]``,
+the trained embedding copy swapped; with ``tie``, ``ensure_weight_tying`` keeps one trained copy that the head
+reads; after training ``ds_maximus.save_peft`` writes the adapter, whose tensors rank 0 records).
 """
 import argparse
 import json
@@ -23,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 SEQLEN = 16
 PER_RANK = ("hit_rate", "stall_ms", "owner_hit_rate", "owner_serve_ms", "table_bytes")  # each rank's, gathered
+PEFT_EMB = "base_model.model.model.embed_tokens"   # PEFT's wrapper of the table, and of the head
+PEFT_HEAD = "base_model.model.lm_head"
 
 
 def _data(c: dict):
@@ -41,7 +47,37 @@ def _section(c: dict) -> dict:
         from tests.experts.training.moe_utils import moe_section
         sec = {**moe_section(slots=3), "embedding": sec["embedding"]}
     sec["distributed"] = {"shard_mode": c["mode"], "master_rank": c.get("master_rank", 0), "timeout_s": 120}
+    if c.get("peft"):  # the trained copy inside PEFT's wrapper, found by size (the frozen original is skipped)
+        from tests.engine.llama_utils import VOCAB
+        sec["embedding"] = {**sec["embedding"], "modules": [], "min_rows": VOCAB}
+    if c.get("head") == "streamed":
+        sec["lm_head"] = {"enabled": True, "placement": "cpu", "chunk_rows": 128}
     return sec
+
+
+def _peft(model, tie: bool):
+    """LoRA on attention and MLP projections (B != 0: it trains from the first step), both tables trained in full
+    (a tied model: one trained copy, ``ensure_weight_tying``)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                     modules_to_save=["embed_tokens"] if tie else ["embed_tokens", "lm_head"],
+                     ensure_weight_tying=tie, init_lora_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # PEFT's warning about untying a tied model
+        return get_peft_model(model, cfg)
+
+
+def _table(engine):
+    """The swapped embedding (inside PEFT's wrapper for a PEFT model)."""
+    m = engine.module
+    return m.get_submodule(PEFT_EMB).modules_to_save["default"] if hasattr(m, "peft_config") else m.model.embed_tokens
+
+
+def _head(engine):
+    m = engine.module
+    return m.get_submodule(PEFT_HEAD).modules_to_save["default"] if hasattr(m, "peft_config") else m.lm_head
 
 
 def _engine(c: dict, micro: int, seed: int, scramble_table: bool = False):
@@ -55,8 +91,11 @@ def _engine(c: dict, micro: int, seed: int, scramble_table: bool = False):
     if scramble_table:
         with torch.no_grad():
             model.model.embed_tokens.weight.normal_(generator=torch.Generator().manual_seed(7))
+    if c.get("peft"):
+        model = _peft(model, c.get("tie", False))
     cfg = ds_config(c["stage"], "fp32", gas=c["gas"], micro=micro, clip=0.5, maximus=_section(c))
-    engine, *_ = ds_maximus.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = ds_maximus.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 
@@ -65,6 +104,8 @@ def _dense(engine) -> dict:
     import deepspeed
     names = ("model.norm.weight", "model.layers.1.self_attn.o_proj.weight", "lm_head.weight")
     params = dict(engine.module.named_parameters())
+    if hasattr(engine.module, "peft_config"):  # the trained ones: LoRA weights and the head's trained copy
+        names = tuple(n for n, p in params.items() if p.requires_grad and "maximus_" not in n)
     out = {}
     for n in names:
         p = params.get(n)
@@ -72,6 +113,9 @@ def _dense(engine) -> dict:
             continue
         with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
             out[n] = p.detach().float().cpu().clone()
+    head = _head(engine)
+    if getattr(head, "owns_weights", False):  # a CPU-tier head: its rows are no parameter
+        out["lm_head.weight"] = head.full_weight().float().cpu().clone()
     moe = getattr(engine, "maximus", None) and engine.maximus.modules.get("moe")
     if moe is not None:
         for g in range(moe.num_layers):
@@ -80,10 +124,22 @@ def _dense(engine) -> dict:
     return out
 
 
+def _saved_adapter(engine, rank: int) -> dict:
+    """``ds_maximus.save_peft``'s adapter tensors (every rank takes part: whole tables are gathered; rank 0 writes
+    and reads them back)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    import ds_maximus
+    with tempfile.TemporaryDirectory() as d:
+        ds_maximus.save_peft(engine, d)
+        return load_file(os.path.join(d, "adapter_model.safetensors")) if rank == 0 else {}
+
+
 def run_config(c: dict, rank: int, world: int) -> dict:
     """Train configuration ``c`` on this rank; returns losses per optimizer step, the table and dense params."""
     from ds_maximus.integrations.hf import lookahead
-    from tests.engine.llama_utils import embedding_weight
     gas = c["gas"]
     micro = c["batch"] // (world * gas)
     assert micro * world * gas == c["batch"], (c, world)
@@ -121,11 +177,13 @@ def run_config(c: dict, rank: int, world: int) -> dict:
             step = start + len(losses)
             if c.get("save_at") == step and c.get("save_dir"):
                 engine.save_checkpoint(c["save_dir"], tag=f"step{step}")
-    emb = engine.module.model.embed_tokens
+    emb = _table(engine)
     stats = dict(emb.stats())
-    out = {"losses": losses, "embedding": embedding_weight(engine), "dense": _dense(engine),
+    out = {"losses": losses, "embedding": emb.full_weight().float().cpu(), "dense": _dense(engine),
            "start": start, "steps": engine.maximus.steps, "stats": stats, "type": type(emb).__name__,
-           "head": type(engine.module.lm_head).__name__}
+           "head": type(_head(engine)).__name__, "head_placement": getattr(_head(engine), "placement", None)}
+    if c.get("peft"):
+        out["adapter"] = _saved_adapter(engine, rank)
     if world > 1:  # every rank's hit rate and stall (rank 0 writes the results)
         per = torch.tensor([stats.get(k, -1.0) for k in PER_RANK], dtype=torch.float64, device=engine.device)
         got = [torch.zeros_like(per) for _ in range(world)]

@@ -1,7 +1,9 @@
 """Shard modes in combination, under the ``deepspeed`` launcher on CPU ranks (gloo): 2 ranks equal 1 rank with
 the same global batch (tiny Llama, fp32, exact AdamW, clipping on) for partitioned, broadcast and replicated, with
 tied and untied heads, gradient accumulation 1 and 4, ZeRO-1/2/3, and a Mixtral whose experts train as partitions
-beside a partitioned table; exact prefetch in partitioned mode; checkpoints moving between rank counts.
+beside a partitioned table; exact prefetch in partitioned mode; checkpoints moving between rank counts; the LM
+head streamed from its CPU tier (``lm_head.placement: cpu``) beside every mode; PEFT models (LoRA, both tables in
+``modules_to_save``, or one tied copy) in every mode, whose ``save_peft`` adapter holds the trained tables.
 
 CI runs one launch of 2 ranks (many configurations in sequence: start-up costs more than their steps on 2
 cores) and the 1-rank references in this process; every combination of mode x head x accumulation x stage, and
@@ -36,12 +38,38 @@ CI_COMBOS = [
     cfg("replicated_tied_gas4_z3", "replicated", 3, 4, True),
     cfg("replicated_gas1_z2", "replicated", 2, 1),
     cfg("moe_partitioned_gas1_z2", "partitioned", 2, 1, model="mixtral"),
+    cfg("partitioned_streamed_head_gas1_z2", "partitioned", 2, 1, head="streamed"),
+    cfg("partitioned_peft_gas4_z1", "partitioned", 1, 4, peft=True),
+    cfg("broadcast_peft_gas1_z3", "broadcast", 3, 1, peft=True),
 ]
 MODES = ("partitioned", "broadcast", "replicated")
 
 
 def ref_key(c):
-    return (c.get("model", "llama"), c["stage"], c["gas"], bool(c.get("tie")))
+    return (c.get("model", "llama"), c["stage"], c["gas"], bool(c.get("tie")), c.get("head"), bool(c.get("peft")))
+
+
+def head_of(c):
+    """The head's class and placement: a tied head reads the swapped table; a streamed one its CPU tier."""
+    if c["tie"]:
+        return "ShardedLMHead", "tied"
+    return ("ShardedLMHead", "cpu") if c.get("head") == "streamed" else ("Linear", None)
+
+
+PEFT_EMB, PEFT_HEAD = "base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"
+
+
+def check_adapter(got, c):
+    """``save_peft``'s adapter (written on 2 ranks) holds the trained tables whole and the trained LoRA weights."""
+    saved = got["adapter"]
+    torch.testing.assert_close(saved[PEFT_EMB], got["embedding"], rtol=0, atol=0)
+    head = got["embedding"] if c["tie"] else got["dense"]["lm_head.weight" if c.get("head") == "streamed" else
+                                                          "base_model.model.lm_head.modules_to_save.default.weight"]
+    torch.testing.assert_close(saved[PEFT_HEAD], head, rtol=0, atol=0)
+    lora = [n for n in got["dense"] if ".lora_" in n]
+    assert len(lora) == 12, lora   # A and B of 3 projections in 2 layers
+    for n in lora:
+        torch.testing.assert_close(saved[n.replace(".default.", ".")], got["dense"][n], rtol=0, atol=0)
 
 
 def run_refs(combos, tmp):
@@ -112,8 +140,13 @@ def test_two_ranks_equal_one(ci, key):
     assert got["steps"] == STEPS and len(got["losses"]) == STEPS
     assert got["type"] == {"partitioned": "PartitionedEmbedding", "broadcast": "BroadcastEmbedding",
                            "replicated": "ShardedEmbedding"}[c["mode"]]
-    assert got["head"] == ("ShardedLMHead" if c["tie"] else "Linear")  # a tied head reads the swapped table
+    assert (got["head"], got["head_placement"]) == head_of(c)
     close(got, ci["refs"][ref_key(c)])
+
+
+@pytest.mark.parametrize("key", [c["key"] for c in CI_COMBOS if c.get("peft")])
+def test_peft_adapter_saved_on_two_ranks_holds_the_trained_tables(ci, key):
+    check_adapter(ci["two"][key], next(c for c in CI_COMBOS if c["key"] == key))
 
 
 @pytest.mark.parametrize("key", [c["key"] for c in CI_COMBOS if c["mode"] == "broadcast"])
@@ -224,4 +257,32 @@ def test_every_combination_on_two_ranks_and_a_subset_on_four(tmp_path):
                 close(got, refs[ref_key(base)], start=start)
             except AssertionError as e:
                 failed.append(f"{m} {what}: {e}")
+    assert not failed, "\n".join(failed)
+
+
+# -- slow: the streamed head and PEFT in every mode ------------------------------------------------------------
+HEAD_PEFT_COMBOS = (
+    [cfg(f"{m}_streamed_head_{'tied' if t else 'untied'}_gas{g}_z{z}", m, z, g, t, head="streamed")
+     for m in MODES for t in (False, True) for g, z in ((1, 1), (4, 3))]
+    + [cfg(f"{m}_peft_{'tied' if t else 'untied'}_gas{g}_z{z}", m, z, g, t, peft=True)
+       for m in MODES for t in (False, True) for g, z in ((1, 2), (4, 3))]
+    + [cfg(f"{m}_peft_streamed_head_gas4_z2", m, 2, 4, peft=True, head="streamed") for m in MODES])
+
+
+@pytest.mark.slow
+def test_streamed_head_and_peft_in_every_mode(tmp_path):
+    launch(2, WORKER, "--spec", write_spec(tmp_path, "two", HEAD_PEFT_COMBOS), "--out", tmp_path / "two.pt",
+           timeout=1800)
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    refs = run_refs(HEAD_PEFT_COMBOS, tmp_path)
+    failed = []
+    for c in HEAD_PEFT_COMBOS:
+        got = two[c["key"]]
+        try:
+            assert (got["head"], got["head_placement"]) == head_of(c), (got["head"], got["head_placement"])
+            close(got, refs[ref_key(c)])
+            if c.get("peft"):
+                check_adapter(got, c)
+        except AssertionError as e:
+            failed.append(f"{c['key']}: {e}")
     assert not failed, "\n".join(failed)
