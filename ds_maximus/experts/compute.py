@@ -23,7 +23,9 @@ from typing import Callable, List, Sequence
 
 import torch
 
+from ds_maximus.experts import quant
 from ds_maximus.experts.adapters.projection import FusedExpertsForm, batched_linear, eager_linear, grouped_linear
+from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 from ds_maximus.ops import to_device
 
 
@@ -81,11 +83,22 @@ def _pairs_of(pairs: Sequence[int], k: int, experts: Sequence[int]):
     return out
 
 
+def _expert_linear(ctx: ExpertComputeContext, x: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
+    """One projection of one expert from its slot: the HF eager ``linear``, or, for a packed (quantized) slot,
+    ``x @ dequantize(W)^T`` accumulated in fp32 (the Triton kernel on CUDA, the reference elsewhere) and
+    rounded to ``x``'s dtype, as a plain model holding the dequantized weights computes it."""
+    lay = ctx.layout
+    if isinstance(lay, QuantizedExpertLayout):
+        return quant.linear(x, lay.view(flat, name)).to(x.dtype)
+    bias = lay.view(flat, name + "_bias") if ctx.form.has_bias else None
+    return eager_linear(x, lay.view(flat, name), bias, ctx.form)
+
+
 def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor, used: Sequence[int], pairs: Sequence[int]) -> torch.Tensor:
-    """The ``eager`` loop: experts in ascending id, ``index_add_`` into a zero tensor."""
+    """The ``eager`` loop: experts in ascending id, ``index_add_`` into a zero tensor (the one loop for packed
+    slots: the grouped forms need a stack of exact weights)."""
     final = torch.zeros_like(hidden)
-    lay = ctx.layout
     where = _pairs_of(pairs, top_k_index.size(-1), used)
     for chunk in rounds(used, ctx.cache.slots_per_group):
         slots = ctx.acquire(chunk)
@@ -94,10 +107,8 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
                 top_k_pos, token_idx = to_device(torch.tensor(where[e], dtype=torch.long), hidden.device)
                 cur = hidden[token_idx]
                 flat = ctx.flat(s)
-                b = {n: lay.view(flat, n + "_bias") if ctx.form.has_bias else None
-                     for n in ("gate_up_proj", "down_proj")}
-                h = ctx.apply_gate(eager_linear(cur, lay.view(flat, "gate_up_proj"), b["gate_up_proj"], ctx.form))
-                h = eager_linear(h, lay.view(flat, "down_proj"), b["down_proj"], ctx.form)
+                h = ctx.apply_gate(_expert_linear(ctx, cur, flat, "gate_up_proj"))
+                h = _expert_linear(ctx, h, flat, "down_proj")
                 h = h * top_k_weights[token_idx, top_k_pos, None]
                 final.index_add_(0, token_idx, h.to(final.dtype))
         finally:

@@ -8,8 +8,9 @@ routed at most ``cpu_compute_max_tokens`` tokens (a prefill's crowded experts go
 once the copy is shared by many tokens).
 
 The result equals the GPU path's within fp32-accumulation tolerances: the host computes each expert's
-SwiGLU in fp32 from the same weights, scales it by the same routing weight, and adds it into the layer's output
-in the model's dtype (the order of the additions differs from the eager loop's).
+SwiGLU in fp32 from the same weights (exact, or the quantized tier's packed form, decoded in the op), scales it by
+the same routing weight, and adds it into the layer's output in the model's dtype (the order of the additions
+differs from the eager loop's).
 
 Works with fused SwiGLU experts (``gate_up_proj`` ``[2F, H]`` with the gate rows first, ``down_proj``
 ``[H, F]``, SiLU, no biases: Mixtral, Qwen2-MoE, Qwen3-MoE) on a CPU tier; anything else is refused with a
@@ -31,8 +32,9 @@ from torch import Tensor
 
 from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.errors import ConfigError
-from ds_maximus.experts.layout import ExpertLayout
+from ds_maximus.experts.quant import QuantizedTensor
 from ds_maximus.ops import expert_cpu
+from ds_maximus.ops.expert_cpu import Weight
 
 _SILU = ("SiLU", "SiLUActivation")
 
@@ -46,7 +48,7 @@ class HostExpertCompute:
 
     def __init__(self, store, num_experts: int, mode: ExpertCPUCompute, max_tokens: int = 8):
         self.store = store
-        self.layout: ExpertLayout = store.layout
+        self.layout = store.layout  # ExpertLayout, or QuantizedExpertLayout (moe.quant)
         self.num_experts = int(num_experts)
         self.mode = ExpertCPUCompute(mode)
         self.max_tokens = int(max_tokens)
@@ -83,11 +85,15 @@ class HostExpertCompute:
             missed = [e for e in missed if counts[e] <= self.max_tokens]
         return missed
 
-    def weights(self, uid: int) -> Tuple[Tensor, Tensor, Tensor]:
-        """``(w1, w3, w2)`` of expert ``uid``: views of its CPU-tier buffer (gate rows, up rows, down)."""
+    def weights(self, uid: int) -> Tuple[Weight, Weight, Weight]:
+        """``(w1, w3, w2)`` of expert ``uid``: views of its CPU-tier buffer (gate rows, up rows, down); with
+        ``moe.quant`` three :class:`~ds_maximus.experts.quant.QuantizedTensor` of the packed form, which the op
+        decodes row by row."""
         flat = self.store.host_view(uid)
         gate_up = self.layout.view(flat, "gate_up_proj")
         ffn = gate_up.shape[0] // 2
+        if isinstance(gate_up, QuantizedTensor):
+            return gate_up.rows(0, ffn), gate_up.rows(ffn, 2 * ffn), self.layout.view(flat, "down_proj")
         return gate_up[:ffn], gate_up[ffn:], self.layout.view(flat, "down_proj")
 
     def forward(self, group: int, hidden: Tensor, top_k_weights: Tensor, experts: Sequence[int],

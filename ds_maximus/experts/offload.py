@@ -4,7 +4,9 @@ Every fused-experts module (``block.experts``) is replaced by :class:`OffloadedE
 no expert weights: they live in the CPU tier (one pinned flat buffer per expert) or on NVMe, and a
 per-layer :class:`ExpertCache` on the compute device holds ``gpu_experts_per_layer`` of them.
 Routing, the router, attention and every other weight stay where they were; ``model.generate()``
-works unchanged and gives the same tokens and logits as before.
+works unchanged and gives the same tokens and logits as before. With ``moe.quant`` the experts are quantized once
+as they enter the tier, which, the slots and the link then hold only their packed form
+(:mod:`ds_maximus.experts.quant_layout`); the outputs are those of the model holding the dequantized weights.
 
     >>> import torch
     >>> from transformers import MixtralConfig, MixtralForCausalLM
@@ -36,6 +38,7 @@ from ds_maximus.experts.cpu_compute import HostExpertCompute
 from ds_maximus.experts.expert_cache import ExpertCache
 from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.experts.layout import ExpertLayout
+from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 from ds_maximus.partition.host_memory import HostMemoryPlan, HostTier, TierDemand
 
 log = logging.getLogger(__name__)
@@ -106,6 +109,7 @@ class MoEOffload:
         self._t_last: Optional[float] = None
         self.modules: List[OffloadedExperts] = []
         self.host_compute: Optional[HostExpertCompute] = None  # moe.cpu_compute: missed experts on the host
+        self.quantized = isinstance(cache.layout, QuantizedExpertLayout)  # moe.quant: slots hold the packed form
 
     # -- the forward of one layer -------------------------------------------------------------
     def _prefetch_plan(self, group: int, hidden: torch.Tensor):
@@ -149,6 +153,8 @@ class MoEOffload:
         if votes:
             ctx.on_first_acquire = lambda: self._issue_prefetch(group + 1, votes)
         impl = getattr(getattr(mod._original, "config", None), "_experts_implementation", "eager")
+        if self.quantized:
+            impl = "eager"  # packed slots: one fused dequant-GEMM per expert and projection (compute._expert_linear)
         if on_host:  # the resident experts by the eager loop (the grouped forms need every routed row)
             out = compute.eager_forward(ctx, hidden, top_k_index, top_k_weights, used, pairs)
             prefetch, ctx.on_first_acquire = ctx.on_first_acquire, None
@@ -180,13 +186,18 @@ class MoEOffload:
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Hit rate, prefetch precision/recall, bytes moved, stall ms, tokens/s (host clock)."""
+        """Hit rate, prefetch precision/recall, bytes moved, stall ms, tokens/s (host clock); with ``moe.quant``
+        ``quant_bits``, and ``expert_bytes`` (what one expert moves) beside ``expert_bytes_exact`` (what it would
+        move in the model's dtype)."""
         s = self.cache.stats()
         span = (self._t_last - self._t_first) if self._t_first and self._t_last else 0.0
         s["tokens"] = self._tokens
         s["tokens_per_s"] = self._tokens / span if span > 0 else 0.0
         s["tier"] = self.cache.store.tier
         s["speculative_prefetch"] = self.speculative_prefetch
+        lay = self.cache.layout
+        s["quant_bits"] = lay.bits if self.quantized else None
+        s["expert_bytes_exact"] = lay.exact_nbytes if self.quantized else lay.nbytes
         if self.host_compute is not None:
             s.update(self.host_compute.stats())
         return s
@@ -203,6 +214,27 @@ class MoEOffload:
         self.cache.store.close()
 
 
+def _quantized_layout(layout: ExpertLayout, cfg: MoEConfig, block: MoEBlockInfo, device) -> QuantizedExpertLayout:
+    """The packed layout of ``moe.quant``, or a ``ConfigError`` saying why these experts cannot be quantized."""
+    name = type(block.experts).__name__
+    if block.form.is_transposed or block.form.has_bias:
+        raise ConfigError(f"moe.quant supports fused experts stored [out, in] without biases; {name} stores "
+                          f"{'transposed ' if block.form.is_transposed else ''}projections"
+                          f"{' with biases' if block.form.has_bias else ''}: set quant.bits to null",
+                          "maximus.moe.quant")
+    if set(layout.names) != {"gate_up_proj", "down_proj"}:
+        raise ConfigError(f"moe.quant quantizes experts made of gate_up_proj and down_proj; {name} has "
+                          f"{sorted(layout.names)}: set quant.bits to null", "maximus.moe.quant")
+    if torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401  (the kernel that decodes the codes inside the expert GEMM)
+        except ImportError:
+            raise ConfigError("moe.quant on a CUDA device computes the experts with a Triton kernel, and triton is "
+                              "not installed: pip install triton, or set quant.bits to null",
+                              "maximus.moe.quant") from None
+    return QuantizedExpertLayout.from_layout(layout, cfg.quant.bits, cfg.quant.group_size)
+
+
 def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     """Move every fused-experts module of ``model`` into the expert cache; returns the handle.
 
@@ -210,10 +242,6 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     (dict or JSON path) with a ``"maximus"`` section. Call it after placing the model on its device.
     """
     cfg, io_cfg = _resolve(config)
-    if cfg.quant.bits is not None:
-        raise ConfigError(f"moe.quant.bits={cfg.quant.bits}: offload_experts keeps its experts exact (bf16); the "
-                          "quantized format and kernels (ds_maximus.experts.quant, docs/moe_inference.md) are not in "
-                          "the expert cache yet; set bits to null")
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ConfigError(f"{type(model).__name__} has no MoE block with fused experts (gate_up_proj/down_proj); "
@@ -225,6 +253,8 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
             raise ConfigError(f"MoE block '{b.name}' differs in expert count or shapes from '{blocks[0].name}'; "
                               "layers with different experts are not supported")
     device = blocks[0].router.weight.device
+    if cfg.quant.bits is not None:
+        layout = _quantized_layout(layout, cfg, blocks[0], device)
     slots = cfg.gpu_experts_per_layer
     if cfg.gpu_expert_bytes is not None:
         slots = max(1, cfg.gpu_expert_bytes // layout.nbytes)
@@ -255,7 +285,10 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
         for gi, b in enumerate(blocks):
             tensors = b.expert_tensors()
             for e in range(E):
-                store.write(gi * E + e, {name: t[e] for name, t in tensors.items()})
+                expert = {name: t[e] for name, t in tensors.items()}
+                if handle.quantized:  # quantized on the compute device (fast; only the packed bytes go to the tier)
+                    expert = {name: t.to(device) for name, t in expert.items()}
+                store.write(gi * E + e, expert)
             del tensors
             original = b.experts
             for name in b.expert_tensors():

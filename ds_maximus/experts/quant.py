@@ -67,6 +67,16 @@ class QuantizedTensor:
         parts = (t.to(device, non_blocking=non_blocking) for t in (self.packed, self.scales, self.zeros))
         return QuantizedTensor(*parts, shape=self.shape, bits=self.bits, group_size=self.group_size, dtype=self.dtype)
 
+    def rows(self, start: int, stop: int) -> "QuantizedTensor":
+        """Rows ``start:stop`` as views (a row's codes, scales and offsets are its own: no re-quantization).
+
+        >>> q = quantize(torch.randn(6, 16), 4, 8)
+        >>> torch.equal(dequantize(q.rows(2, 5)), dequantize(q)[2:5])
+        True
+        """
+        return QuantizedTensor(self.packed[start:stop], self.scales[start:stop], self.zeros[start:stop],
+                               (stop - start, self.shape[1]), self.bits, self.group_size, self.dtype)
+
 
 def check_layout(shape, bits: int, group_size: int) -> None:
     """Raise ``ValueError`` (what is wrong and what is allowed) unless a ``shape`` weight can be quantized."""
@@ -149,6 +159,22 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> Tensor
     w = codes * q.scales.float()[..., None]
     w = w + q.zeros.float()[..., None]
     return w.reshape(rows, cols).to(dtype)
+
+
+def linear(x: Tensor, q: QuantizedTensor) -> Tensor:
+    """``x @ dequantize(q)^T`` in fp32 (``x [tokens, cols]``), on ``x``'s device: on CUDA the Triton kernel
+    (:func:`ds_maximus.experts.quant_triton.quant_matmul`: the codes are decoded inside the GEMM, no dequantized
+    weight is made), elsewhere the reference (dequantize, then matmul in fp32).
+
+    >>> q = quantize(torch.randn(4, 16), 8, 16)
+    >>> x = torch.randn(2, 16)
+    >>> torch.equal(linear(x, q), x @ dequantize(q).t())
+    True
+    """
+    if x.is_cuda:
+        from ds_maximus.experts.quant_triton import quant_matmul
+        return quant_matmul(x, q)
+    return x.float() @ dequantize(q).t()
 
 
 def swiglu_reference(x: Tensor, w1, w3, w2) -> Tensor:

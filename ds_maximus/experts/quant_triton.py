@@ -10,6 +10,8 @@ CUDA device exist; tested against :func:`ds_maximus.experts.quant.dequantize` by
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ds_maximus.experts.quant import QuantizedTensor
@@ -64,10 +66,17 @@ if triton is not None:
     _quant_matmul_kernel = triton.jit(_quant_matmul_kernel)
 
 
-def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: int = 32, block_k: int = 64) -> torch.Tensor:
+# a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` lives in registers: at most this many fp32 values (64 a
+# thread at 4 warps), so a larger token tile gets fewer output rows
+TILE_ELEMS = 8192
+
+
+def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = None, block_k: int = 64
+                 ) -> torch.Tensor:
     """``x @ dequantize(q)^T`` in fp32 on the GPU: ``x [tokens, cols]`` (any float dtype), ``q`` on the same device.
 
-    Meant for decode (a few tokens; the tokens of a program are one ``BLOCK_T <= 16`` tile); fp32 accumulation.
+    Meant for decode (a few tokens; the tokens of a program are one ``BLOCK_T <= 16`` tile, more tokens run more
+    tiles); fp32 accumulation. ``block_n`` (output rows a program) defaults to what fits ``TILE_ELEMS``.
     """
     if triton is None:
         raise ImportError("quant_matmul needs triton (pip install triton, on a host with a CUDA GPU)")
@@ -80,6 +89,8 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: int = 32, block_k
     T = x.shape[0]
     y = torch.empty(T, rows, dtype=torch.float32, device=x.device)
     block_t = max(2, min(16, triton.next_power_of_2(T)))  # a tile of at least 2 (masked) rows
+    if block_n is None:
+        block_n = max(8, min(32, TILE_ELEMS // (block_t * block_k)))
     grid = (triton.cdiv(rows, block_n), triton.cdiv(T, block_t))
     _quant_matmul_kernel[grid](x, q.packed, q.scales, q.zeros, y, T, rows, cols, q.packed.shape[1],
                                cols // q.group_size, BITS=q.bits, GROUP=q.group_size, BLOCK_T=block_t,

@@ -99,11 +99,23 @@ def test_cpu_compute_refuses_an_nvme_tier(tmp_path):
         offload_experts(tiny_model("mixtral"), cfg)
 
 
-
-def test_quantized_tier_is_refused_not_ignored():
-    """moe.quant is not in the expert cache yet: offload_experts says so instead of running exact bf16 silently."""
-    with pytest.raises(ConfigError, match="quant.bits=4"):
-        offload_experts(tiny_model("mixtral"), {"quant": {"bits": 4}})
+def test_host_forward_from_packed_weights_equals_the_reference():
+    """With moe.quant the CPU tier holds the packed form: the host computes from it (the op decodes the codes) and
+    equals the plain-PyTorch SwiGLU of the dequantized weights (offload with quant + cpu_compute:
+    tests/experts/test_quant_offload.py)."""
+    from ds_maximus.experts.quant import swiglu_reference
+    from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+    exact, t = _store()
+    store = CpuExpertStore(QuantizedExpertLayout.from_layout(exact.layout, 4, 8), 4, pin_memory=False)
+    for e in range(4):
+        store.write(e, {n: v[e] for n, v in t.items()})
+    h = HostExpertCompute(store, 4, ExpertCPUCompute.MISSES)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(2))
+    got = h.forward(0, x, torch.ones(2, 1), [3], {3: ([0, 0], [0, 1])})
+    want = swiglu_reference(x, *h.weights(3))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.allclose(got, swiglu_reference(x, t["gate_up_proj"][3][:24], t["gate_up_proj"][3][24:],
+                                                    t["down_proj"][3]), rtol=1e-3, atol=0)  # 4-bit, not exact
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["misses", "auto"])
