@@ -13,6 +13,7 @@ from ds_maximus.partition.host_memory import (
     PiecedHostTable,
     TierDemand,
     host_tensor,
+    pinned_empty,
 )
 
 
@@ -103,6 +104,24 @@ def test_pieces_are_allocated_on_first_use():
     t = PiecedHostTable(6, 4, torch.bfloat16, piece_bytes=16)  # 2 rows of 8 bytes a piece
     t.row(3)
     assert t.allocated_bytes == 16 and t._pieces[1] is not None and t._pieces[0] is None
+
+
+def test_released_pieces_are_dropped_and_come_back_zeroed():
+    t = PiecedHostTable(6, 4, torch.float32, piece_bytes=32)  # 2 rows a piece
+    t.row(1).fill_(3.0)
+    t.row(4).fill_(5.0)
+    kept = t.row(4)
+    t.release()
+    assert t.allocated_bytes == 0 and t.num_pieces == 3
+    assert float(kept.sum()) == 20.0, "a view taken before the release keeps its memory"
+    assert float(t.row(1).abs().sum()) == 0.0 and t.allocated_bytes == 32
+
+
+def test_pinned_empty_has_the_shape_and_dtype_and_pins_only_with_cuda():
+    t = pinned_empty((3, 5), torch.bfloat16)
+    assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and t.device.type == "cpu"
+    assert t.is_pinned() == torch.cuda.is_available()
+    assert not pinned_empty((2,), pin=False).is_pinned()
 
 
 def test_host_tensor_refuses_more_than_the_host_has_before_mapping(monkeypatch):

@@ -172,6 +172,18 @@ def test_pieced_cpu_tier_allocates_a_piece_when_first_used_and_plans_first(monke
                             reserve_bytes=0)
 
 
+def test_released_table_reads_zeros_and_is_mapped_again():
+    tier = TensorTier.allocate(4, {"weight": ((3,), torch.float32), "exp_avg": ((3,), torch.float32)}, pin=False,
+                               piece_bytes=1 << 20)
+    tier.write(torch.arange(4), {"weight": torch.ones(4, 3), "exp_avg": torch.full((4, 3), 2.0)})
+    whole = tier.tensors["weight"]
+    tier.release("weight")
+    assert tier.host_table("weight").allocated_bytes == 0
+    assert float(whole.sum()) == 12.0, "a view taken before the release keeps its memory"
+    assert float(tier.tensors["weight"].abs().sum()) == 0.0 and tier.tensors["weight"].data_ptr() != whole.data_ptr()
+    assert torch.equal(tier.tensors["exp_avg"], torch.full((4, 3), 2.0)), "the other tables are kept"
+
+
 def test_every_expert_store_keeps_its_experts_in_the_partition_tiers(tmp_path):
     """Inference (CPU, NVMe) and training (CPU, NVMe) expert stores: one of the two tiers each, no other."""
     from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore
