@@ -413,7 +413,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 res_d = res.to(rows.device)
                 self.optimizer.update(w, states, slots[res], rows[res_d], ids[res])
                 self.cache.mark_dirty(slots[res])
-                self._tier_update(ids[~res], rows[~res_d])
+                self._tier_update(ids[~res], rows, torch.from_numpy(np.flatnonzero(~res.numpy())))
         self.grad.clear()
         self._unpin_step()
         self.stats_tracker.end_step(self.cache, touched)
@@ -422,23 +422,30 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             logger.info(format_line(f"ShardedEmbedding({self.num_embeddings}x{self.embedding_dim})", step,
                                     self.stats()))
 
-    def _tier_update(self, ids: Tensor, rows: Tensor) -> None:
-        """Step rows that are not in the cache (another rank's rows in data-parallel training, after the
-        gradient all-reduce). On a GPU they cross to it for the step and back, without taking cache slots:
-        exact mode replays every skipped step per element, which on the CPU cost 104 ms a step at V=262144,
-        d=4096 on 2 H200s (``docs/bench/distributed.md``). Without a GPU they are stepped in the tier."""
+    def _tier_update(self, ids: Tensor, rows: Tensor, where: Tensor) -> None:
+        """Step rows ``ids`` that are not in the cache (another rank's rows in data-parallel training, after the
+        gradient all-reduce; a tied head's gradient reaches every row); their gradient is ``rows[where]``. On a
+        GPU they cross to it for the step and back, without taking cache slots, at most a cache's worth of rows
+        at a time (a whole vocabulary's weights and moments at once would be three more V x d fp32 tables on
+        the device): exact mode replays every skipped step per element, which on the CPU cost 104 ms a step at
+        V=262144, d=4096 on 2 H200s (``docs/bench/distributed.md``). Without a GPU they are stepped in the tier."""
         self.cache._finish_write_backs(block=True)
-        n, dev = ids.numel(), rows.device
-        buf = self.cache._staging(n)  # pinned when the cache is on a GPU
-        self.tier.read(ids, buf)
-        work = {k: v.to(dev, non_blocking=True) for k, v in buf.items()}  # on a CPU: the same tensors
-        self.optimizer.update(work["weight"], [work[k] for k in self.optimizer.state_names],
-                              torch.arange(n, device=dev), rows, ids)
-        if dev.type == "cuda":
-            for k, v in buf.items():
-                v.copy_(work[k], non_blocking=True)
-            torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
-        self.tier.write(ids, buf)
+        dev = rows.device
+        step = max(1, min(int(self.cache.num_slots), ids.numel()))
+        staging = self.cache._staging(step)  # pinned when the cache is on a GPU
+        for lo in range(0, ids.numel(), step):
+            part, n = ids[lo:lo + step], min(step, ids.numel() - lo)
+            grad = rows.index_select(0, where[lo:lo + step].to(dev))
+            buf = {k: v[:n] for k, v in staging.items()}
+            self.tier.read(part, buf)
+            work = {k: v.to(dev, non_blocking=True) for k, v in buf.items()}  # on a CPU: the same tensors
+            self.optimizer.update(work["weight"], [work[k] for k in self.optimizer.state_names],
+                                  torch.arange(n, device=dev), grad, part)
+            if dev.type == "cuda":
+                for k, v in buf.items():
+                    v.copy_(work[k], non_blocking=True)
+                torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
+            self.tier.write(part, buf)
 
     def _resident_catch_up(self, ids: Tensor) -> None:
         self.cache.wait_fills()  # rows in flight (a prefetch) are replayed where they land, not before
