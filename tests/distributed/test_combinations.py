@@ -269,13 +269,28 @@ HEAD_PEFT_COMBOS = (
     + [cfg(f"{m}_peft_streamed_head_gas4_z2", m, 2, 4, peft=True, head="streamed") for m in MODES])
 
 
+# saved on 2 ranks at ZeRO-0 and resumed on 1 in the same mode (2 -> 1)
+HEAD_PEFT_SAVES = [cfg(f"save_{m}_{k}", m, 0, 1, save_at=SAVE_AT, **kw) for m in ("partitioned", "broadcast")
+                   for k, kw in (("streamed_head", {"head": "streamed"}), ("peft", {"peft": True}))]
+
+
 @pytest.mark.slow
 def test_streamed_head_and_peft_in_every_mode(tmp_path):
-    launch(2, WORKER, "--spec", write_spec(tmp_path, "two", HEAD_PEFT_COMBOS), "--out", tmp_path / "two.pt",
+    saves = [{**c, "save_dir": str(tmp_path / c["key"])} for c in HEAD_PEFT_SAVES]
+    launch(2, WORKER, "--spec", write_spec(tmp_path, "two", HEAD_PEFT_COMBOS + saves), "--out", tmp_path / "two.pt",
            timeout=1800)
     two = torch.load(tmp_path / "two.pt", weights_only=False)
-    refs = run_refs(HEAD_PEFT_COMBOS, tmp_path)
+    refs = run_refs(HEAD_PEFT_COMBOS + HEAD_PEFT_SAVES, tmp_path)
+    from tests.distributed.combo_worker import run_config
     failed = []
+    for c in saves:
+        back = run_config({**c, "save_at": 0, "resume_dir": c["save_dir"], "resume_tag": f"step{SAVE_AT}"}, 0, 1)
+        for what, got, start in (("saved on 2", two[c["key"]], 0), ("2 -> 1", back, SAVE_AT)):
+            try:
+                assert got["start"] == start and got["steps"] == STEPS, (got["start"], got["steps"])
+                close(got, refs[ref_key(c)], start=start)
+            except AssertionError as e:
+                failed.append(f"{c['key']} {what}: {e}")
     for c in HEAD_PEFT_COMBOS:
         got = two[c["key"]]
         try:
