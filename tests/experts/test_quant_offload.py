@@ -224,3 +224,20 @@ def test_offload_int8_cuda_bf16_agrees_with_the_bf16_model(cpu_compute):
     err = (logits.float() - logits_ref.float()).abs().max() / logits_ref.float().abs().max()
     assert err < 5e-2, err
     assert (st.get("cpu_experts", 0) > 0) == (cpu_compute == "misses")
+
+
+def test_bench_moe_offload_small_quant_peers(capsys):
+    """The offload benchmark's CPU size with a chosen subset of peers: the int rows carry bytes, error and
+    agreement columns, and the bf16 model's own row agrees with itself exactly."""
+    from benchmarks.bench_moe_offload import main
+    assert main(["--small", "--peers", "full,int4,int8+cpu", "--budget-s", "300"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    header = [c.strip() for c in rows["provider"].split("|")]
+    for name in ("ours int4 (group 64)", "ours int8 (group 64) + cpu_compute=misses"):
+        cells = dict(zip(header, (c.strip() for c in rows[name].split("|"))))
+        assert float(cells["tokens/s"]) > 0 and float(cells["expert MB"]) > 0
+        assert 0 < float(cells["rel err"]) < 0.5 and 0 <= float(cells["token agree"]) <= 1
+    full = dict(zip(header, (c.strip() for c in rows["full model on GPU (HF generate)"].split("|"))))
+    assert float(full["token agree"]) == 1 and float(full["rel err"]) == 0
+    assert not any(n.startswith("ours: ") or n.startswith("hooks") for n in rows)  # only the chosen peers
