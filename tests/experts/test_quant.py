@@ -115,7 +115,7 @@ def test_swiglu_reference_is_the_expert_formula():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 40])
 @pytest.mark.parametrize("rows,cols,group_size", [(4096, 1024, 64), (136, 320, 64), (72, 256, 128)])
 def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_size):
     if not torch.cuda.is_available():
@@ -130,6 +130,37 @@ def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_
     want = x.float() @ dequantize(q).t()
     assert y.shape == (tokens, rows) and y.dtype == torch.float32
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_triton_expert_from_a_packed_slot_equals_reference(bits):
+    """The path offload_experts takes: a Mixtral-shaped (scaled down) expert packed into one uint8 buffer, copied
+    as bytes into the second slot of a CUDA slot table, each projection by quant.linear from views of the slot
+    (storage offsets, fp16 views of uint8 memory), against the fp32 reference of the same packed weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from ds_maximus.experts import quant
+    from ds_maximus.experts.layout import ExpertLayout
+    from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+    g = torch.Generator().manual_seed(bits)
+    H, F = 512, 1792
+    t = {"gate_up_proj": (torch.randn(1, 2 * F, H, generator=g) * 0.02).bfloat16(),
+         "down_proj": (torch.randn(1, H, F, generator=g) * 0.02).bfloat16()}
+    lay = QuantizedExpertLayout.from_layout(ExpertLayout.from_stacked(t, 1), bits, 64)
+    host = lay.pack_(torch.empty(lay.numel, dtype=torch.uint8), {n: v[0] for n, v in t.items()})
+    slots = torch.zeros(3, lay.numel, dtype=torch.uint8, device="cuda")
+    slots[1].copy_(host)
+    for tokens in (1, 5):
+        x = torch.randn(tokens, H, generator=g).bfloat16().cuda()
+        h = quant.linear(x, lay.view(slots[1], "gate_up_proj"))
+        ref_h = x.float() @ dequantize(lay.view(host, "gate_up_proj")).cuda().t()
+        torch.testing.assert_close(h, ref_h, rtol=1e-4, atol=1e-4 * ref_h.abs().max().item())
+        a = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]).bfloat16()
+        y = quant.linear(a, lay.view(slots[1], "down_proj"))
+        ref_y = a.float() @ dequantize(lay.view(host, "down_proj")).cuda().t()
+        torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4 * ref_y.abs().max().item())
 
 
 def test_bench_moe_quant_error_small_runs(capsys):
