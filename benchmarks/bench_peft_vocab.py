@@ -1,12 +1,24 @@
 """LoRA on the blocks + the full 262K vocabulary trained, under 16 GiB: ours against plain PEFT's ways of doing it.
 
-    python -m benchmarks.bench_peft_vocab --out bench_out/peft_vocab.md            # H200, real shapes
+    python -m benchmarks.bench_peft_vocab --out bench_out/peft_vocab.md            # H200, real shapes, every peer
     python -m benchmarks.bench_peft_vocab --small                                  # CPU, tiny shapes, < 1 min
 
-Every peer runs in its own subprocess (an OOM or a DeepSpeed engine must not poison the next) on the same
-data (``--batch`` x ``--seq`` Zipf ids a step, the same seed), bf16 (fp32 in ``--small``), gradient
-checkpointing, LoRA r=16 on every projection, DeepSpeed ZeRO-2 with fp32 masters of the trained parameters
-and torch AdamW.
+Commands for one GPU call of 600 s (each peer its own process, the run held to ``--budget-s``):
+
+    python -m benchmarks.bench_peft_vocab --preset gpu600 --out bench_out/peft_vocab.md     # all of the below
+    python -m benchmarks.bench_peft_vocab --peers ours_capped peft_mts --steps 6 --warmup 2 --budget-s 560
+    python -m benchmarks.bench_peft_vocab --peers curve_ref curve_ours --curve-steps 200 --curve-layers 4 \\
+        --curve-batch 1 --curve-seq 1024 --budget-s 560
+    python -m benchmarks.bench_peft_vocab --peers qlora_ours_capped qlora_peft_mts_capped --steps 6 --warmup 2
+
+``--preset gpu600`` is the first two and ours' QLoRA row (skipped, with the reason, where bitsandbytes does
+not import): Gemma-3-4B ours capped and plain PEFT uncapped at 6 steps, the 200-step curve on a 4-layer
+Gemma-3-4B shape, the Llama-3-8B QLoRA row.
+
+Every peer runs in its own subprocess (an OOM or a DeepSpeed engine must not poison the next) under a time limit
+(``--peer-timeout-s``, and what is left of ``--budget-s``) on the same data (``--batch`` x ``--seq`` Zipf ids a
+step, the same seed), bf16 (fp32 in ``--small``), gradient checkpointing, LoRA r=16 on every projection,
+DeepSpeed ZeRO-2 with fp32 masters of the trained parameters and torch AdamW. ``--peers`` picks the peers.
 The capped peers call ``torch.cuda.set_per_process_memory_fraction`` for ``--cap-gib`` (no cap on the CPU).
 
 Gemma-3-4B shape (vocab 262,144, hidden 2560, 34 layers, ffn 10240, 8 heads / 4 KV heads, head_dim 256, tied):
@@ -16,16 +28,25 @@ Gemma-3-4B shape (vocab 262,144, hidden 2560, 34 layers, ffn 10240, 8 heads / 4 
 3. ``peft_mts_liger_capped``: the same + Liger's fused linear cross-entropy (no full logits), capped;
 4. ``peft_tti_capped``: PEFT ``trainable_token_indices`` (only the ``--new-rows`` newest rows trained), capped;
 5. ``ours_capped``: ds_maximus: the embedding's rows a maximus row store with exact sparse AdamW, the head tied
-   to it (``ensure_weight_tying``), the loss streamed; capped.
+   to it (``ensure_weight_tying``), the loss streamed, the frozen original in host memory; capped.
+
+The loss curve (``--curve-steps``, default 200; ``--curve-layers`` / ``--curve-batch`` / ``--curve-seq`` shrink
+it to fit a call), the same model on both sides so that the curves can be compared step by step:
+
+6. ``curve_ref``: plain PEFT with ours' LoRA config (``modules_to_save=["embed_tokens"]``,
+   ``ensure_weight_tying=True``: one tied table), DeepSpeed bf16 with fp32 masters, uncapped;
+7. ``curve_ours``: ours, capped. The run prints the mean relative difference of the two curves (target <= 0.005).
 
 Llama-3-8B shape with a 262,144 vocabulary (hidden 4096, 32 layers, ffn 14336, 32 heads / 8 KV heads, untied),
-QLoRA blocks (bitsandbytes 4-bit NF4; the rows skip with the reason when bitsandbytes or CUDA is missing):
+QLoRA blocks (every block Linear a bitsandbytes 4-bit NF4 ``Linear4bit``, then PEFT's
+``prepare_model_for_kbit_training``; the rows skip with the reason when bitsandbytes or CUDA is missing):
 
-6. ``qlora_peft_mts_capped``: PEFT ``modules_to_save`` (expected: OOM);
-7. ``qlora_ours_capped``: ours, the untied head on the CPU tier (``lm_head.placement: cpu``).
+8. ``qlora_peft_mts_capped``: PEFT ``modules_to_save=["embed_tokens", "lm_head"]`` (expected: OOM);
+9. ``qlora_ours_capped``: ours, the untied head on the CPU tier (``lm_head.placement: cpu``).
 
-Columns: ms per step, peak GiB, tokens/s, ratio to the reference's tokens/s, last loss beside the reference's,
-and the mean relative difference of the loss curve from the reference's (same seed and data).
+Columns: ms per step, peak GiB, tokens/s, ratio to the reference's tokens/s (``peft_mts``), last loss beside the
+reference's, and the mean relative difference of the loss curve from the reference's (same seed and data;
+``curve_ours`` against ``curve_ref``).
 """
 from __future__ import annotations
 
@@ -62,10 +83,18 @@ PEERS = {
     "peft_mts_liger_capped": ("gemma3", "mts_liger", False, True, False),
     "peft_tti_capped": ("gemma3", "tti", False, True, False),
     "ours_capped": ("gemma3", "ours", True, True, False),
+    "curve_ref": ("gemma3", "tied", False, False, False),
+    "curve_ours": ("gemma3", "ours", True, True, False),
     "qlora_peft_mts_capped": ("llama", "mts", False, True, True),
     "qlora_ours_capped": ("llama", "ours", True, True, True),
 }
 REFERENCE = "peft_mts"
+# the peer a peer's loss curve is compared with (same model, same data)
+CURVE_REFERENCE = {"curve_ours": "curve_ref", **{p: REFERENCE for p, v in PEERS.items()
+                                                 if v[0] == "gemma3" and not p.startswith("curve_")}}
+# the options a peer's process gets from the driver
+FORWARDED = ("batch", "seq", "steps", "warmup", "cap_gib", "new_rows", "cache_rows", "chunk_rows", "bucket_elems", "lr",
+             "curve_steps", "curve_layers", "curve_batch", "curve_seq")
 
 
 def _shape(family: str, small: bool) -> dict:
@@ -92,6 +121,8 @@ def _missing(peer: str) -> Optional[str]:
 
 
 def _build(shape: dict, dtype, qlora: bool, liger: bool):
+    """The model on the CPU in ``dtype`` (built in it: no fp32 copy of 4-8B parameters first); QLoRA blocks on
+    the GPU, quantized."""
     import torch
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_gemma3_text
@@ -101,13 +132,18 @@ def _build(shape: dict, dtype, qlora: bool, liger: bool):
                   num_key_value_heads=shape["kv"], head_dim=shape["head_dim"], max_position_embeddings=8192,
                   tie_word_embeddings=shape["tied"])
     torch.manual_seed(0)
-    if shape["family"] == "gemma3":
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=1024, final_logit_softcapping=30.0,
-                                                   attn_implementation="sdpa"))
-    else:
-        from transformers import LlamaConfig, LlamaForCausalLM
-        model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        if shape["family"] == "gemma3":
+            from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=1024, final_logit_softcapping=30.0,
+                                                       attn_implementation="sdpa"))
+        else:
+            from transformers import LlamaConfig, LlamaForCausalLM
+            model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(default)
     model.to(dtype)
     if qlora:
         _quantize_blocks(model, dtype)
@@ -115,7 +151,9 @@ def _build(shape: dict, dtype, qlora: bool, liger: bool):
 
 
 def _quantize_blocks(model, dtype) -> None:
-    """Every Linear of the decoder blocks as a bitsandbytes 4-bit NF4 Linear (QLoRA's base, quantized on .cuda())."""
+    """Every Linear of the decoder blocks as a bitsandbytes 4-bit NF4 Linear (QLoRA's base, quantized as the blocks
+    move to the GPU). The embedding and head stay where they are: DeepSpeed places them (plain PEFT), or they
+    become maximus rows first (ours)."""
     import bitsandbytes as bnb
     from torch import nn
     for name, mod in list(model.named_modules()):
@@ -126,7 +164,7 @@ def _quantize_blocks(model, dtype) -> None:
         q.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False, quant_type="nf4")
         parent = model.get_submodule(name.rsplit(".", 1)[0])
         setattr(parent, name.rsplit(".", 1)[1], q)
-    model.cuda()
+    model.model.layers.cuda()
     model.is_loaded_in_4bit = True
 
 
@@ -136,7 +174,7 @@ def _peft(model, shape: dict, variant: str, new_rows: int):
                                                                     "gate_proj", "up_proj", "down_proj"])
     if variant == "tti":
         kw["trainable_token_indices"] = {"embed_tokens": list(range(shape["vocab"] - new_rows, shape["vocab"]))}
-    elif variant == "ours" and shape["tied"]:
+    elif variant in ("ours", "tied") and shape["tied"]:
         kw.update(modules_to_save=["embed_tokens"], ensure_weight_tying=True)   # one table, the head reads it
     else:
         kw["modules_to_save"] = ["embed_tokens", "lm_head"]                      # PEFT's way: unties a tied head
@@ -145,8 +183,8 @@ def _peft(model, shape: dict, variant: str, new_rows: int):
         return get_peft_model(model, LoraConfig(**kw))
 
 
-def _ds_config(a, shape: dict, ours: bool, bf16: bool) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+def _ds_config(a, shape: dict, ours: bool, bf16: bool, batch: int) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.0, "betas": [0.9, 0.95],
                                                      "eps": 1e-8, "torch_adam": True}},
            "zero_optimization": {"stage": 2 if bf16 else 0}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
@@ -178,7 +216,11 @@ def run_peer(a) -> dict:
     if reason:
         return {"error": reason}
     family, variant, ours, capped, qlora = PEERS[a.peer]
-    shape = _shape(family, a.small)
+    shape = dict(_shape(family, a.small))
+    steps, batch, seq = a.steps, a.batch, a.seq
+    if a.peer.startswith("curve_"):
+        steps, batch, seq = a.curve_steps, a.curve_batch or a.batch, a.curve_seq or a.seq
+        shape["layers"] = a.curve_layers or shape["layers"]
     cuda = torch.cuda.is_available()
     bf16 = cuda and not a.small
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -187,6 +229,10 @@ def run_peer(a) -> dict:
                                                        .total_memory))
     try:
         model = _build(shape, dtype, qlora, variant == "mts_liger")
+        if qlora:   # what a QLoRA recipe does: norms (and the tables) to fp32, gradient checkpointing on
+            from peft import prepare_model_for_kbit_training
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         model = _peft(model, shape, variant, a.new_rows)
@@ -196,8 +242,8 @@ def run_peer(a) -> dict:
 
         import ds_maximus
         init = ds_maximus.initialize if ours else deepspeed.initialize
-        engine, *_ = init(model=model, model_parameters=params, config=_ds_config(a, shape, ours, bf16))
-        data = zipf_batches(shape["vocab"], a.batch, a.seq, a.steps)
+        engine, *_ = init(model=model, model_parameters=params, config=_ds_config(a, shape, ours, bf16, batch))
+        data = zipf_batches(shape["vocab"], batch, seq, steps)
         losses, times = [], []
         for ids in data:
             ids = ids.to(engine.device)
@@ -215,7 +261,7 @@ def run_peer(a) -> dict:
         timed = times[a.warmup:] or times
         ms = 1e3 * sum(timed) / len(timed)
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
-        return {"ms": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3), "peak_gib": peak, "losses": losses,
+        return {"ms": ms, "tokens_per_s": batch * seq / (ms / 1e3), "peak_gib": peak, "losses": losses,
                 "trainable_m": trainable / 1e6}
     except torch.cuda.OutOfMemoryError:
         return {"error": "OOM", "peak_gib": torch.cuda.max_memory_allocated() / GIB}
@@ -226,16 +272,16 @@ def _spawn(peer: str, a, timeout_s: float) -> dict:
     from benchmarks.harness import free_port, progress
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "peer.json")
-        cmd = [sys.executable, "-m", "benchmarks.bench_peft_vocab", "--peer", peer, "--json-out", out,
-               "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
-               "--cap-gib", str(a.cap_gib), "--new-rows", str(a.new_rows), "--cache-rows", str(a.cache_rows),
-               "--chunk-rows", str(a.chunk_rows), "--bucket-elems", str(a.bucket_elems),
-               "--lr", str(a.lr)] + (["--small"] if a.small else [])
+        cmd = [sys.executable, "-m", "benchmarks.bench_peft_vocab", "--peer", peer, "--json-out", out]
+        for k in FORWARDED:
+            if getattr(a, k) is not None:
+                cmd += ["--" + k.replace("_", "-"), str(getattr(a, k))]
+        cmd += ["--small"] if a.small else []
         env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
-        progress(f"{peer}: start")
+        progress(f"{peer}: start (time limit {timeout_s:.0f} s)")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, cwd=str(ROOT))
         timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
@@ -261,14 +307,31 @@ def _curve_diff(losses: List[float], ref: List[float]) -> Optional[float]:
     return sum(abs(x - r) / abs(r) for x, r in zip(losses[:n], ref[:n])) / n
 
 
+# ``--preset gpu600``: one GPU call of 600 s (the lead's): the Gemma-3-4B rows at 6 steps, the curve at a reduced
+# size, the QLoRA row (skipped, with its reason, where bitsandbytes does not import)
+PRESETS = {
+    "gpu600": dict(peers=["ours_capped", "peft_mts", "curve_ref", "curve_ours", "qlora_ours_capped"], steps=6,
+                   warmup=2, curve_steps=200, curve_layers=4, curve_batch=1, curve_seq=1024, budget_s=560.0,
+                   peer_timeout_s=240.0),
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU (a smoke test, < 1 min)")
-    ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    ap.add_argument("--preset", choices=list(PRESETS), default=None,
+                    help="a set of the options below (given options win): gpu600 fits one 600 s GPU call")
+    ap.add_argument("--peers", nargs="*", default=None, choices=list(PEERS), help="the peers to run (default: all)")
     ap.add_argument("--batch", type=int, default=None, help="sequences a step (default 8; 2 with --small)")
     ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (default 2048; 32 with --small)")
     ap.add_argument("--steps", type=int, default=None, help="steps a peer (default 200; 3 with --small)")
     ap.add_argument("--warmup", type=int, default=None, help="first steps left out of the timing")
+    ap.add_argument("--curve-steps", type=int, default=None,
+                    help="steps of the curve_ref / curve_ours loss curves (default 200; 3 with --small)")
+    ap.add_argument("--curve-layers", type=int, default=None, help="decoder layers of the curve's model (default: "
+                    "the shape's)")
+    ap.add_argument("--curve-batch", type=int, default=None, help="sequences a curve step (default --batch)")
+    ap.add_argument("--curve-seq", type=int, default=None, help="tokens a curve sequence (default --seq)")
     ap.add_argument("--cap-gib", type=float, default=16.0)
     ap.add_argument("--new-rows", type=int, default=2048, help="rows trainable_token_indices trains (the newest)")
     ap.add_argument("--cache-rows", type=int, default=16384,
@@ -277,13 +340,22 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-elems", type=int, default=50_000_000,
                     help="ZeRO-2 reduce/allgather bucket (elements), every bf16 peer alike")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--peer-timeout-s", type=float, default=1800)
+    ap.add_argument("--peer-timeout-s", type=float, default=None, help="time limit of one peer's process "
+                    "(default 1800)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="time limit of the whole run: a peer gets what is left (at most --peer-timeout-s), a peer "
+                         "with under 30 s left is skipped")
     ap.add_argument("--out", default=None, help="markdown file for the table")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    small = dict(batch=2, seq=32, steps=3, warmup=1) if a.small else dict(batch=8, seq=2048, steps=200, warmup=5)
-    for k, v in small.items():
+    for k, v in PRESETS.get(a.preset, {}).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    defaults = dict(batch=2, seq=32, steps=3, warmup=1, curve_steps=3) if a.small else \
+        dict(batch=8, seq=2048, steps=200, warmup=5, curve_steps=200)
+    defaults.update(peers=list(PEERS), peer_timeout_s=1800.0)
+    for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.small:
@@ -294,38 +366,62 @@ def main(argv=None) -> int:
             json.dump(res, f)
         return 0
 
-    from benchmarks.harness import Bench, progress
+    from benchmarks.harness import Bench, Budget, progress
+    budget = Budget(a.budget_s if a.budget_s is not None else float("inf"))
     sizes = {"tokens/step": f"{a.batch}x{a.seq}", "steps": a.steps, "cap": f"{a.cap_gib:g} GiB",
-             "shapes": "gemma3_small/llama3_small" if a.small else "Gemma-3-4B / Llama-3-8B-262K"}
+             "shapes": "gemma3_small/llama3_small" if a.small else "Gemma-3-4B / Llama-3-8B-262K",
+             "curve": f"{a.curve_steps} steps, {a.curve_batch or a.batch}x{a.curve_seq or a.seq} tokens"
+                      + (f", {a.curve_layers} layers" if a.curve_layers else "")}
     bench = Bench("peft_vocab", dtype="fp32" if a.small else "bf16", sizes=sizes,
                   notes=f"LoRA r=16 on every projection; gradient checkpointing; Zipf ids; loss diff = mean relative "
-                        f"difference of the {a.steps}-step loss curve from {REFERENCE}'s")
+                        f"difference of the loss curve from its reference's ({REFERENCE}; curve_ref for curve_ours)")
     results = {}
     for peer in a.peers:
         reason = _missing(peer)
-        res = {"error": reason} if reason else _spawn(peer, a, a.peer_timeout_s)
+        if reason is None and budget.left() < 30:
+            reason = f"skipped: {budget.left():.0f} s left of --budget-s {a.budget_s:g}"
+        res = {"error": reason} if reason else _spawn(peer, a, min(a.peer_timeout_s, budget.left() - 5))
         results[peer] = res
-        ref = results.get(REFERENCE, {})
-        if "error" in res:
-            bench.add(peer, None, res.get("peak_gib"), error=res["error"])
-        else:
-            extra = {"tokens/s": round(res["tokens_per_s"], 1),
-                     "tokens/s vs ref": (round(res["tokens_per_s"] / ref["tokens_per_s"], 3)
-                                         if ref.get("tokens_per_s") else "-"),
-                     "last loss": round(res["losses"][-1], 4),
-                     "ref last loss": round(ref["losses"][-1], 4) if ref.get("losses") else "-",
-                     "loss diff": (round(_curve_diff(res["losses"], ref["losses"]), 5)
-                                   if ref.get("losses") and PEERS[peer][0] == PEERS[REFERENCE][0] else "-"),
-                     "trainable M": round(res["trainable_m"], 1)}
-            bench.add(peer, res["ms"], res.get("peak_gib"), **extra)
+        _add_row(bench, peer, res, results)
         progress(f"{peer}: " + (res.get("error") or f"{res['ms']:.1f} ms/step"))
         bench.checkpoint(a.out)
-    text = bench.table()
+    tail = _curve_line(results)
+    text = bench.table() + ("\n\n" + tail if tail else "")
     print(text, flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text + "\n")
     return 0
+
+
+def _add_row(bench, peer: str, res: dict, results: dict) -> None:
+    if "error" in res:
+        bench.add(peer, None, res.get("peak_gib"), error=res["error"])
+        return
+    ref = results.get(REFERENCE, {})
+    curve_ref = results.get(CURVE_REFERENCE.get(peer, ""), {})
+    diff = _curve_diff(res["losses"], curve_ref["losses"]) if curve_ref.get("losses") else None
+    ratio = res["tokens_per_s"] / ref["tokens_per_s"] if ref.get("tokens_per_s") and peer != "curve_ref" and \
+        PEERS[peer][0] == PEERS[REFERENCE][0] and not peer.startswith("curve_") else None
+    bench.add(peer, res["ms"], res.get("peak_gib"),
+              **{"tokens/s": round(res["tokens_per_s"], 1),
+                 "tokens/s vs ref": round(ratio, 3) if ratio is not None else "-",
+                 "last loss": round(res["losses"][-1], 4),
+                 "ref last loss": round(curve_ref["losses"][-1], 4) if curve_ref.get("losses") else "-",
+                 "loss diff": round(diff, 5) if diff is not None else "-",
+                 "trainable M": round(res["trainable_m"], 1)})
+
+
+def _curve_line(results: dict) -> str:
+    """The loss-curve verdict: ours against plain PEFT with fp32 masters, the same model, data and seed."""
+    ours, ref = results.get("curve_ours", {}), results.get("curve_ref", {})
+    if not (ours.get("losses") and ref.get("losses")):
+        return ""
+    diff = _curve_diff(ours["losses"], ref["losses"])
+    n = min(len(ours["losses"]), len(ref["losses"]))
+    return (f"loss curve, curve_ours vs curve_ref over {n} steps: mean relative difference {diff:.5f} "
+            f"(target <= 0.005: {'met' if diff <= 0.005 else 'NOT met'}); last losses "
+            f"{ours['losses'][-1]:.4f} vs {ref['losses'][-1]:.4f}")
 
 
 if __name__ == "__main__":

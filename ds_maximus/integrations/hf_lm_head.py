@@ -89,7 +89,8 @@ class _Patch:
             loss = head_module(hidden, labels, ignore_index=req.ignore_index, reduction=reduction,
                                logit_softcap=req.softcap)
         else:
-            loss = linear_cross_entropy(hidden, head_module.weight, labels, req.ignore_index, reduction,
+            weight = head_module.weight   # a frozen table kept in host memory (HostTable) comes for this call
+            loss = linear_cross_entropy(hidden, weight.to(hidden.device), labels, req.ignore_index, reduction,
                                         logit_softcap=req.softcap, chunk_rows=self.cfg.chunk_rows)
         if req.num_items_in_batch is not None:
             n = req.num_items_in_batch
@@ -220,7 +221,11 @@ def _override_head_forward(lm_head: nn.Module, patch: _Patch) -> None:
         if req is None:
             return orig(hidden, *args, **kwargs)
         patch.request = None                      # one shot: a second call is an ordinary one
-        loss = patch.loss(patch.head if patch.head is not None else self, hidden, req)
+        head = patch.head if patch.head is not None else self
+        original = getattr(self, "original_module", None)
+        if isinstance(original, nn.Module) and getattr(self, "disable_adapters", False):
+            head = original   # a PEFT wrapper with its adapters off computes with its frozen original
+        loss = patch.loss(head, hidden, req)
         patch.last_loss = loss
         return loss
 

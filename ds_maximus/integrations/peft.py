@@ -13,6 +13,10 @@ to host memory as a :class:`~ds_maximus.vocab.host_table.HostTable` when the mod
 compute device, ``with model.disable_adapter():`` computes the original's forward, and ``state_dict`` keeps its
 keys.
 
+**Quantized blocks (QLoRA).** Only the vocabulary tables are swapped: bitsandbytes ``Linear4bit`` blocks (packed
+uint8 weights) and the LoRA on them stay as PEFT and DeepSpeed have them, and tables that
+``prepare_model_for_kbit_training`` made fp32 become fp32 master rows as any other.
+
 **Ties.** PEFT's default (``ensure_weight_tying=False``) gives a tied model (Gemma-3) two independent copies,
 an untied head; maximus reproduces that as it is: two tables. With ``LoraConfig(ensure_weight_tying=True)``
 (``modules_to_save=["embed_tokens"]`` suffices) PEFT keeps one trained copy that the head reads; maximus
