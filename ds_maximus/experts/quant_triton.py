@@ -76,7 +76,8 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = N
     """``x @ dequantize(q)^T`` in fp32 on the GPU: ``x [tokens, cols]`` (any float dtype), ``q`` on the same device.
 
     Meant for decode (a few tokens; the tokens of a program are one ``BLOCK_T <= 16`` tile, more tokens run more
-    tiles); fp32 accumulation. ``block_n`` (output rows a program) defaults to what fits ``TILE_ELEMS``.
+    tiles); fp32 accumulation. ``block_n`` (output rows a program) defaults to what fits ``TILE_ELEMS``, halved
+    (down to 8) while the grid has fewer than 4 programs a multiprocessor.
     """
     if triton is None:
         raise ImportError("quant_matmul needs triton (pip install triton, on a host with a CUDA GPU)")
@@ -91,6 +92,10 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = N
     block_t = max(2, min(16, triton.next_power_of_2(T)))  # a tile of at least 2 (masked) rows
     if block_n is None:
         block_n = max(8, min(32, TILE_ELEMS // (block_t * block_k)))
+        # few output rows (an expert's down projection: hidden rows, a long K) would leave SMs idle: smaller tiles
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        while block_n > 8 and triton.cdiv(rows, block_n) * triton.cdiv(T, block_t) < 4 * sms:
+            block_n //= 2
     grid = (triton.cdiv(rows, block_n), triton.cdiv(T, block_t))
     _quant_matmul_kernel[grid](x, q.packed, q.scales, q.zeros, y, T, rows, cols, q.packed.shape[1],
                                cols // q.group_size, BITS=q.bits, GROUP=q.group_size, BLOCK_T=block_t,

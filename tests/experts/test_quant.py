@@ -117,7 +117,8 @@ def test_swiglu_reference_is_the_expert_formula():
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 @pytest.mark.parametrize("tokens", [1, 3, 16, 40])
 @pytest.mark.parametrize("rows,cols,group_size", [(4096, 1024, 64), (136, 320, 64), (72, 256, 128)])
-def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_size):
+@pytest.mark.parametrize("block_n", [None, 32])
+def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_size, block_n):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
@@ -126,7 +127,7 @@ def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     x = torch.randn(tokens, cols, generator=g).to(torch.bfloat16).cuda()
     q = quantize(w, bits, group_size).to("cuda")
-    y = quant_matmul(x, q)
+    y = quant_matmul(x, q, block_n=block_n)
     want = x.float() @ dequantize(q).t()
     assert y.shape == (tokens, rows) and y.dtype == torch.float32
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

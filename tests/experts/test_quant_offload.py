@@ -208,14 +208,15 @@ def test_offload_quant_cuda_equals_the_dequantized_model(kind, bits, slots):
     assert handle.cache.slot_buffer(0).dtype == torch.uint8 and st["bytes_h2d"] > 0
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cpu_compute", ["off", "misses"])
-def test_offload_int8_cuda_bf16_agrees_with_the_bf16_model(cpu_compute):
-    """A bf16 model on CUDA, int8 experts, 1 slot a layer, batch 2 (with and without host-computed misses): greedy
-    tokens agree with the bf16 model's and logits stay close."""
-    _needs_cuda()
-    model = tiny_model("mixtral", top_k=2, dtype=torch.bfloat16).cuda()
-    ids = prompt(batch=2, length=16, device="cuda")
+def test_offload_int8_bf16_agrees_with_the_bf16_model(device, cpu_compute):
+    """A bf16 model, int8 experts, 1 slot a layer, batch 2 (with and without host-computed misses): greedy tokens
+    agree with the bf16 model's and logits stay within 5% of its largest (the run on the CPU: 0.7%)."""
+    if device == "cuda":
+        _needs_cuda()
+    model = tiny_model("mixtral", top_k=2, dtype=torch.bfloat16).to(device)
+    ids = prompt(batch=2, length=16, device=device)
     seq_ref, logits_ref = greedy(clone(model), ids, 12)
     cfg = {"gpu_experts_per_layer": 1, "cpu_compute": cpu_compute, "quant": {"bits": 8, "group_size": 32}}
     seq, logits, st, _ = run(model, cfg, ids)
