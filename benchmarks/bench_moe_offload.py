@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_moe_offload                 # 8 layers, H=4096, F=14336, 8 experts, top-2, bf16
     python -m benchmarks.bench_moe_offload --small         # a CPU-sized smoke run
-    python -m benchmarks.bench_moe_offload --cap-gib 16 --peers ours,int8,int4,int4+cpu   # a subset, GPU capped
+    python -m benchmarks.bench_moe_offload --cap-gib 16 --quick --peers ours,int8,int4,int4+cpu   # a subset, capped
 
 Under ``--budget-s`` (165 s; the model is built on the GPU in bf16 without HF's weight init, ~22 GiB in
 seconds) every peer starts only when its estimated cost still fits; the rest are "skipped" rows, and the
@@ -267,8 +267,9 @@ def main(argv=None):
     ids = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
 
     base = "full model on GPU (HF generate)"
-    scale = 1.0 if device.type == "cuda" else 0.1
-    # seconds each step needs on an H200 at full size (a step starts only when it still fits):
+    scale = (1.0 if device.type == "cuda" else 0.1) * args.layers / 8
+    # seconds each step needs on an H200 at 8 full-size layers, scaled by the layers (a step starts only when it
+    # still fits):
     # hooks = 22.5 GB pinned copy + ~10 forwards that each move every expert; ours = its pinned store;
     # quant setup = quantizing every expert on the GPU into the pinned packed store
     cost = {"full": 14, "hooks setup": 12, "hooks": 12, "ours setup": 12, "ours": 8, "whole setup": 10,
