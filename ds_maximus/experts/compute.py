@@ -8,7 +8,9 @@ gathered weights). Each function below repeats the same ops in the same order on
 slot buffers of :class:`ExpertCache`, so logits equal the un-offloaded model's: the only change is
 *where* an expert's weight is read from. When a layer needs more experts than it has slots, experts
 are processed in rounds (ascending expert id) of at most ``slots_per_layer``; every row's GEMM
-and every reduction is still the original one.
+and every reduction is still the original one. Slots of the quantized tier (``moe.quant``: packed codes, scales
+and offsets) are computed by the eager loop only, each projection by :func:`ds_maximus.experts.quant.linear`
+(the codes decoded inside the GEMM).
 
 No function here makes the host wait for the GPU: the routing arrives as host lists (``pairs``: the
 flattened ``top_k_index``, fetched in the layer's one sync), and the index tensors built from it go to
