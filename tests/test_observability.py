@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import ds_maximus
-from tests.engine.llama_utils import ds_config, maximus_section, tiny_llama
+from tests.engine.llama_utils import maximus_section
+from tests.helpers.models import ds_config, tiny_llama
 
 D = 32  # hidden size of tests.engine.llama_utils.tiny_llama
 

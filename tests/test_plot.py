@@ -64,7 +64,8 @@ def test_split_maximus_names():
 def test_run_curves_from_a_real_csv_monitor(tmp_path):
     """A DeepSpeed engine with csv_monitor on: the curves read what it wrote (loss, hit rate, bytes)."""
     import ds_maximus
-    from tests.engine.llama_utils import ds_config, maximus_section, tiny_llama
+    from tests.engine.llama_utils import maximus_section
+    from tests.helpers.models import ds_config, tiny_llama
     sec = maximus_section(cache_rows=384)
     sec["logging"] = {"interval_steps": 1}
     cfg = ds_config(2, "fp32", maximus=sec, lr=1e-3)

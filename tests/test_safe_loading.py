@@ -16,7 +16,8 @@ from ds_maximus.errors import ShardStoreError, UntrustedCheckpointError
 from ds_maximus.integrations.export import checkpoint_state_dict
 from ds_maximus.integrations.export_cli import main as export_main
 from ds_maximus.safe_load import DEEPSPEED_GLOBALS, check_torch_file, safe_torch_load
-from tests.engine.llama_utils import build, maximus_section, tiny_llama, train, zipf_batches
+from tests.engine.llama_utils import build, maximus_section
+from tests.helpers.models import tiny_llama, train, zipf_batches
 
 
 class MakesMarker:
@@ -36,7 +37,7 @@ def checkpoints(tmp_path_factory):
     for stage in (0, 2):
         d = tmp_path_factory.mktemp(f"ckpt{stage}")
         e = build(stage, "fp32", maximus=maximus_section(cache_rows=64))
-        train(e, zipf_batches(2, batch=2, seqlen=16), 1)
+        train(e, zipf_batches(2, batch=2, seqlen=16))
         e.save_checkpoint(str(d), tag="t")
         tiny_llama().config.save_pretrained(str(d))
         out[stage] = d
@@ -110,7 +111,7 @@ def test_resume_refuses_pickled_code_before_deepspeed_reads(checkpoints, tmp_pat
 def test_trust_checkpoint_loads_a_checkpoint_the_user_wrote(tmp_path, caplog):
     """A client_state with an argparse.Namespace (a common habit) needs the opt-in; with it, it resumes."""
     e = build(2, "fp32", maximus=maximus_section(cache_rows=64))
-    train(e, zipf_batches(1, batch=2, seqlen=16), 1)
+    train(e, zipf_batches(1, batch=2, seqlen=16))
     e.save_checkpoint(str(tmp_path), tag="t", client_state={"args": argparse.Namespace(lr=0.1)})
     with pytest.raises(UntrustedCheckpointError, match="argparse.Namespace"):
         e.load_checkpoint(str(tmp_path), tag="t")

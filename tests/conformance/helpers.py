@@ -1,21 +1,21 @@
-"""What the conformance tests share: DeepSpeed configs, a training loop, batches, a fresh-process reload.
+"""What the conformance tests share beyond :mod:`tests.helpers.models`: their config, batches and ``maximus``
+section, and a fresh-process reload.
 
 Every family test builds the same random-weight model twice (same seed), runs one copy through plain
-``deepspeed.initialize`` and one through ``ds_maximus.initialize`` and compares logits, losses and the
-reloaded exports. The single-rank DeepSpeed environment (gloo, ``MASTER_ADDR`` ...) comes from
-``tests/conftest.py``; every engine in a pytest process shares its one process group.
+``deepspeed.initialize`` and one through ``ds_maximus.initialize`` (:func:`tests.helpers.models.initialize`,
+trained by :func:`tests.helpers.models.train`) and compares logits, losses and the reloaded exports. Every
+engine in a pytest process shares its one process group.
 """
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
-LR = 1e-2
+from tests.helpers import models
 
 # Runs in a fresh interpreter: ds_maximus is made un-importable before anything else is imported, so a
 # folder that needs ds_maximus to load fails here.
@@ -43,22 +43,10 @@ torch.save(out, sys.argv[2])
 '''
 
 
-def ds_config(stage: int, maximus: Optional[dict] = None, micro: int = 2, gas: int = 1, clip: float = 0.0,
-              lr: float = LR, wd: float = 0.1) -> dict:
-    """An fp32 DeepSpeed config with torch AdamW (no fused-Adam JIT) and, when given, a ``"maximus"`` section."""
-    cfg = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": wd, "betas": [0.9, 0.95],
-                                                  "eps": 1e-8, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if maximus is not None:
-        cfg["maximus"] = maximus
-    return cfg
+def ds_config(stage: int, maximus: Optional[dict] = None, **kw) -> dict:
+    """The conformance runs' config: :func:`tests.helpers.models.ds_config` in fp32 with a constant learning
+    rate (no warm-up schedule) and, when given, a ``"maximus"`` section."""
+    return models.ds_config(stage, maximus=maximus, scheduler=False, **kw)
 
 
 def maximus_section(modules: List[str], cache_rows: int, lm_head: Optional[dict] = None, **emb) -> dict:
@@ -72,35 +60,8 @@ def maximus_section(modules: List[str], cache_rows: int, lm_head: Optional[dict]
 
 
 def zipf_ids(n: int, batch: int, seqlen: int, vocab: int, seed: int = 1, low: int = 0) -> List[torch.Tensor]:
-    """``n`` batches of Zipf-distributed ids in ``[low, vocab)`` (hot ids small, a long tail: rows get evicted)."""
-    g = torch.Generator().manual_seed(seed)
-    p = 1.0 / torch.arange(1, vocab - low + 1, dtype=torch.float64) ** 1.05
-    return [low + torch.multinomial(p, batch * seqlen, replacement=True, generator=g).view(batch, seqlen)
-            for _ in range(n)]
-
-
-def initialize(model: torch.nn.Module, cfg: dict):
-    """``ds_maximus.initialize`` when ``cfg`` has a ``"maximus"`` section, else plain ``deepspeed.initialize``."""
-    import deepspeed
-
-    import ds_maximus
-    fn = ds_maximus.initialize if "maximus" in cfg else deepspeed.initialize
-    engine, *_ = fn(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                    config=copy.deepcopy(cfg))
-    return engine
-
-
-def train(engine, batches: List[Dict[str, torch.Tensor]],
-          loss_of: Optional[Callable] = None) -> List[float]:
-    """One optimizer step per batch (``engine(**batch).loss``, or ``loss_of(engine, batch)``); the losses."""
-    losses = []
-    for batch in batches:
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
-        loss = engine(**batch).loss if loss_of is None else loss_of(engine, batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach().float()))
-    return losses
+    """``n`` batches of ids in ``[low, vocab)`` under a flatter Zipf law than the engine tests' (exponent 1.05)."""
+    return models.zipf_batches(n, batch, seqlen, vocab, seed=seed, low=low, exponent=1.05)
 
 
 def load_in_fresh_process(tmp_path, jobs: Dict[str, dict]) -> Dict[str, dict]:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.conformance.families import FAMILIES, VOCAB
-from tests.conformance.helpers import ds_config, initialize, load_in_fresh_process, maximus_section, train, zipf_ids
+from tests.conformance.helpers import ds_config, load_in_fresh_process, maximus_section, zipf_ids
+from tests.helpers.models import initialize, train
 
 STEPS = 4
 CACHE_ROWS = 32

@@ -20,7 +20,8 @@ from ds_maximus.config import MaximusConfig
 from ds_maximus.engine.swap import swap_embeddings
 from ds_maximus.errors import ConfigError
 from tests.conformance.families import FAMILIES, VOCAB
-from tests.conformance.helpers import ds_config, initialize, load_in_fresh_process, maximus_section, train, zipf_ids
+from tests.conformance.helpers import ds_config, load_in_fresh_process, maximus_section, zipf_ids
+from tests.helpers.models import initialize, train
 
 STEPS = 3
 

@@ -24,7 +24,8 @@ def main():
     import deepspeed
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    from tests.engine.llama_utils import build, embedding_weight, maximus_section, zipf_batches
+    from tests.engine.llama_utils import build, embedding_weight, maximus_section
+    from tests.helpers.models import zipf_batches
     # the same global batches whatever the world size; each rank takes its slice
     batches = zipf_batches(args.steps, batch=args.global_batch, seqlen=16)
     per = args.global_batch // world

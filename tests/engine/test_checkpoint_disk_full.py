@@ -12,12 +12,13 @@ import pytest
 from ds_maximus.engine import checkpoint_space, runtime
 from ds_maximus.engine.checkpoint_space import disk_full_reported, engine_bytes, is_disk_full, state_bytes
 from ds_maximus.errors import ShardStoreError
-from tests.engine.llama_utils import build, maximus_section, train, zipf_batches
+from tests.engine.llama_utils import build, maximus_section
+from tests.helpers.models import train, zipf_batches
 
 
 def trained():
     e = build(2, "fp32", maximus=maximus_section(cache_rows=64))
-    train(e, zipf_batches(2, batch=2, seqlen=16), 1)
+    train(e, zipf_batches(2, batch=2, seqlen=16))
     return e
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.distributed.ranks import ROOT, launch
-from tests.engine.llama_utils import assert_weights_close
+from tests.helpers.models import assert_weights_close
 
 WORKER = ROOT / "tests" / "engine" / "dp_worker.py"
 

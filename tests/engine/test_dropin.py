@@ -10,7 +10,9 @@ import torch
 import ds_maximus
 from ds_maximus.config import MaximusConfig
 from ds_maximus.errors import ConfigError
-from tests.engine.llama_utils import VOCAB, ds_config, maximus_section, tiny_llama, train, zipf_batches
+from tests.engine.llama_utils import maximus_section
+from tests.helpers.models import LLAMA_VOCAB as VOCAB
+from tests.helpers.models import ds_config, tiny_llama, train, zipf_batches
 
 
 def _args(path=None):
@@ -26,7 +28,7 @@ def _write(tmp_path, cfg):
 def _losses(fn, **kw):
     model = tiny_llama(0)
     engine, *_ = fn(model=model, model_parameters=model.parameters(), **kw)
-    return engine, train(engine, zipf_batches(3, 2, 8), 1)
+    return engine, train(engine, zipf_batches(3, 2, 8))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.engine.llama_utils import build, embedding_weight, maximus_section, zipf_batches
+from tests.engine.llama_utils import build, embedding_weight, maximus_section
+from tests.helpers.models import zipf_batches
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@ import torch
 
 import ds_maximus
 from ds_maximus.engine.lookahead import LookaheadLoader
-from tests.engine.llama_utils import ds_config, maximus_section, tiny_llama, zipf_batches
+from tests.engine.llama_utils import maximus_section
+from tests.helpers.models import ds_config, tiny_llama, zipf_batches
 
 
 def test_training_data_loader_prefetches_next_batch():

@@ -10,7 +10,8 @@ from torch import nn
 import ds_maximus
 from ds_maximus.engine import adapters
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole
-from tests.engine.llama_utils import ds_config, maximus_section, tiny_llama, train, zipf_batches
+from tests.engine.llama_utils import maximus_section
+from tests.helpers.models import ds_config, tiny_llama, train, zipf_batches
 
 ENGINE = pathlib.Path(ds_maximus.__file__).parent / "engine"
 
@@ -138,7 +139,7 @@ def test_hf_model_gets_its_head_through_the_registered_adapter(placement):
     engine, *_ = ds_maximus.initialize(model=model, model_parameters=model.parameters(),
                                        config=ds_config(0, maximus=section))
     try:
-        losses = train(engine, zipf_batches(2, 2, 8), 1)
+        losses = train(engine, zipf_batches(2, 2, 8))
         assert all(x == x for x in losses)
         rt = engine.maximus
         heads = rt.of_role(ModuleRole.HEAD)

@@ -9,7 +9,8 @@ keeps the table fp32 and casts rows to bf16 on lookup, as DeepSpeed's module cop
 import pytest
 import torch
 
-from tests.engine.llama_utils import assert_weights_close, build, embedding_weight, maximus_section, train, zipf_batches
+from tests.engine.llama_utils import build, embedding_weight, maximus_section
+from tests.helpers.models import assert_weights_close, train, zipf_batches
 
 GAS = 4
 STEPS = 20
@@ -20,10 +21,10 @@ STEPS = 20
 def test_matches_plain_deepspeed(stage, dtype):
     batches = zipf_batches(STEPS * GAS, batch=2, seqlen=16)
     plain = build(stage, dtype, gas=GAS, clip=0.5)
-    ref = train(plain, batches, GAS)
+    ref = train(plain, batches)
     ref_w = embedding_weight(plain)
     ours = build(stage, dtype, gas=GAS, clip=0.5, maximus=maximus_section(cache_rows=96))
-    got = train(ours, batches, GAS)
+    got = train(ours, batches)
     got_w = embedding_weight(ours)
     assert ours.maximus.steps == STEPS
     if dtype == "fp32":
@@ -39,7 +40,7 @@ def test_clip_coefficient_includes_sparse_norm():
     """With only the embedding trainable, the global norm is the sparse norm alone."""
     batches = zipf_batches(4, batch=2, seqlen=16)
     ours = build(2, "fp32", clip=1e-3, maximus=maximus_section(cache_rows=64))
-    train(ours, batches[:1], 1)
+    train(ours, batches[:1])
     total = ours.get_global_grad_norm()
     assert total is not None and float(total) > 1e-3
     assert ours.maximus.last_clip_coef == pytest.approx(1e-3 / (float(total) + 1e-6), rel=1e-6)

@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from tests.engine.llama_utils import VOCAB, ds_config, tiny_llama
+from tests.helpers.models import LLAMA_VOCAB as VOCAB
+from tests.helpers.models import ds_config, tiny_llama
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be "
          "maximus shard vocabulary row cache tier pinned memory expert token embedding head stream").split()

@@ -20,7 +20,8 @@ from ds_maximus.errors import ConfigError
 from ds_maximus.integrations.peft import save_peft
 from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
 from ds_maximus.vocab.resize import pieces_of, resize_token_embeddings
-from tests.conformance.helpers import ds_config, initialize, train, zipf_ids
+from tests.conformance.helpers import ds_config, zipf_ids
+from tests.helpers.models import initialize, train
 
 VOCAB = 384
 EMB = "base_model.model.model.embed_tokens"

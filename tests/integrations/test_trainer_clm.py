@@ -11,7 +11,8 @@ import torch
 
 import ds_maximus
 from tests.distributed.ranks import clean_env
-from tests.engine.llama_utils import VOCAB, tiny_llama, zipf_batches
+from tests.helpers.models import LLAMA_VOCAB as VOCAB
+from tests.helpers.models import tiny_llama, zipf_batches
 
 RELOAD = r"""
 import json, sys

@@ -12,7 +12,9 @@ import os
 import torch
 
 from ds_maximus.store import INDEX_NAME, ShardStore
-from tests.engine.llama_utils import VOCAB, build, embedding_weight, maximus_section, train, zipf_batches
+from tests.engine.llama_utils import build, embedding_weight, maximus_section
+from tests.helpers.models import LLAMA_VOCAB as VOCAB
+from tests.helpers.models import train, zipf_batches
 
 
 def _usage(folder):
@@ -24,7 +26,7 @@ def _run(nvme, rows_per_shard, batches, ckpt=None):
     sec = maximus_section(cache_rows=64, rows_per_shard=rows_per_shard,
                           offload={"device": "nvme", "nvme_path": str(nvme), "cpu_cache_shards": 2})
     e = build(2, "fp32", maximus=sec)
-    train(e, batches, 1)
+    train(e, batches)
     if ckpt is not None:
         e.save_checkpoint(str(ckpt), tag="t")
     w = embedding_weight(e)

@@ -386,12 +386,9 @@ def test_runtime_defers_the_head_step_to_the_embeddings_forward(tmp_path):
     """Under ds_maximus.initialize (ZeRO-2, fp32, CPU) with a sharded embedding and a CPU-tier head whose step
     runs staged (update_device cpu: the GPU code path without streams): the step is held at engine.step(),
     launched by the next forward's embedding, and the losses equal the same run without deferral."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
-    from llama_utils import build, maximus_section, zipf_batches
-
     from ds_maximus.vocab.lm_head_tier import HeadTier
+    from tests.engine.llama_utils import build, maximus_section
+    from tests.helpers.models import zipf_batches
     section = maximus_section(cache_rows=64)
     section["lm_head"] = {"enabled": True, "placement": "cpu", "chunk_rows": 100}
     batches = zipf_batches(5, 2, 16)

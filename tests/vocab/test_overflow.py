@@ -189,8 +189,9 @@ def test_deepspeed_engine_with_overflowing_batches_equals_a_large_cache(mode, ti
     """Through ``ds_maximus.initialize`` (ZeRO 2, gradient accumulation 2, clipping, a scheduler): a 16-row cache
     under batches of ~40 distinct ids gives the losses and table of a vocabulary-sized cache, bit for bit; with
     ``tie`` a tied ShardedLMHead shares the table."""
-    from tests.engine.llama_utils import VOCAB as V
-    from tests.engine.llama_utils import build, embedding_weight, maximus_section, train, zipf_batches
+    from tests.engine.llama_utils import build, embedding_weight, maximus_section
+    from tests.helpers.models import LLAMA_VOCAB as V
+    from tests.helpers.models import train, zipf_batches
     batches = zipf_batches(12, batch=2, seqlen=32)
     runs = []
     for rows in (16, V):
@@ -198,7 +199,7 @@ def test_deepspeed_engine_with_overflowing_batches_equals_a_large_cache(mode, ti
         if tie:
             sec["lm_head"] = {"enabled": True, "chunk_rows": 128}
         engine = build(2, "fp32", gas=2, clip=0.5, maximus=sec, tie=tie)
-        losses = train(engine, batches, 2)
+        losses = train(engine, batches)
         emb = engine.module.model.embed_tokens
         assert not tie or getattr(engine.module.lm_head, "placement", None) == "tied"
         runs.append((losses, embedding_weight(engine), emb.stats()))

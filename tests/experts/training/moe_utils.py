@@ -1,9 +1,12 @@
-"""Tiny MoE models and the training loop the expert-training tests share (plain DeepSpeed vs maximus)."""
+"""Tiny MoE models and what the expert-training tests read from their engines (plain DeepSpeed vs maximus).
+
+The config, the training loop and the weight policy come from :mod:`tests.helpers.models`.
+"""
 from __future__ import annotations
 
-import copy
-
 import torch
+
+from tests.helpers.models import assert_weights_close, ds_config, initialize
 
 VOCAB = 96
 
@@ -60,29 +63,6 @@ def batches(n: int, batch: int = 2, seqlen: int = 8, vocab: int = VOCAB, seed: i
     return [torch.randint(0, vocab, (batch, seqlen), generator=g) for _ in range(n)]
 
 
-def ds_config(stage: int, dtype: str = "fp32", gas: int = 1, micro: int = 2, clip: float = 0.0,
-              maximus: dict | None = None, lr: float = 1e-2, wd: float = 0.1):
-    cfg = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": wd, "betas": [0.9, 0.95],
-                                                  "eps": 1e-8, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
-                                                     "warmup_num_steps": 5, "warmup_type": "linear"}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    if maximus is not None:
-        cfg["maximus"] = maximus
-    return cfg
-
-
 def moe_section(slots: int = 1, **moe):
     return {"embedding": {"enabled": False},
             "moe": {"enabled": True, "train": True, "gpu_experts_per_layer": slots, **moe},
@@ -90,24 +70,8 @@ def moe_section(slots: int = 1, **moe):
 
 
 def build(model, stage, maximus=None, dtype="fp32", **kw):
-    import deepspeed
-
-    import ds_maximus
-    cfg = ds_config(stage, dtype, maximus=maximus, **kw)
-    fn = ds_maximus.initialize if maximus is not None else deepspeed.initialize
-    engine, *_ = fn(model=model, model_parameters=model.parameters(), config=cfg)
-    return engine
-
-
-def train(engine, data):
-    losses = []
-    for ids in data:
-        ids = ids.to(engine.device)
-        out = engine(input_ids=ids, labels=ids)
-        engine.backward(out.loss)
-        engine.step()
-        losses.append(float(out.loss.detach().float()))
-    return losses
+    """``model`` in a plain engine, or in a maximus one when ``maximus`` (the section) is given."""
+    return initialize(model, ds_config(stage, dtype, maximus=maximus, **kw))
 
 
 def mixtral_experts(engine) -> dict:
@@ -149,22 +113,10 @@ def dense_params(engine) -> dict:
     return out
 
 
-def assert_close(got: torch.Tensor, ref: torch.Tensor, lr: float = 1e-2) -> None:
-    """The fp32 weight policy of tests/engine: 99.5% of elements within 1e-5, all within one lr step."""
-    diff = (got - ref).abs()
-    frac = float((diff > 1e-5).float().mean())
-    assert frac < 5e-3, f"{frac:.4%} of elements differ by more than 1e-5 (max {float(diff.max()):.3g})"
-    assert float(diff.max()) < lr, f"max difference {float(diff.max()):.3g} exceeds one lr step ({lr})"
-
-
 def assert_experts_close(got, ref, experts_fn=None, lr: float = 1e-2) -> None:
-    """Every expert tensor of ``got`` against ``ref`` (engines), under :func:`assert_close`."""
+    """Every expert tensor of ``got`` against ``ref`` (engines), under :func:`assert_weights_close`."""
     experts_fn = experts_fn or mixtral_experts
     er, eg = experts_fn(ref), experts_fn(got)
     for g in er:
         for n in er[g]:
-            assert_close(eg[g][n], er[g][n], lr=lr)
-
-
-def clone(model):
-    return copy.deepcopy(model)
+            assert_weights_close(eg[g][n], er[g][n], lr=lr)

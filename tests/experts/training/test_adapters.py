@@ -7,7 +7,8 @@ import torch
 from ds_maximus.config import MaximusConfig
 from ds_maximus.experts.training import attach_expert_training
 from tests.experts.tiny_moe import tiny_model
-from tests.experts.training.moe_utils import assert_close, moe_section
+from tests.experts.training.moe_utils import moe_section
+from tests.helpers.models import assert_weights_close
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
@@ -30,4 +31,4 @@ def test_qwen_moe_trains_like_dense_adamw(kind):
     for gi, layer in enumerate(dense.model.layers):
         got = t.expert_tensors(gi)
         for n in ("gate_up_proj", "down_proj"):
-            assert_close(got[n], getattr(layer.mlp.experts, n).detach())
+            assert_weights_close(got[n], getattr(layer.mlp.experts, n).detach())

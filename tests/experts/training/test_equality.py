@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from tests.experts.training.moe_utils import (
-    assert_close,
     assert_experts_close,
     batches,
     build,
@@ -14,8 +13,8 @@ from tests.experts.training.moe_utils import (
     moe_section,
     tiny_ds_moe,
     tiny_mixtral,
-    train,
 )
+from tests.helpers.models import assert_weights_close, train
 
 
 def _compare(ref, got, l_ref, l_got, experts_fn):
@@ -24,7 +23,7 @@ def _compare(ref, got, l_ref, l_got, experts_fn):
     dr, dg = dense_params(ref), dense_params(got)
     assert set(dr) == set(dg)
     for n in dr:
-        assert_close(dg[n], dr[n])
+        assert_weights_close(dg[n], dr[n])
 
 
 @pytest.mark.parametrize("stage,gas", [(0, 1), (1, 1), (2, 2), (3, 1)])

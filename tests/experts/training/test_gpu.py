@@ -9,8 +9,8 @@ from tests.experts.training.moe_utils import (
     mixtral_experts,
     moe_section,
     tiny_mixtral,
-    train,
 )
+from tests.helpers.models import train
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ds_maximus.errors import ConfigError
-from tests.experts.training.moe_utils import batches, build, mixtral_experts, moe_section, tiny_mixtral, train
+from tests.experts.training.moe_utils import batches, build, mixtral_experts, moe_section, tiny_mixtral
+from tests.helpers.models import train
 
 
 def _sec(n, **kw):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ds_maximus.experts.training.grads import ExpertGrads
-from tests.experts.training.moe_utils import batches, build, mixtral_experts, moe_section, tiny_mixtral, train
+from tests.experts.training.moe_utils import batches, build, mixtral_experts, moe_section, tiny_mixtral
+from tests.helpers.models import train
 
 
 def _bf16(n, seed):

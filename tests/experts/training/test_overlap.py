@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from tests.experts.training.moe_utils import batches, build, mixtral_experts, moe_section, tiny_mixtral, train
+from tests.experts.training.moe_utils import batches, build, mixtral_experts, moe_section, tiny_mixtral
+from tests.helpers.models import train
 
 
 def _slow_cpu_side(monkeypatch, delay_s=0.02, fail_at=None):
@@ -92,7 +93,7 @@ def test_deepspeed_throughput_timer_does_not_wait_for_the_step(overlap, user, wa
     """DeepSpeed's throughput timer syncs the device at every forward unless told not to: with an overlapped
     split step it is told not to, unless the config sets it."""
     import ds_maximus
-    from tests.experts.training.moe_utils import ds_config
+    from tests.helpers.models import ds_config
     sec = moe_section(slots=2, optimizer_device="split", overlap_step=overlap)
     cfg = ds_config(2, maximus=sec)
     if user is not None:

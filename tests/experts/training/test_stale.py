@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.experts.training.moe_utils import assert_experts_close, batches, build, moe_section, tiny_mixtral, train
+from tests.experts.training.moe_utils import assert_experts_close, batches, build, moe_section, tiny_mixtral
+from tests.helpers.models import train
 
 
 def _guard_every_use(trainer):

@@ -76,7 +76,7 @@ def test_nvme_tier_equals_cpu_tier(tmp_path):
 
 
 def test_no_moe_layer_is_a_config_error():
-    from tests.engine.llama_utils import tiny_llama
+    from tests.helpers.models import tiny_llama
     with pytest.raises(ConfigError, match="no MoE layer"):
         _trainer(tiny_llama())
 

@@ -3,15 +3,14 @@ under one engine (one norm carrier for both, one clipping coefficient) equal pla
 import pytest
 
 from tests.experts.training.moe_utils import (
-    assert_close,
     assert_experts_close,
     batches,
     build,
     dense_params,
     moe_section,
     tiny_mixtral,
-    train,
 )
+from tests.helpers.models import assert_weights_close, train
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -27,7 +26,7 @@ def test_sharded_embedding_and_experts_equal_deepspeed(stage):
     assert l_got == pytest.approx(l_ref, rel=1e-5)
     assert_experts_close(got, ref)
     dr, dg = dense_params(ref), dense_params(got)  # (gathered under ZeRO-3)
-    assert_close(got.module.model.embed_tokens.full_weight(), dr["model.embed_tokens.weight"])
+    assert_weights_close(got.module.model.embed_tokens.full_weight(), dr["model.embed_tokens.weight"])
     for n in dr:
         if "embed_tokens" not in n:
-            assert_close(dg[n], dr[n])
+            assert_weights_close(dg[n], dr[n])

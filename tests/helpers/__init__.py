@@ -1,0 +1,1 @@
+"""Code the tests of several folders share: tiny models and the engines they train in (:mod:`.models`)."""
