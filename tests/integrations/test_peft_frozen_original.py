@@ -15,7 +15,8 @@ from torch import nn
 from ds_maximus.integrations.peft import save_peft
 from ds_maximus.vocab import ShardedEmbedding
 from ds_maximus.vocab.host_table import HostTable
-from tests.conformance.helpers import ds_config, initialize, train, zipf_ids
+from tests.conformance.helpers import ds_config, zipf_ids
+from tests.helpers.models import initialize, train
 from tests.integrations.test_peft_vocab import EMB, HEAD, VOCAB, _batches, _reload, gemma3, llama, lora, section
 
 
