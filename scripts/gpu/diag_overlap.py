@@ -5,7 +5,8 @@ ops give the same bits). On the GPU machine, after ``. .device/env.sh``:
 import torch
 
 from ds_maximus.experts.training.step import InPlaceStep, SplitStep
-from tests.experts.training.moe_utils import batches, build, moe_section, tiny_mixtral, train
+from tests.experts.training.moe_utils import batches, build, moe_section, tiny_mixtral
+from tests.helpers.models import train
 
 real_share = SplitStep.cpu_share
 real_inplace = InPlaceStep.update

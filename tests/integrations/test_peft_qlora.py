@@ -16,12 +16,8 @@ from torch import nn
 from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
 from ds_maximus.vocab.host_table import HostTable
 from tests.conformance.helpers import ds_config, zipf_ids
+from tests.helpers.models import initialize, train
 from tests.integrations.test_peft_vocab import EMB, HEAD, VOCAB, llama, section
-
-try:
-    from tests.helpers.models import initialize, train
-except ImportError:   # the helpers' older home
-    from tests.conformance.helpers import initialize, train
 
 
 def _lora(model):
