@@ -6,14 +6,15 @@
 Commands for one GPU call of 600 s (each peer its own process, the run held to ``--budget-s``):
 
     python -m benchmarks.bench_peft_vocab --preset gpu600 --out bench_out/peft_vocab.md     # all of the below
-    python -m benchmarks.bench_peft_vocab --peers ours_capped peft_mts --steps 6 --warmup 2 --budget-s 560
-    python -m benchmarks.bench_peft_vocab --peers curve_ref curve_ours --curve-steps 200 --curve-layers 4 \\
-        --curve-batch 1 --curve-seq 1024 --budget-s 560
-    python -m benchmarks.bench_peft_vocab --peers qlora_ours_capped qlora_peft_mts_capped --steps 6 --warmup 2
+    python -m benchmarks.bench_peft_vocab --peers ours_capped peft_mts --batch 4 --steps 6 --warmup 2 --budget-s 560
+    python -m benchmarks.bench_peft_vocab --peers curve_ref curve_ours --curve-steps 200 --curve-layers 2 \\
+        --curve-vocab 32768 --curve-batch 1 --curve-seq 512 --budget-s 560
+    python -m benchmarks.bench_peft_vocab --peers qlora_ours_capped --batch 4 --steps 6 --warmup 2 --budget-s 560
 
-``--preset gpu600`` is the first two and ours' QLoRA row (skipped, with the reason, where bitsandbytes does
-not import): Gemma-3-4B ours capped and plain PEFT uncapped at 6 steps, the 200-step curve on a 4-layer
-Gemma-3-4B shape, the Llama-3-8B QLoRA row.
+``--preset gpu600`` runs those three in that order: Gemma-3-4B ours capped and plain PEFT uncapped at 4 x 2048
+tokens for 6 steps, the 200-step curve on a 2-layer Gemma-3-4B shape with a 32K vocabulary, and ours' Llama-3-8B
+QLoRA row (skipped, with the reason, where bitsandbytes does not import); a peer that has under 30 s of the
+budget left is a skipped row. The full curve: ``--peers curve_ref curve_ours`` with no ``--curve-*`` sizes.
 
 Every peer runs in its own subprocess (an OOM or a DeepSpeed engine must not poison the next) under a time limit
 (``--peer-timeout-s``, and what is left of ``--budget-s``) on the same data (``--batch`` x ``--seq`` Zipf ids a
@@ -30,8 +31,9 @@ Gemma-3-4B shape (vocab 262,144, hidden 2560, 34 layers, ffn 10240, 8 heads / 4 
 5. ``ours_capped``: ds_maximus: the embedding's rows a maximus row store with exact sparse AdamW, the head tied
    to it (``ensure_weight_tying``), the loss streamed, the frozen original in host memory; capped.
 
-The loss curve (``--curve-steps``, default 200; ``--curve-layers`` / ``--curve-batch`` / ``--curve-seq`` shrink
-it to fit a call), the same model on both sides so that the curves can be compared step by step:
+The loss curve (``--curve-steps``, default 200; ``--curve-layers`` / ``--curve-vocab`` / ``--curve-batch`` /
+``--curve-seq`` shrink it to fit a call), the same model on both sides so that the curves can be compared step
+by step:
 
 6. ``curve_ref``: plain PEFT with ours' LoRA config (``modules_to_save=["embed_tokens"]``,
    ``ensure_weight_tying=True``: one tied table), DeepSpeed bf16 with fp32 masters, uncapped;
@@ -44,9 +46,9 @@ QLoRA blocks (every block Linear a bitsandbytes 4-bit NF4 ``Linear4bit``, then P
 8. ``qlora_peft_mts_capped``: PEFT ``modules_to_save=["embed_tokens", "lm_head"]`` (expected: OOM);
 9. ``qlora_ours_capped``: ours, the untied head on the CPU tier (``lm_head.placement: cpu``).
 
-Columns: ms per step, peak GiB, tokens/s, ratio to the reference's tokens/s (``peft_mts``), last loss beside the
-reference's, and the mean relative difference of the loss curve from the reference's (same seed and data;
-``curve_ours`` against ``curve_ref``).
+Columns: ms per step, peak GiB, tokens/s, ratio to the reference's tokens/s (``peft_mts``; ``curve_ref`` for
+``curve_ours``), last loss beside the reference's, and the mean relative difference of the loss curve from the
+reference's (same seed and data).
 """
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ CURVE_REFERENCE = {"curve_ours": "curve_ref", **{p: REFERENCE for p, v in PEERS.
                                                  if v[0] == "gemma3" and not p.startswith("curve_")}}
 # the options a peer's process gets from the driver
 FORWARDED = ("batch", "seq", "steps", "warmup", "cap_gib", "new_rows", "cache_rows", "chunk_rows", "bucket_elems", "lr",
-             "curve_steps", "curve_layers", "curve_batch", "curve_seq")
+             "curve_steps", "curve_layers", "curve_vocab", "curve_batch", "curve_seq")
 
 
 def _shape(family: str, small: bool) -> dict:
@@ -121,9 +123,11 @@ def _missing(peer: str) -> Optional[str]:
 
 
 def _build(shape: dict, dtype, qlora: bool, liger: bool):
-    """The model on the CPU in ``dtype`` (built in it: no fp32 copy of 4-8B parameters first); QLoRA blocks on
-    the GPU, quantized."""
+    """The model in ``dtype`` (built in it: no fp32 copy of 4-8B parameters first) on the GPU where there is one,
+    as ``from_pretrained(..., device_map="cuda")`` would leave it; a QLoRA model on the CPU, then its blocks
+    quantized onto the GPU (its bf16 weights would not fit under the cap)."""
     import torch
+    dev = "cuda" if torch.cuda.is_available() and not qlora else "cpu"
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_gemma3_text
         apply_liger_kernel_to_gemma3_text(fused_linear_cross_entropy=True, cross_entropy=False)
@@ -135,13 +139,14 @@ def _build(shape: dict, dtype, qlora: bool, liger: bool):
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        if shape["family"] == "gemma3":
-            from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-            model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=1024, final_logit_softcapping=30.0,
-                                                       attn_implementation="sdpa"))
-        else:
-            from transformers import LlamaConfig, LlamaForCausalLM
-            model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
+        with torch.device(dev):
+            if shape["family"] == "gemma3":
+                from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+                model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=1024,
+                                                           final_logit_softcapping=30.0, attn_implementation="sdpa"))
+            else:
+                from transformers import LlamaConfig, LlamaForCausalLM
+                model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
     finally:
         torch.set_default_dtype(default)
     model.to(dtype)
@@ -221,6 +226,7 @@ def run_peer(a) -> dict:
     if a.peer.startswith("curve_"):
         steps, batch, seq = a.curve_steps, a.curve_batch or a.batch, a.curve_seq or a.seq
         shape["layers"] = a.curve_layers or shape["layers"]
+        shape["vocab"] = a.curve_vocab or shape["vocab"]
     cuda = torch.cuda.is_available()
     bf16 = cuda and not a.small
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -310,9 +316,9 @@ def _curve_diff(losses: List[float], ref: List[float]) -> Optional[float]:
 # ``--preset gpu600``: one GPU call of 600 s (the lead's): the Gemma-3-4B rows at 6 steps, the curve at a reduced
 # size, the QLoRA row (skipped, with its reason, where bitsandbytes does not import)
 PRESETS = {
-    "gpu600": dict(peers=["ours_capped", "peft_mts", "curve_ref", "curve_ours", "qlora_ours_capped"], steps=6,
-                   warmup=2, curve_steps=200, curve_layers=4, curve_batch=1, curve_seq=1024, budget_s=560.0,
-                   peer_timeout_s=240.0),
+    "gpu600": dict(peers=["ours_capped", "peft_mts", "curve_ref", "curve_ours", "qlora_ours_capped"], batch=4,
+                   steps=6, warmup=2, curve_steps=200, curve_layers=2, curve_vocab=32768, curve_batch=1,
+                   curve_seq=512, budget_s=560.0, peer_timeout_s=200.0),
 }
 
 
@@ -330,6 +336,8 @@ def main(argv=None) -> int:
                     help="steps of the curve_ref / curve_ours loss curves (default 200; 3 with --small)")
     ap.add_argument("--curve-layers", type=int, default=None, help="decoder layers of the curve's model (default: "
                     "the shape's)")
+    ap.add_argument("--curve-vocab", type=int, default=None, help="vocabulary of the curve's model (default: the "
+                    "shape's; every row of a tied table is stepped every step, so this sets a curve step's cost)")
     ap.add_argument("--curve-batch", type=int, default=None, help="sequences a curve step (default --batch)")
     ap.add_argument("--curve-seq", type=int, default=None, help="tokens a curve sequence (default --seq)")
     ap.add_argument("--cap-gib", type=float, default=16.0)
@@ -371,7 +379,8 @@ def main(argv=None) -> int:
     sizes = {"tokens/step": f"{a.batch}x{a.seq}", "steps": a.steps, "cap": f"{a.cap_gib:g} GiB",
              "shapes": "gemma3_small/llama3_small" if a.small else "Gemma-3-4B / Llama-3-8B-262K",
              "curve": f"{a.curve_steps} steps, {a.curve_batch or a.batch}x{a.curve_seq or a.seq} tokens"
-                      + (f", {a.curve_layers} layers" if a.curve_layers else "")}
+                      + (f", {a.curve_layers} layers" if a.curve_layers else "")
+                      + (f", vocab {a.curve_vocab}" if a.curve_vocab else "")}
     bench = Bench("peft_vocab", dtype="fp32" if a.small else "bf16", sizes=sizes,
                   notes=f"LoRA r=16 on every projection; gradient checkpointing; Zipf ids; loss diff = mean relative "
                         f"difference of the loss curve from its reference's ({REFERENCE}; curve_ref for curve_ours)")
@@ -398,11 +407,11 @@ def _add_row(bench, peer: str, res: dict, results: dict) -> None:
     if "error" in res:
         bench.add(peer, None, res.get("peak_gib"), error=res["error"])
         return
-    ref = results.get(REFERENCE, {})
     curve_ref = results.get(CURVE_REFERENCE.get(peer, ""), {})
     diff = _curve_diff(res["losses"], curve_ref["losses"]) if curve_ref.get("losses") else None
-    ratio = res["tokens_per_s"] / ref["tokens_per_s"] if ref.get("tokens_per_s") and peer != "curve_ref" and \
-        PEERS[peer][0] == PEERS[REFERENCE][0] and not peer.startswith("curve_") else None
+    # throughput against the run of the same shape and sizes: peft_mts, or curve_ref for curve_ours
+    ref = curve_ref if peer in CURVE_REFERENCE else {}
+    ratio = res["tokens_per_s"] / ref["tokens_per_s"] if ref.get("tokens_per_s") else None
     bench.add(peer, res["ms"], res.get("peak_gib"),
               **{"tokens/s": round(res["tokens_per_s"], 1),
                  "tokens/s vs ref": round(ratio, 3) if ratio is not None else "-",
