@@ -50,7 +50,8 @@ def test_frozen_original_leaves_the_compute_device_and_disable_adapter_gives_the
     assert _vocab_tables(_moved_by_to(plain), VOCAB)       # plain PEFT: the tables would go to the device
     ids = zipf_ids(1, batch=2, seqlen=8, vocab=VOCAB, seed=7)[0]
     with torch.no_grad():
-        want = make().eval()(input_ids=ids).logits
+        out = make().eval()(input_ids=ids, labels=ids)
+        want, want_loss = out.logits, out.loss
 
     sec = section()
     if not tie:   # an untied trained head copy in the CPU tier too (placement gpu keeps it a dense Parameter)
@@ -71,8 +72,10 @@ def test_frozen_original_leaves_the_compute_device_and_disable_adapter_gives_the
     with torch.no_grad():
         with model.disable_adapter():
             off = model(input_ids=ids).logits
+            off_loss = model(input_ids=ids, labels=ids).loss   # the streamed loss through the original head
         on = model(input_ids=ids).logits
     torch.testing.assert_close(off, want, rtol=0, atol=0)          # the original model's forward, bit-equal
+    torch.testing.assert_close(off_loss, want_loss, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(on, want)                              # the trained copies and LoRA are used again
     assert isinstance(model.get_submodule(EMB).modules_to_save["default"], ShardedEmbedding)
 
