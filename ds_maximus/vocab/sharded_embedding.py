@@ -474,14 +474,34 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         if not bool(res.all()):
             cold = ids[~res]
             self.cache._finish_write_backs(block=True)
-            names = ("weight", *self.optimizer.state_names)
-            buf = {n: torch.empty(cold.numel(), self.embedding_dim) for n in names}
-            self.tier.read(cold, buf)
-            changed = self.optimizer.catch_up(buf["weight"], [buf[n] for n in names[1:]],
-                                              torch.arange(cold.numel()), cold)
-            if bool(changed.any()):
-                self.tier.write(cold, buf)
-            out[(~res).to(device)] = buf["weight"].to(device, dtype)
+            lag = self.optimizer.lagging(cold)
+            # rows with no step to replay need only their weights (a tied head reads every row, twice a step)
+            rows = None if bool(lag.any()) else self._host_weight_rows(cold)
+            if rows is None:
+                names = ("weight", *self.optimizer.state_names)
+                buf = {n: torch.empty(cold.numel(), self.embedding_dim) for n in names}
+                self.tier.read(cold, buf)
+                changed = self.optimizer.catch_up(buf["weight"], [buf[n] for n in names[1:]],
+                                                  torch.arange(cold.numel()), cold, lag=lag)
+                if bool(changed.any()):
+                    self.tier.write(cold, buf)
+                rows = buf["weight"]
+            out[(~res).to(device)] = rows.to(device, dtype)
+        return out
+
+    def _host_weight_rows(self, ids: Tensor) -> Optional[Tensor]:
+        """Weights of rows ``ids`` read from the tier's host memory alone (no optimizer state), or ``None``
+        where the tier keeps none there (NVMe)."""
+        pieces = self.tier.pieces("weight")
+        if not pieces:
+            return None
+        out = torch.empty(ids.numel(), self.embedding_dim)
+        if len(pieces) == 1:
+            return torch.index_select(pieces[0][2].view(-1, self.embedding_dim), 0, ids - pieces[0][0], out=out)
+        for lo, hi, t in pieces:
+            m = (ids >= lo) & (ids < hi)
+            if bool(m.any()):
+                out[m] = t.view(-1, self.embedding_dim).index_select(0, ids[m] - lo)
         return out
 
     def add_dense_row_grad_(self, lo: int, hi: int, grad: Tensor) -> None:
