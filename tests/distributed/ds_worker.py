@@ -30,7 +30,8 @@ def main():
     # rank's GPU) itself before it builds a partitioned or broadcast table, as in a script written for plain
     # deepspeed.initialize
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    from tests.engine.llama_utils import build, embedding_weight, maximus_section, zipf_batches
+    from tests.engine.llama_utils import build, embedding_weight, maximus_section
+    from tests.helpers.models import zipf_batches
     batches = zipf_batches(args.steps, batch=args.global_batch, seqlen=16)
     per = args.global_batch // world
     results = {}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import List, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,6 +46,21 @@ def prebuild_ops() -> None:
         load_op("cuda")
 
 
+def wait_all(procs: List[subprocess.Popen], deadline: float) -> Tuple[List[int], List[str]]:
+    """Wait for ``procs`` (text stdout, stderr merged in) until ``deadline`` (``time.time()``), killing those still
+    running then; returns ([returncode per process], [output per process])."""
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += "\n<killed by the test: timeout>"
+        outs.append(out)
+    return [p.returncode for p in procs], outs
+
+
 def run_ranks(n: int, script: Path, *args, timeout: float = 120):
     """Run ``script`` as ``n`` ranks; returns ([returncode per rank], [output per rank], seconds)."""
     prebuild_ops()
@@ -57,16 +73,7 @@ def run_ranks(n: int, script: Path, *args, timeout: float = 120):
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs, rcs = [], []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            out += "\n<killed by the test: timeout>"
-        outs.append(out)
-        rcs.append(p.returncode)
+    rcs, outs = wait_all(procs, t0 + timeout)
     return rcs, outs, time.time() - t0
 
 
@@ -100,15 +107,6 @@ def launch_nodes(nodes: int, per_node: int, script: Path, *args, timeout: float 
                                f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}", str(script),
                                *map(str, args)], env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for n in range(nodes)]
-    t0, outs = time.time(), []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            out += "\n<killed by the test: timeout>"
-        outs.append(out)
-    rcs = [p.returncode for p in procs]
+    rcs, outs = wait_all(procs, time.time() + timeout)
     assert rcs == [0] * nodes, "\n".join(o[-4000:] for o in outs)
     return outs[0]

@@ -21,9 +21,10 @@ BIG = min(4, torch.cuda.device_count()) if on_gpus() else 4  # ranks of the firs
 
 
 def one_rank(stage: int):
-    from tests.engine.llama_utils import build, embedding_weight, maximus_section, train, zipf_batches
+    from tests.engine.llama_utils import build, embedding_weight, maximus_section
+    from tests.helpers.models import train, zipf_batches
     e = build(stage, "fp32", micro=4, clip=0.5, maximus=maximus_section(cache_rows=96))
-    losses = train(e, zipf_batches(STEPS, batch=4, seqlen=16), 1)
+    losses = train(e, zipf_batches(STEPS, batch=4, seqlen=16))
     return {"losses": losses, "embedding": embedding_weight(e)}
 
 
