@@ -25,9 +25,10 @@ def _calls(tree: ast.AST, func: str):
 
 
 def test_runtime_dispatch_has_no_hasattr_and_no_module_names():
-    """The runtime and the look-ahead ask modules nothing by ``hasattr``; ``initialize`` asks only the caller's
-    argparse ``args`` (DeepSpeed's own rule); the runtime compares no module name with ``"lm_head"``/``"moe"``."""
-    for name in ("runtime.py", "lookahead.py"):
+    """The runtime, the look-ahead, the swap and the partitioned checkpoint's load ask modules nothing by
+    ``hasattr``; ``initialize`` asks only the caller's argparse ``args`` (DeepSpeed's own rule); the runtime
+    compares no module name with ``"lm_head"``/``"moe"``."""
+    for name in ("runtime.py", "lookahead.py", "swap.py", "../distributed/repartition.py"):
         found = [n.lineno for n in _calls(_tree(name), "hasattr")]
         assert not found, f"engine/{name} dispatches with hasattr at lines {found}"
     on_other = [n.lineno for n in _calls(_tree("initialize.py"), "hasattr")
@@ -79,6 +80,20 @@ def test_every_driven_class_implements_the_protocol():
 
     with pytest.raises(TypeError, match="abstract"):
         Incomplete()
+
+
+def test_partitioned_checkpoint_gives_a_replicated_module_rank_zeros_state(tmp_path):
+    """``load_partitioned_checkpoint`` hands each module the per-rank states through the protocol; a module the
+    ranks replicate (the default ``load_maximus_state_dicts``) takes rank 0's and never reads rank 1's file."""
+    from ds_maximus.distributed.repartition import RANK_FILE, load_partitioned_checkpoint
+    from ds_maximus.vocab import ShardedEmbedding
+    saved, loaded = (ShardedEmbedding.from_embedding(nn.Embedding(24, 4)) for _ in range(2))
+    assert not torch.equal(saved.full_weight(), loaded.full_weight())
+    torch.save({"modules": {"emb": saved.maximus_state_dict()}, "steps": 3, "skipped_steps": 1},
+               tmp_path / RANK_FILE.format(rank=0))
+    torch.save({"modules": {}, "steps": 3, "skipped_steps": 1}, tmp_path / RANK_FILE.format(rank=1))  # no "emb"
+    assert load_partitioned_checkpoint(str(tmp_path), {"emb": loaded}) == (3, 1)
+    assert torch.equal(loaded.full_weight(), saved.full_weight())
 
 
 def test_runtime_refuses_a_module_outside_the_protocol():
