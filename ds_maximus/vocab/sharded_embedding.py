@@ -432,6 +432,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self.cache._finish_write_backs(block=True)
         dev = rows.device
         step = max(1, min(int(self.cache.num_slots), ids.numel()))
+        if self._tier_update_in_place(ids, rows, where, step):
+            return
         staging = self.cache._staging(step)  # pinned when the cache is on a GPU
         for lo in range(0, ids.numel(), step):
             part, n = ids[lo:lo + step], min(step, ids.numel() - lo)
@@ -446,6 +448,39 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                     v.copy_(work[k], non_blocking=True)
                 torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
             self.tier.write(part, buf)
+
+    def _tier_update_in_place(self, ids: Tensor, rows: Tensor, where: Tensor, step: int) -> bool:
+        """``_tier_update`` straight on the tier's host memory when it keeps every table there in the same pieces
+        (not on NVMe): each window of ``step`` id values goes to the device and back as one slice of every table
+        (the span from its first to its last id; cached rows inside it cross unchanged), so no rows are gathered
+        into or scattered out of staging buffers on the host. ``ids`` are sorted. False where it does not apply."""
+        names = ("weight", *self.optimizer.state_names)
+        pieces = {n: self.tier.pieces(n) for n in names}
+        ranges = [(lo, hi) for lo, hi, _ in pieces["weight"]]
+        if not ranges or any([(lo, hi) for lo, hi, _ in pieces[n]] != ranges for n in names):
+            return False
+        dev = rows.device
+        ids_np = ids.numpy()
+        if ids_np.size > 1 and not bool((ids_np[1:] > ids_np[:-1]).all()):
+            return False
+        for k, (plo, phi) in enumerate(ranges):
+            tables = {n: pieces[n][k][2].view(phi - plo, -1) for n in names}
+            for wlo in range(plo, phi, step):
+                a, b = np.searchsorted(ids_np, [wlo, min(wlo + step, phi)])
+                if a == b:
+                    continue
+                first, last = int(ids_np[a]), int(ids_np[b - 1])
+                host = {n: t[first - plo:last + 1 - plo] for n, t in tables.items()}
+                work = {n: v.to(dev, non_blocking=True) for n, v in host.items()}  # on a CPU: the views themselves
+                grad = rows.index_select(0, where[a:b].to(dev))
+                self.optimizer.update(work["weight"], [work[n] for n in names[1:]],
+                                      (ids[a:b] - first).to(dev), grad, ids[a:b])
+                for n, v in host.items():
+                    if work[n] is not v:
+                        v.copy_(work[n], non_blocking=True)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()  # the tier is read on the host next
+        return True
 
     def _resident_catch_up(self, ids: Tensor) -> None:
         self.cache.wait_fills()  # rows in flight (a prefetch) are replayed where they land, not before
