@@ -501,18 +501,17 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         slots = self.cache.slots_of(ids)
         res = slots >= 0
         out = torch.empty(hi - lo, self.embedding_dim, dtype=dtype, device=device)
-        if bool(res.any()):
-            self._resident_catch_up(ids[res])
-            w, _ = self._tables()
-            self.cache.wait_fills()
-            out[res.to(device)] = w.index_select(0, slots[res].to(w.device)).to(device, dtype)
         if not bool(res.all()):
             cold = ids[~res]
             self.cache._finish_write_backs(block=True)
             lag = self.optimizer.lagging(cold)
-            # rows with no step to replay need only their weights (a tied head reads every row, twice a step)
-            rows = None if bool(lag.any()) else self._host_weight_rows(cold)
-            if rows is None:
+            # rows with no step to replay need only their weights (a tied head reads every row, twice a step): the
+            # range in one copy from the tier's host memory, the cached rows among it written over below
+            span = None if bool(lag.any()) else self._host_weight_span(lo, hi)
+            rows = None if span is not None or bool(lag.any()) else self._host_weight_rows(cold)
+            if span is not None:
+                out.copy_(span, non_blocking=True)
+            elif rows is None:
                 names = ("weight", *self.optimizer.state_names)
                 buf = {n: torch.empty(cold.numel(), self.embedding_dim) for n in names}
                 self.tier.read(cold, buf)
@@ -521,8 +520,21 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 if bool(changed.any()):
                     self.tier.write(cold, buf)
                 rows = buf["weight"]
-            out[(~res).to(device)] = rows.to(device, dtype)
+            if rows is not None:
+                out[(~res).to(device)] = rows.to(device, dtype)
+        if bool(res.any()):
+            self._resident_catch_up(ids[res])
+            w, _ = self._tables()
+            self.cache.wait_fills()
+            out[res.to(device)] = w.index_select(0, slots[res].to(w.device)).to(device, dtype)
         return out
+
+    def _host_weight_span(self, lo: int, hi: int) -> Optional[Tensor]:
+        """Weights of rows ``[lo, hi)`` as a view of the tier's host memory (one piece holds them), else ``None``."""
+        for plo, phi, t in self.tier.pieces("weight"):
+            if plo <= lo and hi <= phi:
+                return t.view(phi - plo, self.embedding_dim)[lo - plo:hi - plo]
+        return None
 
     def _host_weight_rows(self, ids: Tensor) -> Optional[Tensor]:
         """Weights of rows ``ids`` read from the tier's host memory alone (no optimizer state), or ``None``
