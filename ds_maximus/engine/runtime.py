@@ -28,7 +28,7 @@ from ds_maximus.engine.checkpoint_space import (
     state_bytes,
 )
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole
-from ds_maximus.errors import ShardStoreError
+from ds_maximus.errors import DistributedError, ShardStoreError
 
 logger = logging.getLogger("ds_maximus")
 STATE_FILE = "maximus_states.pt"
@@ -190,8 +190,11 @@ class MaximusRuntime:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _state(self) -> dict:
+        # the shard mode it was written in: a replicated resume of a broadcast checkpoint is refused by name (the
+        # broadcast model file holds no table rows, which DeepSpeed would report as missing keys)
         return {"modules": {n: m.maximus_state_dict() for n, m in self.modules.items()},
-                "steps": self.steps, "skipped_steps": self.skipped_steps}
+                "steps": self.steps, "skipped_steps": self.skipped_steps,
+                "shard_mode": self.cfg.distributed.shard_mode.value}
 
     def _save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
         e = self.engine
@@ -236,6 +239,23 @@ class MaximusRuntime:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return bool(t.item())
 
+    def _replicated_state(self, folder: str, trust: bool) -> Optional[dict]:
+        """The maximus state of ``folder`` read before DeepSpeed's part, for the replicated mode: one written in the
+        broadcast mode is refused by name (its model file holds no table rows). None when the file is missing (the
+        error for that comes after DeepSpeed's load, as before)."""
+        path = os.path.join(folder, STATE_FILE)
+        if not os.path.exists(path):
+            return None
+        from ds_maximus.safe_load import safe_torch_load
+        state = safe_torch_load(path, trust=trust)
+        if state.get("shard_mode") == ShardMode.BROADCAST.value:
+            raise DistributedError(
+                f"checkpoint {folder} was saved in the broadcast shard mode: the master's {STATE_FILE} holds the "
+                "tables and the model file holds none of their rows, which the replicated mode reads from the model "
+                "file. fix: resume it with maximus.distributed.shard_mode 'broadcast' or 'partitioned' (on any "
+                "number of ranks)")
+        return state
+
     def _load_checkpoint(self, load_dir, tag=None, trust_checkpoint: bool = False, **kwargs):
         """DeepSpeed's ``load_checkpoint`` plus the maximus state. Every file is first read with
         ``weights_only=True`` (DeepSpeed's own, which it then loads itself, included); ``trust_checkpoint=True``
@@ -250,6 +270,9 @@ class MaximusRuntime:
             if self.cfg.distributed.shard_mode != ShardMode.PARTITIONED:
                 from ds_maximus.distributed.repartition import check_whole_state
                 check_whole_state(os.path.join(load_dir, str(ds_tag)))
+        state = None
+        if ds_tag is not None and self.cfg.distributed.shard_mode == ShardMode.REPLICATED:
+            state = self._replicated_state(os.path.join(load_dir, str(ds_tag)), trust_checkpoint)
         try:
             load_path, client_state = self._orig["load_checkpoint"](load_dir, tag=tag, **kwargs)
         except Exception as e:  # DeepSpeed's refusal of another world size under ZeRO-1/2/3, said as ours
@@ -276,7 +299,7 @@ class MaximusRuntime:
         elif not os.path.exists(path):
             from ds_maximus.distributed.repartition import missing_whole_state
             raise missing_whole_state(os.path.join(load_dir, str(tag)), path)
-        else:
+        elif state is None or str(tag) != str(ds_tag):
             from ds_maximus.safe_load import safe_torch_load
             state = safe_torch_load(path, trust=trust_checkpoint)
         for n, m in self.modules.items():

@@ -105,9 +105,9 @@ def ci(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("combos")
     from tests.distributed.combo_worker import run_config
     base = cfg("", "replicated", 0, 1)
-    # 1 rank writes a checkpoint in the replicated and the partitioned mode (ZeRO-0: any world size may load it)
+    # 1 rank writes a checkpoint in every mode (ZeRO-0: any world size may load it)
     one = {m: run_config({**base, "key": m, "mode": m, "save_at": SAVE_AT, "save_dir": str(tmp / f"one_{m}")}, 0, 1)
-           for m in ("replicated", "partitioned")}
+           for m in MODES}
     spec = list(CI_COMBOS)
     spec[0] = {**spec[0], "save_dir": str(tmp / "two_z2")}
     # 2 ranks save a partitioned checkpoint at ZeRO-0 (for 2 -> 1; the other modes' 2 -> 1 are in the slow test)
@@ -129,8 +129,10 @@ def ci(tmp_path_factory):
                      "expect_error": True, "save_at": 0}, 0, 1)
     as_replicated = run_config({**base, "key": "as_replicated", "resume_dir": str(tmp / "two_partitioned"),
                                 "resume_tag": f"step{SAVE_AT}", "expect_error": True}, 0, 1)
+    broadcast_as_replicated = run_config({**base, "key": "broadcast_as_replicated", "resume_tag": f"step{SAVE_AT}",
+                                          "resume_dir": str(tmp / "one_broadcast"), "expect_error": True}, 0, 1)
     return {"two": two, "refs": refs, "one": one, "back": back, "z2": z2, "base": base,
-            "as_replicated": as_replicated}
+            "as_replicated": as_replicated, "broadcast_as_replicated": broadcast_as_replicated}
 
 
 @pytest.mark.parametrize("key", [c["key"] for c in CI_COMBOS])
@@ -202,6 +204,17 @@ def test_partitioned_checkpoint_in_replicated_mode_is_a_typed_error(ci):
     got = ci["as_replicated"]
     assert got["error"] == "ShardStoreError", got
     assert "saved in the partitioned shard mode" in got["message"] and "shard_mode 'partitioned'" in got["message"]
+
+
+def test_broadcast_checkpoint_in_replicated_mode_is_a_typed_error(ci):
+    got = ci["broadcast_as_replicated"]
+    assert got["error"] == "DistributedError" and "MaximusError" in got["mro"], got
+    assert "saved in the broadcast shard mode" in got["message"], got["message"]
+    assert "'broadcast' or 'partitioned'" in got["message"], got["message"]
+
+
+def test_one_rank_broadcast_equals_one_plain_table(ci):
+    close(ci["one"]["broadcast"], ci["refs"][ref_key(ci["base"])])
 
 
 def test_one_rank_partitioned_equals_one_plain_table(ci):
