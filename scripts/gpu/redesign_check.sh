@@ -10,19 +10,28 @@
 set -x
 . "$(dirname "$0")/common.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv || true
-python -u -c "
-from ds_maximus.ops import row_ops, expert_cpu, nvme_loader
-print('row_ops', row_ops.load_op('cuda') is not None, row_ops.load_op('cpu') is not None)
-print('expert_cpu', expert_cpu.load_op() is not None)
-print('nvme_loader', nvme_loader.nvme_loader_available())" > "$OUT/build.log" 2>&1 &
-build=$!
+# one process per op: each JIT build is single-threaded for most of its ~40-70 s
+python -u -c "from ds_maximus.ops import row_ops; print('row_ops cuda', row_ops.load_op('cuda') is not None)" \
+  > "$OUT/build.log" 2>&1 &
+b1=$!
+python -u -c "from ds_maximus.ops import row_ops; print('row_ops cpu', row_ops.load_op('cpu') is not None)" \
+  > "$OUT/build_cpu.log" 2>&1 &
+b2=$!
+python -u -c "from ds_maximus.ops import expert_cpu; print('expert_cpu', expert_cpu.load_op() is not None)" \
+  > "$OUT/build_expert.log" 2>&1 &
+b3=$!
+if [ "${NVME:-1}" = 1 ]; then
+  python -u -c "from ds_maximus.ops import nvme_loader; print('nvme_loader', nvme_loader.nvme_loader_available())" \
+    > "$OUT/build_nvme.log" 2>&1 &
+  b4=$!
+fi
 if [ -n "${OLD:-}" ]; then
   (cd "$OLD" && PYTHONPATH="$OLD:/tmp/site" TORCH_EXTENSIONS_DIR=/tmp/torch_ext_old python -u -c "
 from ds_maximus.ops import sharded_embedding as o; print('old op', o.load_op('cuda') is not None, o.load_op('cpu') is not None)"
   ) > "$OUT/build_old.log" 2>&1 &
   build_old=$!
 fi
-wait $build; tail -5 "$OUT/build.log"
+wait $b1 $b2 $b3 ${b4:-}; tail -qn2 "$OUT"/build*.log
 timeout ${TESTS_S:-330} python -m pytest -q -rs -m gpu -p no:cacheprovider ${TESTS:-tests} \
   --deselect tests/experts/training/test_bench_smoke.py > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -30
