@@ -374,8 +374,29 @@ def main(argv=None) -> int:
             json.dump(res, f)
         return 0
 
-    from benchmarks.harness import Bench, Budget, progress
+    from benchmarks.harness import Budget, progress
     budget = Budget(a.budget_s if a.budget_s is not None else float("inf"))
+    results = {}
+    for peer in a.peers:
+        reason = _missing(peer)
+        if reason is None and budget.left() < 30:
+            reason = f"skipped: {budget.left():.0f} s left of --budget-s {a.budget_s:g}"
+        results[peer] = {"error": reason} if reason else _spawn(peer, a, min(a.peer_timeout_s, budget.left() - 5))
+        res = results[peer]
+        progress(f"{peer}: " + (res.get("error") or f"{res['ms']:.1f} ms/step"))
+        _bench(a, results).checkpoint(a.out)   # every row so far, ratios against the references run so far
+    tail = _curve_line(results)
+    text = _bench(a, results).table() + ("\n\n" + tail if tail else "")
+    print(text, flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+def _bench(a, results: dict):
+    """The table of ``results`` (peer -> figures), in the order the peers ran."""
+    from benchmarks.harness import Bench
     sizes = {"tokens/step": f"{a.batch}x{a.seq}", "steps": a.steps, "cap": f"{a.cap_gib:g} GiB",
              "shapes": "gemma3_small/llama3_small" if a.small else "Gemma-3-4B / Llama-3-8B-262K",
              "curve": f"{a.curve_steps} steps, {a.curve_batch or a.batch}x{a.curve_seq or a.seq} tokens"
@@ -384,23 +405,9 @@ def main(argv=None) -> int:
     bench = Bench("peft_vocab", dtype="fp32" if a.small else "bf16", sizes=sizes,
                   notes=f"LoRA r=16 on every projection; gradient checkpointing; Zipf ids; loss diff = mean relative "
                         f"difference of the loss curve from its reference's ({REFERENCE}; curve_ref for curve_ours)")
-    results = {}
-    for peer in a.peers:
-        reason = _missing(peer)
-        if reason is None and budget.left() < 30:
-            reason = f"skipped: {budget.left():.0f} s left of --budget-s {a.budget_s:g}"
-        res = {"error": reason} if reason else _spawn(peer, a, min(a.peer_timeout_s, budget.left() - 5))
-        results[peer] = res
+    for peer, res in results.items():
         _add_row(bench, peer, res, results)
-        progress(f"{peer}: " + (res.get("error") or f"{res['ms']:.1f} ms/step"))
-        bench.checkpoint(a.out)
-    tail = _curve_line(results)
-    text = bench.table() + ("\n\n" + tail if tail else "")
-    print(text, flush=True)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
-    return 0
+    return bench
 
 
 def _add_row(bench, peer: str, res: dict, results: dict) -> None:
