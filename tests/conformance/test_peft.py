@@ -19,6 +19,7 @@ import torch
 
 from ds_maximus.errors import ConfigError
 from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
+from ds_maximus.vocab.host_table import HostTable
 from tests.conformance.helpers import ds_config, zipf_ids
 from tests.helpers.models import assert_weights_close, initialize, train
 
@@ -59,6 +60,8 @@ def _weights(engine) -> dict:
     for name, mod in engine.module.named_modules():
         if isinstance(mod, (ShardedEmbedding, ShardedLMHead)):
             out[name + ".weight"] = mod.full_weight().float().cpu()
+        if isinstance(mod, HostTable):  # a frozen original kept in host memory: no parameter, its state dict
+            out.update({f"{name}.{k}": v.float().cpu().clone() for k, v in mod.state_dict().items()})
     for n, p in engine.module.named_parameters():
         if "maximus_norm_carrier" in n or not (p.requires_grad or "original_module" in n):
             continue
@@ -77,10 +80,12 @@ def test_lora_with_modules_to_save_equals_deepspeed(stage, head):
     wrapper = got.module.get_submodule(EMB)
     assert type(wrapper).__name__ == "ModulesToSaveWrapper"
     assert isinstance(wrapper.modules_to_save["default"], ShardedEmbedding)  # the trained copy is the partition
-    assert type(wrapper.original_module) is torch.nn.Embedding                # the frozen original is left alone
+    assert isinstance(wrapper.original_module, HostTable)          # the frozen original waits in host memory
+    assert type(wrapper.original_module.host) is torch.nn.Embedding
     head_copy = got.module.get_submodule(HEAD).modules_to_save["default"]
     assert isinstance(head_copy, ShardedLMHead) == (head == "cpu")
-    assert type(got.module.get_submodule(HEAD).original_module) is torch.nn.Linear
+    head_original = got.module.get_submodule(HEAD).original_module
+    assert type(getattr(head_original, "host", head_original)) is torch.nn.Linear
     no_logits = []
 
     def loss_of(engine, batch):
