@@ -34,7 +34,9 @@ from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts.quant import QuantizedTensor
 from ds_maximus.ops import expert_cpu
-from ds_maximus.ops.expert_cpu import Weight
+
+# expert_cpu is used as a module, its names read at call time: ops.expert_cpu imports experts.quant, so this
+# module can be reached while ops.expert_cpu is still initialising
 
 _SILU = ("SiLU", "SiLUActivation")
 
@@ -85,7 +87,7 @@ class HostExpertCompute:
             missed = [e for e in missed if counts[e] <= self.max_tokens]
         return missed
 
-    def weights(self, uid: int) -> Tuple[Weight, Weight, Weight]:
+    def weights(self, uid: int) -> Tuple[expert_cpu.Weight, expert_cpu.Weight, expert_cpu.Weight]:
         """``(w1, w3, w2)`` of expert ``uid``: views of its CPU-tier buffer (gate rows, up rows, down); with
         ``moe.quant`` three :class:`~ds_maximus.experts.quant.QuantizedTensor` of the packed form, which the op
         decodes row by row."""
