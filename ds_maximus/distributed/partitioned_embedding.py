@@ -391,10 +391,7 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
 
     def tier_bytes(self) -> int:
         """Bytes of this rank's table tier (rows + optimizer state): about 1/world of the whole table."""
-        tier = self.local.tier
-        if hasattr(tier, "tensors"):
-            return sum(t.numel() * t.element_size() for t in tier.tensors.values())
-        return self.owned.numel() * self.embedding_dim * 4 * (1 + len(self.local.optimizer.state_names))
+        return self.local.tier.nbytes()
 
     def table_bytes(self) -> int:
         """Bytes this rank holds for the table: tier, row cache and per-row optimizer counters."""

@@ -22,7 +22,9 @@ The protocol (everything a cache, a transfer engine or a store needs):
   pieces.
 * ``check_ids(ids)``: an id outside ``[0, num_ids)`` is an :class:`IndexError` naming it and the table size.
 * ``blocks()``, ``materialize(name)``, ``load(tensors)``, ``flush()``, ``close()``: whole-table access
-  (checkpoints) and durability.
+  (checkpoints) and durability; ``mark_dirty_range(lo, hi)`` after edits made through a block's views.
+* ``whole_tables()``: every table as one host tensor where the tier holds it so (a CPU tier of one piece), else
+  ``None``; ``nbytes()``: the bytes of the whole table, every name together.
 
 >>> import torch
 >>> tier = TensorTier({"weight": torch.arange(6.).view(3, 2)})
@@ -90,9 +92,23 @@ class Tier:
         """``(lo, hi, tensor [hi - lo, *entry_shape])`` pieces of table ``name`` in host memory (none on NVMe)."""
         return []
 
+    def whole_tables(self) -> Optional[Dict[str, Tensor]]:
+        """Every table as one ``[num_ids, *entry_shape]`` CPU tensor *in* the tier, or ``None`` where the tier
+        does not hold its tables so (NVMe, or host tables mapped in several pieces): what whole-table users
+        (UVA row copies, whole-table optimizer steps) ask before taking that path."""
+        return None
+
+    def nbytes(self) -> int:
+        """Bytes of the whole table, every name together (``num_ids`` entries of :attr:`entry_bytes`)."""
+        return self.num_ids * self.entry_bytes
+
     def blocks(self, block_rows: int = 32768) -> Iterator[Block]:
         """Yield ``(lo, hi, tensors)`` covering every entry; in-place edits of the views persist."""
         raise NotImplementedError
+
+    def mark_dirty_range(self, lo: int, hi: int) -> None:
+        """Entries ``[lo, hi)`` were edited through the views :meth:`blocks` yielded: a tier that caches them
+        (NVMe) writes them back on :meth:`flush`; a no-op where those views are the tier's own memory."""
 
     def flush(self) -> None:
         """Make every write durable (NVMe tier); a no-op for memory tiers."""
@@ -180,21 +196,26 @@ class TensorTier(Tier):
         the same size; this is the most of any table)."""
         return max((t.num_pieces for t in self._tables.values()), default=0)
 
+    def whole_tables(self):
+        """Every table as one tensor when each is one piece, else ``None`` (see :meth:`Tier.whole_tables`)."""
+        if self._whole is not None:
+            return self._whole
+        whole = {k: t.whole for k, t in self._tables.items()}
+        if any(w is None for w in whole.values()):
+            return None
+        self._whole = {k: w.view(self.num_ids, *self._shapes[k]) for k, w in whole.items()}
+        return self._whole
+
     @property
     def tensors(self) -> Dict[str, Tensor]:
         """Every table as one ``[num_ids, *entry_shape]`` tensor (tables of one piece only: for a tier in several
-        pieces this is an AttributeError, so ``hasattr(tier, "tensors")`` tells whole-table users apart)."""
-        if self._whole is not None:
-            return self._whole
-        out = {}
-        for k, t in self._tables.items():
-            whole = t.whole
-            if whole is None:
-                raise AttributeError(f"table {k!r} of this tier is mapped in {t.num_pieces} pieces; use pieces({k!r}) "
-                                   "or host_view(i), or allocate it with piece_bytes >= its size")
-            out[k] = whole.view(self.num_ids, *self._shapes[k])
-        self._whole = out
-        return out
+        pieces this is an AttributeError naming the table; :meth:`whole_tables` asks without raising)."""
+        whole = self.whole_tables()
+        if whole is None:
+            k, t = next((k, t) for k, t in self._tables.items() if t.num_pieces > 1)
+            raise AttributeError(f"table {k!r} of this tier is mapped in {t.num_pieces} pieces; use pieces({k!r}) "
+                                 "or host_view(i), or allocate it with piece_bytes >= its size")
+        return whole
 
     def host_table(self, name: str = "weight") -> PiecedHostTable:
         """The pieced host table that holds ``name`` (flat entries ``[num_ids, numel]``)."""

@@ -82,11 +82,12 @@ def row_copy_op(tier, names: Sequence[str], device: torch.device):
     """The CUDA op whose ``copy_rows`` kernel reads/writes rows of a pinned tier through its mapped address
     (a fill or write-back is then one kernel, no host copy), or None where that path does not apply: not
     CUDA, a tier that is not pinned tensors in memory, a table that is not fp32, or the op not built."""
-    if not (torch.device(device).type == "cuda" and getattr(tier, "pinned", False) and hasattr(tier, "tensors")):
+    whole = tier.whole_tables() if torch.device(device).type == "cuda" and tier.pinned else None
+    if whole is None:
         return None
     from ds_maximus.ops.row_ops import load_op
     op = load_op("cuda")
-    ok = op is not None and hasattr(op, "copy_rows") and all(tier.tensors[n].dtype == torch.float32 for n in names)
+    ok = op is not None and hasattr(op, "copy_rows") and all(whole[n].dtype == torch.float32 for n in names)
     return op if ok else None
 
 

@@ -17,6 +17,7 @@ from typing import List, Sequence
 import torch
 
 from ds_maximus.errors import TokenMapError
+from ds_maximus.store import ShardStore
 from ds_maximus.tokenmap.converted import CHECKPOINTS_KEY, converted_checkpoint_dirs
 from ds_maximus.tokenmap.rewrite import write_tokenizer_folder
 from ds_maximus.tokenmap.tokenizer_json import tokenizer_from_json
@@ -25,7 +26,7 @@ from ds_maximus.tokenmap.tokenizer_json import tokenizer_from_json
 def _as_list(stores) -> list:
     if stores is None:
         return []
-    if hasattr(stores, "append_shards"):
+    if isinstance(stores, ShardStore):
         return [stores]
     return list(stores)
 

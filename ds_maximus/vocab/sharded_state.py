@@ -34,7 +34,7 @@ class ShardedStateMixin:
         for lo, hi, t in self.tier.blocks():
             ids = torch.arange(lo, hi)
             changed = self.optimizer.catch_up(t["weight"], [t[n] for n in names], ids - lo, ids)
-            if bool(changed.any()) and hasattr(self.tier, "mark_dirty_range"):
+            if bool(changed.any()):
                 self.tier.mark_dirty_range(lo, hi)
 
     def flush(self) -> None:

@@ -39,6 +39,21 @@ def test_runtime_dispatch_has_no_hasattr_and_no_module_names():
     assert not names, f"engine/runtime.py decides by module name at lines {names}"
 
 
+def test_tier_and_module_users_ask_the_protocols_not_hasattr():
+    """Code that meets our own tiers, modules and stores asks their protocols (``Tier.whole_tables``/``nbytes``/
+    ``mark_dirty_range``, the ``ShardStore`` class), never ``hasattr``; the one ``hasattr`` left is on the compiled
+    op (whether this build has a kernel). ``observability.stats`` takes any object a user passes, so it is not
+    scanned."""
+    pkg = pathlib.Path(ds_maximus.__file__).parent
+    on_op = {"partition/transfer.py"}
+    for rel in ("distributed/partitioned_embedding.py", "partition/transfer.py", "partition/tier.py",
+                "partition/store_tier.py", "vocab/sharded_state.py", "tokenmap/extend.py"):
+        tree = ast.parse((pkg / rel).read_text(), filename=rel)
+        found = [n.lineno for n in _calls(tree, "hasattr")
+                 if not (rel in on_op and isinstance(n.args[0], ast.Name) and n.args[0].id == "op")]
+        assert not found, f"{rel} dispatches with hasattr at lines {found}"
+
+
 def test_engine_imports_no_integration():
     """No module under ds_maximus/engine imports ``ds_maximus.integrations`` (statically, or by a literal name)."""
     bad = []

@@ -124,6 +124,26 @@ def test_blocks_and_load(tier_and_ref):
         assert torch.equal(tier.materialize(name), doubled[name])
 
 
+def test_whole_tables_nbytes_and_edits_through_blocks(tier_and_ref, tmp_path):
+    """``whole_tables`` is the tier's own memory for a CPU tier of one piece and ``None`` otherwise; ``nbytes`` is
+    the whole table; edits through a block's views, marked with ``mark_dirty_range``, are durable after flush."""
+    tier, ref = tier_and_ref
+    assert tier.nbytes() == sum(v.numel() * v.element_size() for v in ref.values())
+    whole = tier.whole_tables()
+    if isinstance(tier, TensorTier) and tier.num_pieces == 1:
+        assert set(whole) == set(ref) and all(torch.equal(whole[k], v) for k, v in ref.items())
+        assert whole["weight"][1].data_ptr() == tier.host_view(1).data_ptr() and whole is tier.tensors
+    else:
+        assert whole is None
+    for lo, hi, t in tier.blocks(block_rows=2):
+        t["weight"].add_(1)
+        tier.mark_dirty_range(lo, hi)
+    tier.flush()
+    if isinstance(tier, ShardStoreTier):
+        tier = ShardStoreTier(ShardStore.open(str(tmp_path / "store")), cpu_cache_shards=0)
+    assert torch.equal(tier.materialize("weight"), ref["weight"] + 1)
+
+
 @pytest.mark.parametrize("bad", [-1, "num_ids", "num_ids_plus"])
 def test_bad_ids_are_index_errors_naming_the_id(tier_and_ref, bad):
     tier, ref = tier_and_ref
@@ -165,7 +185,7 @@ def test_pieced_cpu_tier_allocates_a_piece_when_first_used_and_plans_first(monke
     assert tier.host_table("weight").allocated_bytes == 3 * 16  # the piece of entries 3..5 only
     with pytest.raises(AttributeError, match="3 pieces"):
         tier.tensors
-    assert not hasattr(tier, "tensors")  # what whole-table users (UVA row copies) check
+    assert tier.whole_tables() is None  # what whole-table users (UVA row copies) ask
     monkeypatch.setattr(hm, "mem_available_bytes", lambda *a: 100)
     with pytest.raises(CapacityError, match="the cpu tier needs.*a small table.*Fix: smaller"):
         TensorTier.allocate(9, {"weight": ((4,), torch.float32)}, pin=False, what="a small table", fix="smaller",
