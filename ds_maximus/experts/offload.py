@@ -105,6 +105,9 @@ class MoEOffload:
         self.speculative_prefetch = bool(cfg.speculative_prefetch)
         self.keep_predicted = True  # in-slot guesses evict only residents outside the predicted routing
         self._tokens = 0
+        self._layer_calls = 0   # MoE layer forwards (a step of a batch, or a prefill, is one call a layer)
+        self._experts_hit = 0   # distinct experts those calls routed to, summed
+        self._experts_hit_max = 0
         self._t_first: Optional[float] = None
         self._t_last: Optional[float] = None
         self.modules: List[OffloadedExperts] = []
@@ -144,6 +147,9 @@ class MoEOffload:
         n_pairs = top_k_index.numel()
         counts, pairs, votes = host[:E], host[E:E + n_pairs], host[E + n_pairs:]
         used = [e for e in range(E) if counts[e] > 0]
+        self._layer_calls += 1
+        self._experts_hit += len(used)
+        self._experts_hit_max = max(self._experts_hit_max, len(used))
         on_host = self.host_compute.choose(used, counts, self.cache.resident(group)) if self.host_compute else []
         if on_host:  # copied before the GPU's expert work is queued, so the host computes while the GPU does
             used = [e for e in used if e not in on_host]
@@ -186,12 +192,18 @@ class MoEOffload:
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Hit rate, prefetch precision/recall, bytes moved, stall ms, tokens/s (host clock); with ``moe.quant``
+        """Hit rate, prefetch precision/recall, bytes moved, stall ms, tokens/s (host clock); ``experts_per_layer``
+        (the mean number of distinct experts one MoE layer call routed to: a batch's decode step or a prefill hits
+        more than ``top_k``, up to every expert, which the cache serves in rounds of its slots) and
+        ``experts_per_layer_max``; with ``moe.quant``
         ``quant_bits``, and ``expert_bytes`` (what one expert moves) beside ``expert_bytes_exact`` (what it would
         move in the model's dtype)."""
         s = self.cache.stats()
         span = (self._t_last - self._t_first) if self._t_first and self._t_last else 0.0
         s["tokens"] = self._tokens
+        s["layer_calls"] = self._layer_calls
+        s["experts_per_layer"] = self._experts_hit / self._layer_calls if self._layer_calls else 0.0
+        s["experts_per_layer_max"] = self._experts_hit_max
         s["tokens_per_s"] = self._tokens / span if span > 0 else 0.0
         s["tier"] = self.cache.store.tier
         s["speculative_prefetch"] = self.speculative_prefetch
@@ -208,6 +220,7 @@ class MoEOffload:
         if self.host_compute is not None:
             self.host_compute.reset_stats()
         self._tokens, self._t_first, self._t_last = 0, None, None
+        self._layer_calls = self._experts_hit = self._experts_hit_max = 0
 
     def close(self) -> None:
         self.cache.close()

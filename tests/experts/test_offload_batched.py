@@ -70,6 +70,9 @@ def check(model, cfg, ids, mask, ref=None, tol=EXACT_TOL, new_tokens=NEW_TOKENS)
     torch.testing.assert_close(logits, logits_ref, **tol)
     assert max(seen) > slots, (seen, slots)  # some layer served more experts than its slots hold
     assert st["tokens"] > 0
+    # the handle's own count of experts hit per layer call (what the benchmark reports) is the hooks' count
+    assert st["layer_calls"] == len(seen) and st["experts_per_layer_max"] == max(seen)
+    assert st["experts_per_layer"] == pytest.approx(sum(seen) / len(seen))
     return st, seen, slots
 
 
