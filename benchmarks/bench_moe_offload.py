@@ -1,7 +1,8 @@
-"""Batch-1 decode of a Mixtral-shaped MoE whose experts do not stay on the GPU.
+"""Greedy decode (batch 1, or ``--batch N`` sequences) of a Mixtral-shaped MoE whose experts do not stay on the GPU.
 
     python -m benchmarks.bench_moe_offload                 # 8 layers, H=4096, F=14336, 8 experts, top-2, bf16
     python -m benchmarks.bench_moe_offload --small         # a CPU-sized smoke run
+    python -m benchmarks.bench_moe_offload --batch 8 --prefill-len 2048 --peers full,ours,int8,int8+cpu
     python -m benchmarks.bench_moe_offload --cap-gib 16 --quick --peers ours,int8,int4,int4+cpu   # a subset, capped
 
 Under ``--budget-s`` (165 s; the model is built on the GPU in bf16 without HF's weight init, ~22 GiB in
@@ -25,8 +26,15 @@ Peers, same run, same random weights and prompt:
     with ``cpu_compute: misses``: the tier, the slots and the link hold the packed form;
   * accelerate ``cpu_offload`` of the whole model (a fresh copy), as the issue's 0.29 tokens/s was measured.
 Beside each offloaded row: hit rate, prefetch precision/recall, GB moved per token and the PCIe bound
-``H2D_GBPS / bytes per token`` from the measured miss bytes. Every peer's quality against the model before
-offload (bf16): the bf16 model's greedy continuation of the prompt is fed through the peer in one forward
+``H2D_GBPS / bytes per token`` from the measured miss bytes, and ``experts/layer``: the distinct experts one MoE
+layer call routed to (mean over the decode's calls; top-k at batch 1, up to every expert for a batch).
+
+``--batch N`` decodes N prompts together (lengths from half the prompt length to all of it, left padded with an
+attention mask, as ``generate`` runs a batch): ``tokens/s`` counts every sequence's new tokens. ``--prefill-len L``
+adds, per peer, the time of one forward of an L-token prompt (batch 1, after a warm-up forward of the same length:
+``prefill s``, ``prefill tok/s``) and, for ours, the experts its layers hit there (``prefill experts/layer``: with
+fewer slots than that the cache serves the layer in rounds) and its hit rate. Every peer's quality against the model
+before offload (bf16): the bf16 model's greedy continuation of the prompt is fed through the peer in one forward
 (teacher forcing), and ``token agree`` is the fraction of positions whose argmax is the bf16 model's token,
 ``rel err`` is ``||logits - logits_bf16|| / ||logits_bf16||`` over those positions.
 
@@ -102,27 +110,61 @@ def build(args, device):
     return model.eval()
 
 
-def decode(model, ids, tokens):
+def prompts(args, device):
+    """``(ids, attention_mask)``: batch 1, the ``--prompt-len`` random prompt (no mask, as before ``--batch``); a
+    batch, prompts of ``prompt_len // 2 .. prompt_len`` tokens (1 .. vocab, so none is the pad id 0), left padded."""
+    g = torch.Generator().manual_seed(1)
+    if args.batch == 1:
+        return torch.randint(0, args.vocab, (1, args.prompt_len), generator=g).to(device), None
+    lengths = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (args.batch,), generator=g)
+    lengths[0] = args.prompt_len
+    ids = torch.zeros((args.batch, args.prompt_len), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, args.prompt_len - n:] = torch.randint(1, args.vocab, (n,), generator=g)
+        mask[i, args.prompt_len - n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def decode(model, ids, tokens, mask=None):
+    """Decode tokens/s of every sequence together (``generate``'s steps after the prefill, times the batch)."""
     clock = TokenClock()
-    model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                   streamer=clock)
+    model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                   pad_token_id=0, streamer=clock)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return clock.decode_tokens_per_s()
+    return clock.decode_tokens_per_s() * ids.shape[0]
+
+
+def prefill(model, ids) -> float:
+    """Seconds of one forward of ``ids`` (the prompt's prefill: KV cache built, last position's logits only)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(ids, use_cache=True, logits_to_keep=1)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 class Reference:
     """The bf16 model's greedy continuation ``seq`` of the prompt and its logits there (fp32, host): what every
     peer's ``token agree`` and ``rel err`` are measured against, by one teacher-forced forward of ``seq``."""
 
-    def __init__(self, model, ids, tokens):
-        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    def __init__(self, model, ids, tokens, mask=None):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, pad_token_id=0)
         self.seq, self.prompt_len = out, ids.shape[1]
+        self.kw = {}  # a padded batch: its mask and generate's positions (each row counted from its first token)
+        if mask is not None:
+            full = torch.cat([mask, mask.new_ones((mask.shape[0], tokens))], dim=1)
+            self.kw = {"attention_mask": full, "position_ids": (full.cumsum(-1) - 1).clamp(min=0)}
         self.logits = self.forward(model)
 
     def forward(self, model) -> torch.Tensor:
         with torch.no_grad():
-            logits = model(self.seq).logits[:, self.prompt_len - 1:-1]
+            logits = model(self.seq, **self.kw).logits[:, self.prompt_len - 1:-1]
         return logits.float().cpu()
 
     def compare(self, model) -> dict:
@@ -156,16 +198,30 @@ def attach_experts(blocks, snap):
         torch.cuda.empty_cache()
 
 
-def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, reference=None, **extra):
+def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, reference=None, mask=None,
+             prefill_ids=None, **extra):
     try:
-        decode(model, ids, warmup_tokens)            # warm-up (kernels, allocator, cache)
+        decode(model, ids, warmup_tokens, mask)      # warm-up (kernels, allocator, cache)
         if handle is not None:
             handle.reset_stats()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        tps = decode(model, ids, tokens)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        tps = decode(model, ids, tokens, mask)
         st = handle.stats() if handle is not None else None
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        pre = {}
+        if prefill_ids is not None:  # warm-up forward at the length (attention's graphs), then the timed one
+            prefill(model, prefill_ids)
+            if handle is not None:
+                handle.reset_stats()
+            sec = prefill(model, prefill_ids)
+            pre = {"prefill s": round(sec, 3), "prefill tok/s": round(prefill_ids.numel() / sec, 1)}
+            if torch.cuda.is_available():
+                pre["prefill peak GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if handle is not None:
+                pst = handle.stats()
+                pre.update({"prefill experts/layer": round(pst["experts_per_layer"], 2),
+                            "prefill hit rate": round(pst["hit_rate"], 3)})
         quality = reference.compare(model) if reference is not None else {}
     except Exception as e:  # a peer that cannot run is a row
         bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
@@ -177,7 +233,9 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
                     "prefetch recall": round(st["prefetch_recall"], 3), "GB/token": round(per_tok / 1e9, 3),
                     "PCIe bound tok/s": round(H2D_GBPS * 1e9 / per_tok, 2) if per_tok else "-",
                     "stall ms": round(st["stall_ms"], 1), "expert MB": round(st["expert_bytes"] / 1e6, 1),
-                    "host experts/token": round(st.get("cpu_experts", 0) / max(st["tokens"], 1), 2)})
+                    "host experts/token": round(st.get("cpu_experts", 0) / max(st["tokens"], 1), 2),
+                    "experts/layer": round(st["experts_per_layer"], 2)})
+    row.update(pre)
     row.update(quality)
     row.update(extra)
     bench.add(name, 1e3 / tps if tps else None, round(peak, 2) if peak is not None else None, **row)
@@ -234,6 +292,10 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--baseline-tokens", type=int, default=6, help="tokens for the slow move-every-layer peer")
     p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (left padded, masked); "
+                   "tokens/s counts all of them")
+    p.add_argument("--prefill-len", type=int, default=None, help="also time one prefill of a prompt of this many "
+                   "tokens (batch 1) per peer")
     p.add_argument("--group-size", type=int, default=64, help="moe.quant.group_size of the int peers")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
     p.add_argument("--quick", action="store_true", help="only ours: LRU, staged guesses, in-slot guesses")
@@ -259,12 +321,20 @@ def main(argv=None):
     bench = Bench("moe_offload", dtype=str(args.dtype).replace("torch.", ""),
                   sizes={"layers": args.layers, "H": args.hidden, "F": args.ffn, "E": args.experts,
                          "top_k": args.top_k, "slots/layer": args.slots, "expert GiB": round(expert_gib, 1),
-                         "decode tokens": args.tokens, "batch": 1, "group size": args.group_size,
+                         "decode tokens": args.tokens, "batch": args.batch,
+                         "prefill tokens": args.prefill_len or "-", "group size": args.group_size,
                          "GPU cap GiB": cap if cap else "none"},
-                  notes=f"tokens/s = decode only (after prefill); ms = 1000 / tokens/s; PCIe bound at "
+                  notes=f"tokens/s = decode only (after prefill), every sequence of the batch; ms = 1000 / "
+                        f"tokens/s; experts/layer = distinct experts a MoE layer call hit; PCIe bound at "
                         f"{H2D_GBPS:.0f} GB/s pinned H2D from the measured bytes moved per token; token agree / "
                         f"rel err: teacher-forced over the bf16 model's {args.tokens}-token greedy continuation")
-    ids = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
+    if args.batch < 1 or (args.prefill_len is not None and args.prefill_len < 1):
+        raise SystemExit("--batch and --prefill-len take positive integers")
+    ids, mask = prompts(args, device)
+    prefill_ids = None
+    if args.prefill_len:
+        prefill_ids = torch.randint(1, args.vocab, (1, args.prefill_len),
+                                    generator=torch.Generator().manual_seed(2)).to(device)
 
     base = "full model on GPU (HF generate)"
     scale = (1.0 if device.type == "cuda" else 0.1) * args.layers / 8
@@ -274,6 +344,13 @@ def main(argv=None):
     # quant setup = quantizing every expert on the GPU into the pinned packed store
     cost = {"full": 14, "hooks setup": 12, "hooks": 12, "ours setup": 12, "ours": 8, "whole setup": 10,
             "quant setup": 10, "reference": 6}
+    # a batch's decode step hits up to every expert of a layer (each miss a whole expert over the link), and a
+    # prefill two forwards that hit every expert: ours and the copy-everything peers cost that much more
+    hit = min(args.experts, args.batch * args.top_k) / args.top_k
+    cost["ours"] *= hit
+    if args.prefill_len:
+        cost["ours"] += 2 * cost["ours"] / hit * args.experts / args.top_k / args.tokens
+        cost["hooks"] *= 2
 
     def checkpoint():
         bench.checkpoint(args.out, baseline=base if "full" in want else None)
@@ -289,7 +366,7 @@ def main(argv=None):
             progress(f"{name}: start ({budget.left():.0f} s left)")
             if key == "ours" and acc_tps:
                 kw = {**kw, "x accelerate": "pending"}
-            tps = run_peer(bench, name, *a, reference=reference, **kw)
+            tps = run_peer(bench, name, *a, reference=reference, mask=mask, prefill_ids=prefill_ids, **kw)
             if tps and key == "ours" and acc_tps:
                 bench.results[-1].extra["x accelerate"] = f"{tps / acc_tps[0]:.1f}x"
             progress(f"{name}: {f'{tps:.2f} tokens/s' if tps else bench.results[-1].error}")
@@ -304,7 +381,7 @@ def main(argv=None):
         peer(base, "full", model, ids, args.tokens, warmup_tokens=args.tokens)
     if budget.allows(cost["reference"] * scale, "the bf16 reference (token agree, rel err)"):
         progress("the bf16 model's greedy continuation and logits (the quality reference)")
-        reference = Reference(model, ids, args.tokens)
+        reference = Reference(model, ids, args.tokens, mask)
         if "full" in want and bench.results and bench.results[-1].error == "":
             bench.results[-1].extra.update(reference.compare(model))
     blocks = find_moe_blocks(model)

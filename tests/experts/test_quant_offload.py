@@ -242,3 +242,25 @@ def test_bench_moe_offload_small_quant_peers(capsys):
     full = dict(zip(header, (c.strip() for c in rows["full model on GPU (HF generate)"].split("|"))))
     assert float(full["token agree"]) == 1 and float(full["rel err"]) == 0
     assert not any(n.startswith("ours: ") or n.startswith("hooks") for n in rows)  # only the chosen peers
+
+
+def test_bench_moe_offload_small_batch_and_prefill(capsys):
+    """``--batch 4 --prefill-len 64``: the padded batch decodes to the bf16 model's own tokens (exact peers agree
+    fully), ours reports experts hit per layer above top-k and the prefill's time and experts."""
+    from benchmarks.bench_moe_offload import main
+    assert main(["--small", "--quick", "--batch", "4", "--prefill-len", "64", "--peers", "full,ours,int8+cpu",
+                 "--budget-s", "300"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    header = [c.strip() for c in rows["provider"].split("|")]
+    cell = {name: dict(zip(header, (c.strip() for c in line.split("|")))) for name, line in rows.items()}
+    assert "batch=4" in out and "prefill tokens=64" in out
+    full = cell["full model on GPU (HF generate)"]
+    ours = cell["ours: LRU cache, prefetch off (mixtral-offloading design)"]
+    for row in (full, ours):
+        assert float(row["tokens/s"]) > 0 and float(row["prefill s"]) > 0 and float(row["prefill tok/s"]) > 0
+        assert float(row["token agree"]) == 1 and float(row["rel err"]) == 0  # exact: padding and mask honoured
+    assert 2 < float(ours["experts/layer"]) <= 8 and 2 < float(ours["prefill experts/layer"]) <= 8
+    assert 0 <= float(ours["hit rate"]) <= 1 and 0 <= float(ours["prefill hit rate"]) <= 1
+    q = cell["ours int8 (group 64) + cpu_compute=misses"]
+    assert float(q["tokens/s"]) > 0 and 0 < float(q["rel err"]) < 0.5 and float(q["host experts/token"]) > 0
