@@ -1,14 +1,9 @@
 """Test setup: CPU DeepSpeed in one process (gloo), markers, and a clean skip for GPU tests."""
 import os
-import socket
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.distributed.ranks import free_port  # the standard library only: nothing heavy at collection
 
 
 def _has_cuda() -> bool:
@@ -22,7 +17,7 @@ def _has_cuda() -> bool:
 # DeepSpeed's CPU accelerator (gloo) here; its CUDA accelerator on the GPU machine
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", str(_free_port()))
+os.environ.setdefault("MASTER_PORT", str(free_port()))
 os.environ.setdefault("RANK", "0")
 os.environ.setdefault("LOCAL_RANK", "0")
 os.environ.setdefault("WORLD_SIZE", "1")

@@ -12,6 +12,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from tests.helpers.models import tiny_llama
+
 VOCAB = 320
 HIDDEN = 32
 
@@ -34,10 +36,7 @@ class Family:
 
 
 def _llama(tie: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    return lambda: LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, attn_implementation="eager"))
+    return lambda: tiny_llama(seed=None, vocab=VOCAB, tie=tie)
 
 
 def _gemma2():

@@ -1,4 +1,5 @@
-"""Tiny random-weight models and the DeepSpeed engines the tests train them in (plain DeepSpeed vs maximus).
+"""Tiny random-weight models (a dense Llama, the MoE families) and the DeepSpeed engines the tests train them in
+(plain DeepSpeed vs maximus).
 
 A test builds the same model twice (same seed), trains one copy in an engine of plain ``deepspeed.initialize``
 and the other in one of ``ds_maximus.initialize`` (:func:`initialize` picks by the config's ``"maximus"``
@@ -15,14 +16,64 @@ import torch
 LLAMA_VOCAB = 384
 
 
-def tiny_llama(seed: int = 0, vocab: int = LLAMA_VOCAB, tie: bool = False):
-    """A 2-layer Llama of hidden size 32 with random weights (seeded), eager attention."""
+def tiny_llama(seed: Optional[int] = 0, vocab: int = LLAMA_VOCAB, tie: bool = False):
+    """A 2-layer Llama of hidden size 32 with random weights (seeded; ``seed=None`` draws from torch's generator
+    as the caller left it), eager attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=tie, attn_implementation="eager")
     return LlamaForCausalLM(cfg)
+
+
+MOE_VOCAB = 128
+
+
+def tiny_moe(family: str, seed: int = 0, ffn: int = 64, impl: str = "grouped_mm", layers: int = 2,
+             experts: int = 8, top_k: int = 2, **config):
+    """A random-weight MoE model of ``family`` (mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, gpt_oss):
+    hidden size 64, ``layers`` MoE layers of ``experts`` experts of intermediate size ``ffn``, top-``top_k``
+    routing, a vocabulary of :data:`MOE_VOCAB`, eager attention, decisive routers (larger router weights, so a
+    batch does not touch every expert and logits are not all near zero; GPT-OSS's biases too). ``config``
+    overrides entries of the config every family shares; ``None`` leaves that entry at the family's default."""
+    import transformers as T
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=MOE_VOCAB, max_position_embeddings=128, num_experts_per_tok=top_k, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+    common = {k: v for k, v in {**common, **config}.items() if v is not None}
+    if family == "mixtral":
+        cfg = T.MixtralConfig(intermediate_size=ffn, num_local_experts=experts, **common)
+    elif family == "qwen2_moe":
+        cfg = T.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=ffn, shared_expert_intermediate_size=64,
+                               num_experts=experts, decoder_sparse_step=1, **common)
+    elif family == "qwen3_moe":
+        cfg = T.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=ffn, num_experts=experts, head_dim=16,
+                               decoder_sparse_step=1, norm_topk_prob=True, **common)
+    elif family == "deepseek_v3":
+        cfg = T.DeepseekV3Config(intermediate_size=96, moe_intermediate_size=ffn, n_routed_experts=experts,
+                                 n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1,
+                                 q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                 v_head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                 **{**common, "num_key_value_heads": 4})  # MLA: one key/value head per head
+    elif family == "olmoe":
+        cfg = T.OlmoeConfig(intermediate_size=ffn, num_experts=experts, **common)
+    elif family == "gpt_oss":
+        cfg = T.GptOssConfig(intermediate_size=ffn, num_local_experts=experts, head_dim=16,
+                             layer_types=["sliding_attention", "full_attention"], sliding_window=8, **common)
+    else:
+        raise ValueError(family)
+    cfg._experts_implementation = impl
+    model = T.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith((".gate.weight", ".router.weight")):
+                p.normal_(0, 0.5)
+            elif n.endswith(("_proj_bias", ".router.bias")):
+                p.normal_(0, 0.1)
+    return model
 
 
 def zipf_batches(n: int, batch: int, seqlen: int, vocab: int = LLAMA_VOCAB, seed: int = 1, low: int = 0,

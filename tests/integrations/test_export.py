@@ -7,12 +7,11 @@ imported, and must give the maximus model's logits and greedy tokens; ``--origin
 must give the same in the base tokenizer's ids.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.helpers.fresh_process import load_in_fresh_process
 from tests.helpers.models import LLAMA_VOCAB as VOCAB
 from tests.helpers.models import ds_config, tiny_llama
 
@@ -20,51 +19,6 @@ WORDS = ("the of and to in is was for on that with as by at from his her it an w
          "maximus shard vocabulary row cache tier pinned memory expert token embedding head stream").split()
 TEXT = "the maximus cache streams vocabulary rows from the pinned memory tier"
 NEW_TOKENS = 8
-
-# Runs in a fresh interpreter: ds_maximus is made un-importable before anything else is imported.
-LOADER = r'''
-import importlib.abc, sys
-class _Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "ds_maximus" or name.startswith("ds_maximus."):
-            raise ImportError("ds_maximus is blocked in this process")
-sys.meta_path.insert(0, _Block())
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-jobs = torch.load(sys.argv[1])
-out = {}
-for key, job in jobs.items():
-    model = AutoModelForCausalLM.from_pretrained(job["dir"]).eval()
-    with torch.no_grad():
-        logits = model(job["ids"]).logits
-        p = job["prompt"]
-        tokens = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=job["new"], do_sample=False)
-    tok = AutoTokenizer.from_pretrained(job["dir"])
-    out[key] = {"logits": logits, "tokens": tokens, "dtype": str(model.dtype),
-                "encoded": tok(job["text"], add_special_tokens=False)["input_ids"],
-                "keys": sorted(model.state_dict())}
-try:
-    import ds_maximus  # noqa: F401
-    out["_importable"] = True
-except ImportError:
-    out["_importable"] = False
-out["_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] == "ds_maximus")
-torch.save(out, sys.argv[2])
-'''
-
-
-def load_without_ds_maximus(tmp_path, jobs: dict) -> dict:
-    req, res = tmp_path / "jobs.pt", tmp_path / "results.pt"
-    torch.save(jobs, req)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([sys.executable, "-c", LOADER, str(req), str(res)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = torch.load(res)
-    assert out.pop("_importable") is False and out.pop("_loaded") == []
-    return out
-
 
 # ---- fixtures ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -126,7 +80,7 @@ def _job(out_dir, ref, tm, original_order=False):
     ids, prompt = ref["ids"], ref["prompt"]
     if original_order:
         ids, prompt = tm.to_old(ids), tm.to_old(prompt)
-    return {"dir": str(out_dir), "ids": ids, "prompt": prompt, "new": NEW_TOKENS, "text": TEXT}
+    return {"dir": str(out_dir), "kwargs": {"input_ids": ids}, "prompt": prompt, "new": NEW_TOKENS, "text": TEXT}
 
 
 def _check_new_order(got, ref, tm):
@@ -165,7 +119,7 @@ def test_export_zero2_engine_and_checkpoint(token_map, tmp_path):
     engine.module.config.save_pretrained(str(ckpt))  # config.json beside the checkpoint
     assert main([str(ckpt), str(tmp_path / "cli"), "--token-map", tm.path]) == 0
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "cli", "live", "live_orig"]  # no temp folders left
-    got = load_without_ds_maximus(tmp_path, {"live": _job(live, ref, tm), "cli": _job(tmp_path / "cli", ref, tm),
+    got = load_in_fresh_process(tmp_path, {"live": _job(live, ref, tm), "cli": _job(tmp_path / "cli", ref, tm),
                                              "live_orig": _job(live_orig, ref, tm, original_order=True)})
     _check_new_order(got["live"], ref, tm)
     _check_new_order(got["cli"], ref, tm)
@@ -186,7 +140,7 @@ def test_export_zero3_checkpoint_original_order(token_map, tmp_path):
     engine.module.config.save_pretrained(str(tmp_path / "model_config"))
     assert main([str(ckpt), str(tmp_path / "cli_orig"), "--model-config", str(tmp_path / "model_config"),
                  "--token-map", tm.path, "--original-order"]) == 0
-    got = load_without_ds_maximus(tmp_path, {"live": _job(live, ref, tm),
+    got = load_in_fresh_process(tmp_path, {"live": _job(live, ref, tm),
                                              "cli_orig": _job(tmp_path / "cli_orig", ref, tm, original_order=True)})
     _check_new_order(got["live"], ref, tm)
     _check_original_order(got["cli_orig"], ref, tm, base_dir)
