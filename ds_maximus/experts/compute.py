@@ -6,11 +6,13 @@ GPT-OSS's transposed form with biases: :mod:`ds_maximus.experts.adapters.project
 grouped GEMM per projection, a reshape-sum over top-k) or ``batched_mm`` (one bmm over per-pair
 gathered weights). Each function below repeats the same ops in the same order on the
 slot buffers of :class:`ExpertCache`, so logits equal the un-offloaded model's: the only change is
-*where* an expert's weight is read from. When a layer needs more experts than it has slots, experts
-are processed in rounds (ascending expert id) of at most ``slots_per_layer``; every row's GEMM
-and every reduction is still the original one. Slots of the quantized tier (``moe.quant``: packed codes, scales
-and offsets) are computed by the eager loop only, each projection by :func:`ds_maximus.experts.quant.linear`
-(the codes decoded inside the GEMM).
+*where* an expert's weight is read from. When a layer needs more experts than it has slots (a batch's decode step,
+a prefill), experts are processed in rounds of at most ``slots_per_layer`` (:meth:`ExpertComputeContext.rounds`):
+the experts already resident (or staged by a right guess) first, so a round never evicts an expert a later round
+of the same layer would hit, then the rest in ascending id. Every row's GEMM is still the original one, and
+every reduction too: the eager loop adds the experts' outputs in ascending id whatever order they were
+computed in. Slots of the quantized tier (``moe.quant``: packed codes, scales and offsets) are computed by the
+eager loop only, each projection by :func:`ds_maximus.experts.quant.linear` (the codes decoded inside the GEMM).
 
 No function here makes the host wait for the GPU: the routing arrives as host lists (``pairs``: the
 flattened ``top_k_index``, fetched in the layer's one sync), and the index tensors built from it go to
@@ -50,6 +52,22 @@ class ExpertComputeContext:
 
     on_first_acquire: Callable[[], None] | None = None
     needed: Sequence[int] | None = None  # every expert of the layer's rounds (guesses for others are dropped)
+
+    def rounds(self, used: Sequence[int]) -> List[List[int]]:
+        """``used`` (ascending) in rounds of at most the layer's slots: resident experts (and the staged guess)
+        first, the rest after, each part ascending. Sets ``needed`` to that order (the first round is its
+        prefix, which is how the cache counts the overflow)."""
+        size = self.cache.slots_per_group
+        if len(used) <= size:
+            order = list(used)
+        else:
+            have = set(self.cache.resident(self.group))
+            staged = getattr(getattr(self.cache, "staged", None), "key", None)
+            if staged is not None and staged[0] == self.group:
+                have.add(staged[1])
+            order = [e for e in used if e in have] + [e for e in used if e not in have]
+        self.needed = order
+        return rounds(order, size)
 
     def acquire(self, chunk: Sequence[int]) -> List[int]:
         """``cache.acquire`` and, after the first one (demand loads queued first), the layer's prefetch."""
@@ -102,7 +120,10 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
     slots: the grouped forms need a stack of exact weights)."""
     final = torch.zeros_like(hidden)
     where = _pairs_of(pairs, top_k_index.size(-1), used)
-    for chunk in rounds(used, ctx.cache.slots_per_group):
+    chunks = ctx.rounds(used)
+    ascending = ctx.needed == sorted(ctx.needed)
+    held = {}  # computed out of ascending order: added once every expert is done, in ascending id
+    for chunk in chunks:
         slots = ctx.acquire(chunk)
         try:
             for e, s in zip(chunk, slots):
@@ -112,9 +133,15 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
                 h = ctx.apply_gate(_expert_linear(ctx, cur, flat, "gate_up_proj"))
                 h = _expert_linear(ctx, h, flat, "down_proj")
                 h = h * top_k_weights[token_idx, top_k_pos, None]
-                final.index_add_(0, token_idx, h.to(final.dtype))
+                if ascending:
+                    final.index_add_(0, token_idx, h.to(final.dtype))
+                else:
+                    held[e] = (token_idx, h)
         finally:
             ctx.cache.release(ctx.group, slots)
+    for e in sorted(held):
+        token_idx, h = held[e]
+        final.index_add_(0, token_idx, h.to(final.dtype))
     return final
 
 
@@ -137,7 +164,7 @@ def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
     gate_up_b, down_b = ctx.stacked_bias("gate_up_proj"), ctx.stacked_bias("down_proj")
     tr = ctx.form.is_transposed
     proj_out = None
-    for chunk in rounds(used, n_slots):
+    for chunk in ctx.rounds(used):
         slots = ctx.acquire(chunk)
         try:
             per_slot = [0] * n_slots
@@ -145,7 +172,8 @@ def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
             for s, e in by_slot:
                 per_slot[s] = counts[e]
             lo, hi = starts[chunk[0]], starts[chunk[-1] + 1]
-            in_order = [e for _, e in by_slot] == list(chunk)
+            # one slice when the slots are in the chunk's order and no other routed expert's rows lie between
+            in_order = [e for _, e in by_slot] == list(chunk) and hi - lo == sum(counts[e] for e in chunk)
             if in_order:
                 rows = slice(lo, hi)
             else:
@@ -181,7 +209,7 @@ def batched_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
     gate_up_b, down_b = ctx.stacked_bias("gate_up_proj"), ctx.stacked_bias("down_proj")
     tr = ctx.form.is_transposed
     proj_out = None
-    for chunk in rounds(used, ctx.cache.slots_per_group):
+    for chunk in ctx.rounds(used):
         slots = ctx.acquire(chunk)
         try:
             slot_of = dict(zip(chunk, slots))

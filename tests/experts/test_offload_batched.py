@@ -97,6 +97,20 @@ def test_batched_decode_eager_is_bit_exact():
     check(model, {"gpu_experts_per_layer": 1}, ids, mask, tol=dict(rtol=0, atol=0))
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_overflowing_layers_use_their_resident_experts_first(impl, slots):
+    """A decode step that routes a layer to more experts than its slots computes the resident ones first: with
+    prefetch off, nearly every decode step's layer call hits its ``slots`` experts left from the step before
+    (rounds in plain ascending id evict them first: a hit rate of 0). The outputs stay the model's."""
+    model = tiny_model("mixtral", impl, top_k=2)
+    ids, mask = batch_prompts(8)
+    tol = EXACT_TOL if impl != "batched_mm" else dict(rtol=1e-4, atol=1e-4)
+    st, seen, _ = check(model, {"gpu_experts_per_layer": slots, "speculative_prefetch": False}, ids, mask, tol=tol)
+    decode_calls = len(seen) - 2  # the prefill's call of each of the 2 layers starts from empty slots
+    assert st["demand_hits"] >= 0.75 * slots * decode_calls, (st["demand_hits"], seen)
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_batched_decode_prefetch_off_equals_on(kind):
     """Speculative prefetch only moves experts earlier: with it off the batch decodes to the same tokens."""
