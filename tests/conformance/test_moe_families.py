@@ -21,52 +21,13 @@ import torch
 from ds_maximus.experts import OffloadedExperts, offload_experts
 from ds_maximus.experts.adapters import FusedExpertsForm, find_moe_blocks
 from tests.experts.training.moe_utils import batches, build, dense_params, moe_section
-from tests.helpers.models import assert_weights_close, train
+from tests.helpers.models import MOE_VOCAB, assert_weights_close, tiny_moe, train
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "gpt_oss"]
-VOCAB = 128
+VOCAB = MOE_VOCAB
 EXPERTS = 8
 SLOTS = 3  # fewer than a layer's experts: rounds, evictions and reloads in every check
 NEW_TOKENS = 12
-
-
-def tiny_moe(family: str, seed: int = 0, ffn: int = 64, impl: str = "grouped_mm"):
-    """A random-weight 2-layer model of ``family`` with 8 experts, top-2 routing and decisive routers."""
-    import transformers as T
-    torch.manual_seed(seed)
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=VOCAB, max_position_embeddings=128, num_experts_per_tok=2, bos_token_id=1,
-                  eos_token_id=2, pad_token_id=0, attn_implementation="eager")
-    if family == "mixtral":
-        cfg = T.MixtralConfig(intermediate_size=ffn, num_local_experts=EXPERTS, **common)
-    elif family == "qwen2_moe":
-        cfg = T.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=ffn, shared_expert_intermediate_size=64,
-                               num_experts=EXPERTS, decoder_sparse_step=1, **common)
-    elif family == "qwen3_moe":
-        cfg = T.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=ffn, num_experts=EXPERTS, head_dim=16,
-                               decoder_sparse_step=1, norm_topk_prob=True, **common)
-    elif family == "deepseek_v3":
-        cfg = T.DeepseekV3Config(intermediate_size=96, moe_intermediate_size=ffn, n_routed_experts=EXPERTS,
-                                 n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1,
-                                 q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                 v_head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                                 **{**common, "num_key_value_heads": 4})  # MLA: one key/value head per head
-    elif family == "olmoe":
-        cfg = T.OlmoeConfig(intermediate_size=ffn, num_experts=EXPERTS, **common)
-    elif family == "gpt_oss":
-        cfg = T.GptOssConfig(intermediate_size=ffn, num_local_experts=EXPERTS, head_dim=16,
-                             layer_types=["sliding_attention", "full_attention"], sliding_window=8, **common)
-    else:
-        raise ValueError(family)
-    cfg._experts_implementation = impl
-    model = T.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # decisive routing (a batch does not touch every expert); GPT-OSS's biases matter
-        for n, p in model.named_parameters():
-            if n.endswith((".gate.weight", ".router.weight")):
-                p.normal_(0, 0.5)
-            elif n.endswith(("_proj_bias", ".router.bias")):
-                p.normal_(0, 0.1)
-    return model
 
 
 # -- inference: offload_experts ------------------------------------------------------------------------
