@@ -129,7 +129,8 @@ def _worker(rank, world, port, args, out):
         table = emb.tier_bytes() if hasattr(emb, "tier_bytes") else args.vocab * args.dim * 12
         st = emb.stats()
         last = st.get("last_step", {})
-        rows[mode] = {"ms": float(t), "round_ms": round_ms[mode], "bytes_sent_per_step": statistics.mean(sent), "tier_bytes": table,
+        rows[mode] = {"ms": float(t), "round_ms": round_ms[mode], "bytes_sent_per_step": statistics.mean(sent),
+                      "tier_bytes": table,
                       "held_bytes": [float(b) for b in every],
                       "comm_ms": emb.comm.stats()["comm_ms"] / (args.warmup + args.steps)
                       if exchanges else None, "collectives": last.get("collectives"), "cache_rows": cache,
@@ -181,7 +182,8 @@ def main():
         for mode, r in res.items():
             base.setdefault(mode, r["ms"])
             one = base.get("replicated", base[mode])  # replicated on one rank is one plain ShardedEmbedding
-            bench.add(f"{mode} x{world}", r["ms"], rounds_ms="/".join(f"{x:.2f}" for x in r["round_ms"]), efficiency=round(base[mode] / r["ms"], 3),
+            bench.add(f"{mode} x{world}", r["ms"], rounds_ms="/".join(f"{x:.2f}" for x in r["round_ms"]),
+                      efficiency=round(base[mode] / r["ms"], 3),
                       vs_one_gpu=round(one / r["ms"], 3),
                       MiB_sent_per_step=r["bytes_sent_per_step"] / 2**20,
                       comm_ms_per_step=r["comm_ms"] if r["comm_ms"] is not None else "-",
