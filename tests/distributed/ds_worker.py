@@ -30,8 +30,9 @@ def main():
     # rank's GPU) itself before it builds a partitioned or broadcast table, as in a script written for plain
     # deepspeed.initialize
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from ds_maximus.distributed.partitioned_embedding import PartitionedEmbedding
     from tests.engine.llama_utils import build, embedding_weight, maximus_section
-    from tests.helpers.models import zipf_batches
+    from tests.helpers.models import train_rank_slices, zipf_batches
     batches = zipf_batches(args.steps, batch=args.global_batch, seqlen=16)
     per = args.global_batch // world
     results = {}
@@ -51,22 +52,17 @@ def main():
             path, _ = engine.load_checkpoint(resume, tag=f"step{args.save_at}")
             assert path is not None
             start = engine.maximus.steps
-        losses = []
-        for i in range(start, args.steps):
-            local = batches[i][rank * per:(rank + 1) * per].to(engine.device)
-            loss = engine(input_ids=local, labels=local).loss
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().clone()
-            torch.distributed.all_reduce(mean)
-            losses.append(float(mean) / world)
+
+        def save(i, engine=engine, resume=resume):
             if args.save_at and i + 1 == args.save_at and args.ckpt and not resume:
                 engine.save_checkpoint(args.ckpt, tag=f"step{args.save_at}")
+
+        losses = train_rank_slices(engine, batches, rank, world, start=start, after_step=save)
         emb = engine.module.model.embed_tokens
         w = embedding_weight(engine)  # collective in partitioned mode
         dev = engine.device  # NCCL (GPU ranks) gathers device tensors only
         sizes = [torch.zeros(1, dtype=torch.float64, device=dev) for _ in range(world)]
-        own = float(emb.tier_bytes()) if hasattr(emb, "tier_bytes") else -1.0
+        own = float(emb.tier_bytes()) if isinstance(emb, PartitionedEmbedding) else -1.0  # broadcast: a subclass
         torch.distributed.all_gather(sizes, torch.tensor([own], dtype=torch.float64, device=dev))
         results[key] = {"losses": losses, "embedding": w, "tier_bytes": [float(s) for s in sizes],
                         "stats": dict(emb.stats()), "steps": engine.maximus.steps, "start": start}

@@ -25,21 +25,13 @@ def main():
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     from tests.engine.llama_utils import build, embedding_weight, maximus_section
-    from tests.helpers.models import zipf_batches
+    from tests.helpers.models import train_rank_slices, zipf_batches
     # the same global batches whatever the world size; each rank takes its slice
     batches = zipf_batches(args.steps, batch=args.global_batch, seqlen=16)
     per = args.global_batch // world
     engine = build(args.stage, "fp32", micro=per, clip=0.5,
                    maximus=None if args.plain else maximus_section(cache_rows=96))
-    losses = []
-    for ids in batches:
-        local = ids[rank * per:(rank + 1) * per].to(engine.device)
-        loss = engine(input_ids=local, labels=local).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(float(mean) / world)
+    losses = train_rank_slices(engine, batches, rank, world)
     w = embedding_weight(engine)
     if rank == 0:
         torch.save({"losses": losses, "embedding": w}, args.out)

@@ -143,6 +143,26 @@ def train(engine, batches: List[Union[torch.Tensor, Dict[str, torch.Tensor]]],
     return losses
 
 
+def train_rank_slices(engine, batches: List[torch.Tensor], rank: int, world: int, start: int = 0,
+                      after_step: Optional[Callable[[int], None]] = None) -> List[float]:
+    """One data-parallel rank of :func:`train`: one ``engine.step()`` per global batch of ids from ``batches[start]``
+    on, this rank on its ``1/world`` slice of the rows (the causal LM loss); the losses averaged over the ranks.
+    ``after_step(i)`` runs after the step of ``batches[i]``."""
+    losses = []
+    for i in range(start, len(batches)):
+        per = batches[i].shape[0] // world
+        local = batches[i][rank * per:(rank + 1) * per].to(engine.device)
+        loss = engine(input_ids=local, labels=local).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / world)
+        if after_step is not None:
+            after_step(i)
+    return losses
+
+
 def assert_weights_close(got: torch.Tensor, ref: torch.Tensor, lr: float = 1e-2) -> None:
     """fp32 weights after exact sparse AdamW vs dense AdamW: 99.5% of elements within 1e-5 and every
     element within one lr step. Adam divides by sqrt(v), which amplifies last-bit summation-order
