@@ -1,9 +1,14 @@
 """Test setup: CPU DeepSpeed in one process (gloo), markers, and a clean skip for GPU tests."""
 import os
+import sys
 
 import pytest
 
-from tests.distributed.ranks import free_port  # the standard library only: nothing heavy at collection
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # tests import each other as ``tests.*``, under ``pytest`` as under ``python -m pytest``
+    sys.path.insert(0, _ROOT)
+
+from tests.distributed.ranks import free_port  # noqa: E402  (the standard library only: nothing heavy)
 
 
 def _has_cuda() -> bool:
@@ -25,7 +30,6 @@ os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_ROOT, "build", "torch_extensions"))
 
 
