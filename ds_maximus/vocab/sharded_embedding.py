@@ -507,8 +507,9 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             lag = self.optimizer.lagging(cold)
             # rows with no step to replay need only their weights (a tied head reads every row, twice a step): the
             # range in one copy from the tier's host memory, the cached rows among it written over below
-            span = None if bool(lag.any()) else self._host_weight_span(lo, hi)
-            rows = None if span is not None or bool(lag.any()) else self._host_weight_rows(cold)
+            lagging = bool(lag.any())
+            span = None if lagging else self._host_weight_span(lo, hi)
+            rows = None if span is not None or lagging else self._host_weight_rows(cold)
             if span is not None:
                 out.copy_(span, non_blocking=True)
             elif rows is None:

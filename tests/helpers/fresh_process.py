@@ -9,15 +9,18 @@ from typing import Dict
 
 import torch
 
-# Runs in a fresh interpreter: ds_maximus is made un-importable before anything else is imported.
-LOADER = r'''
+# The first lines of a script run in a fresh interpreter: ds_maximus is made un-importable before anything else
+# is imported (every reload script starts with it).
+BLOCK_DS_MAXIMUS = r'''
 import importlib.abc, sys
 class _Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "ds_maximus" or name.startswith("ds_maximus."):
             raise ImportError("ds_maximus is blocked in this process")
 sys.meta_path.insert(0, _Block())
-import torch, transformers
+'''
+
+LOADER = BLOCK_DS_MAXIMUS + r'''import torch, transformers
 jobs = torch.load(sys.argv[1])
 out = {}
 for key, job in jobs.items():

@@ -21,20 +21,14 @@ from ds_maximus.integrations.peft import save_peft
 from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
 from ds_maximus.vocab.resize import pieces_of, resize_token_embeddings
 from tests.conformance.helpers import ds_config, zipf_ids
+from tests.helpers.fresh_process import BLOCK_DS_MAXIMUS
 from tests.helpers.models import initialize, train
 
 VOCAB = 384
 EMB = "base_model.model.model.embed_tokens"
 HEAD = "base_model.model.lm_head"
 
-RELOAD = r'''
-import importlib.abc, sys
-class _Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "ds_maximus" or name.startswith("ds_maximus."):
-            raise ImportError("ds_maximus is blocked in this process")
-sys.meta_path.insert(0, _Block())
-import torch, transformers
+RELOAD = BLOCK_DS_MAXIMUS + r'''import torch, transformers
 from peft import PeftModel
 job = torch.load(sys.argv[1])
 base = transformers.AutoModelForCausalLM.from_pretrained(job["base"])
