@@ -146,6 +146,7 @@ def test_frozen_original_stays_off_the_gpu():
         model = lora(gemma3(vocab=vocab), ("embed_tokens", "lm_head"), tie=False)
     sec = section(vocab=vocab, cache_rows=256)
     sec["lm_head"]["chunk_rows"] = 1000
+    sec["lm_head"]["placement"] = "cpu"  # the trained untied head copy in the CPU tier (gpu keeps it on the device)
     engine = initialize(model, ds_config(0, maximus=sec))
     cuda = [t for t in _moved_by_to(engine.module) if t.is_cuda]
     assert cuda and _vocab_tables(cuda, vocab) == []
