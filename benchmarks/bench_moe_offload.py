@@ -54,13 +54,32 @@ import torch
 from torch import nn
 
 from benchmarks.harness import Bench, Budget, progress
+from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.experts import offload_experts
 from ds_maximus.experts.adapters import find_moe_blocks
+from ds_maximus.experts.layout import ExpertLayout
+from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 
 H2D_GBPS = 55.0  # pinned host-to-device on the H200 machine, GB/s
 QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
-PEERS = ("full", "hooks", "ours", "bf16+cpu", *QUANT_BITS, *(f"{k}+cpu" for k in QUANT_BITS), "whole")
+PEERS = ("full", "hooks", "ours", "bf16+cpu", *QUANT_BITS, *(f"{k}+cpu" for k in QUANT_BITS), "bnb", "cpu",
+         "whole")
 QUICK_PEERS = ("ours",)
+LAST_PEERS = ("cpu", "whole")  # run after every other peer: they move the model off the GPU or replace it
+EXPERT_SEED = 1000  # layer i's experts come from torch.Generator(device).manual_seed(EXPERT_SEED + i)
+# the shapes: Mixtral-8x7B's layer (8 layers by default; --layers 32 is the whole model) and Qwen3-30B-A3B
+FAMILIES = {
+    "mixtral": dict(layers=8, hidden=4096, ffn=14336, experts=8, top_k=2, vocab=32000, heads=32, kv_heads=8,
+                    head_dim=128),
+    "qwen3": dict(layers=48, hidden=2048, ffn=768, experts=128, top_k=8, vocab=151936, heads=32, kv_heads=4,
+                  head_dim=128),
+}
+SMALL = {  # --small: CPU-sized
+    "mixtral": dict(layers=4, hidden=256, ffn=512, vocab=1024, heads=2, kv_heads=1, head_dim=128),
+    "qwen3": dict(layers=4, hidden=256, ffn=128, experts=16, top_k=4, vocab=1024, heads=4, kv_heads=2, head_dim=64),
+}
+MIXTRAL_8L_EXPERT_BYTES = 8 * 8 * 3 * 4096 * 14336 * 2  # the default run's bf16 experts: what `cost` is timed at
+GIB = 2**30
 
 
 class TokenClock:
@@ -80,33 +99,65 @@ class TokenClock:
         return (len(t)) / (t[-1] - self.times[1]) if len(t) >= 1 else 0.0
 
 
+def model_config(args):
+    """``(config, model class)`` of ``--family`` at the run's sizes (``args`` after :func:`resolve_shape`)."""
+    if args.family == "qwen3":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        return Qwen3MoeConfig(hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                              moe_intermediate_size=args.ffn,
+                              num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                              num_key_value_heads=args.kv_heads, head_dim=args.head_dim, num_experts=args.experts,
+                              num_experts_per_tok=args.top_k, vocab_size=args.vocab, max_position_embeddings=4096,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                              tie_word_embeddings=False), Qwen3MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         num_local_experts=args.experts, num_experts_per_tok=args.top_k, vocab_size=args.vocab,
+                         max_position_embeddings=4096), MixtralForCausalLM
+
+
+def fill_experts(tensors: dict, layer: int, std: float) -> None:
+    """Fill one MoE layer's expert tensors (``{name: [E, ...]}``, in the block's order) in place from that
+    layer's own generator, ``torch.Generator(device).manual_seed(EXPERT_SEED + layer)``: the build and every
+    regeneration (``--expert-source gpu``) draw the same numbers."""
+    device = next(iter(tensors.values())).device
+    gen = torch.Generator(device).manual_seed(EXPERT_SEED + layer)
+    for t in tensors.values():
+        t.normal_(0.0, std, generator=gen)
+
+
 def build(args, device):
-    """The random Mixtral-shaped model, allocated directly on ``device`` in ``args.dtype``.
+    """The random model of ``--family``, allocated directly on ``device`` in ``args.dtype``.
 
     HF's weight init is skipped (``no_init_weights``: 11B parameters through ``_init_weights`` is slow,
     on CPU in fp32 minutes); every matrix is then filled in place with N(0, initializer_range) and every
-    norm weight with 1, on the device. Buffers (rotary ``inv_freq``) are computed by the constructors.
+    norm weight with 1, on the device: the experts a layer at a time from per-layer generators
+    (:func:`fill_experts`), the rest from the global seed. Buffers (rotary ``inv_freq``) are computed by the
+    constructors.
     """
-    from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.initialization import no_init_weights
-    cfg = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
-                        num_attention_heads=max(1, args.hidden // 128), num_key_value_heads=max(1, args.hidden // 512),
-                        num_local_experts=args.experts, num_experts_per_tok=args.top_k, vocab_size=args.vocab,
-                        max_position_embeddings=4096)
+    cfg, cls = model_config(args)
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(args.dtype)
     try:
         with torch.device(device), no_init_weights():
-            model = MixtralForCausalLM(cfg)
+            model = cls(cfg)
     finally:
         torch.set_default_dtype(old)
+    blocks = find_moe_blocks(model)
+    experts = {id(t) for b in blocks for t in b.expert_tensors().values()}
     with torch.no_grad():
         for p in model.parameters():
+            if id(p) in experts:
+                continue
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, cfg.initializer_range)
+        for i, b in enumerate(blocks):
+            fill_experts(b.expert_tensors(), i, cfg.initializer_range)
     return model.eval()
 
 
@@ -163,12 +214,26 @@ class Reference:
         self.logits = self.forward(model)
 
     def forward(self, model) -> torch.Tensor:
+        dev = model.get_input_embeddings().weight.device  # the CPU-only peer runs where its model is
+        kw = {k: v.to(dev) for k, v in self.kw.items()}
         with torch.no_grad():
-            logits = model(self.seq, **self.kw).logits[:, self.prompt_len - 1:-1]
+            logits = model(self.seq.to(dev), **kw).logits[:, self.prompt_len - 1:-1]
         return logits.float().cpu()
 
-    def compare(self, model) -> dict:
-        logits = self.forward(model)
+    def compare(self, model, handle=None) -> dict:
+        """``token agree`` and ``rel err`` of ``model``. With CPU compute of misses (``handle.host_compute``), the
+        teacher-forced forward runs under ``cpu_compute: auto``: an expert routed more than
+        ``cpu_compute_max_tokens`` of its tokens is computed on the GPU (the host would take a GEMM's time per
+        expert), the rest on the host, as decode computes them."""
+        host = getattr(handle, "host_compute", None)
+        mode = host.mode if host is not None else None
+        if host is not None:
+            host.mode = ExpertCPUCompute.AUTO
+        try:
+            logits = self.forward(model)
+        finally:
+            if host is not None:
+                host.mode = mode
         agree = (logits.argmax(-1) == self.seq[:, self.prompt_len:].cpu()).float().mean().item()
         err = ((logits - self.logits).norm() / self.logits.norm()).item()
         return {"token agree": round(agree, 3), "rel err": float(f"{err:.3g}")}
@@ -189,26 +254,148 @@ def experts_to_host(blocks):
 
 def attach_experts(blocks, snap):
     """Put the host expert weights back into the model's own experts modules (undoing an earlier offload)."""
+    detach_offload(blocks)
     for b, tensors in zip(blocks, snap):
         for n, t in tensors.items():
             setattr(b.experts, n, nn.Parameter(t, requires_grad=False))
+
+
+def detach_offload(blocks):
+    """The model's own experts modules back in its MoE blocks, and an earlier offload's handle, store and slots
+    freed (its modules and handle form a cycle)."""
+    for b in blocks:
         b.block.experts = b.experts
-    gc.collect()  # the previous offload's modules and handle form a cycle: free its pinned store and slots now
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
+def regenerate_experts(blocks, specs: dict, device, std: float):
+    """Every MoE layer's experts made again on ``device``, layer by layer, from the generators the build used
+    (:func:`fill_experts`): the same weights, bit for bit, as the model had before an earlier offload took them.
+    ``specs``: ``{name: (shape, dtype)}`` of one layer's expert tensors, in the block's order."""
+    detach_offload(blocks)
+    with torch.no_grad():
+        for i, b in enumerate(blocks):
+            tensors = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in specs.items()}
+            fill_experts(tensors, i, std)
+            for n, t in tensors.items():
+                setattr(b.experts, n, nn.Parameter(t, requires_grad=False))
+
+
+class ExpertSource:
+    """Where each offloaded peer's experts come from, and the GPU cap around it.
+
+    ``host``: one pageable host copy of every expert (:func:`experts_to_host`), re-attached before each offload:
+    for small runs and the CPU. ``gpu``: no host copy; each peer regenerates the experts on the compute device
+    (:func:`regenerate_experts`) with the cap lifted, offloads them (``offload_experts`` quantizes on the device
+    and copies into the host tier, freeing the device copies), and :meth:`settle` applies the cap again and
+    resets the peak. That set-up peaks above the cap (the whole model on the GPU for a moment; a user with a
+    16 GiB card would load the experts from a checkpoint on the host instead); the timed decode runs under the
+    cap. A host copy next to a bf16 peer's pinned tier does not fit the host at the real Mixtral-8x7B size.
+    """
+
+    def __init__(self, kind: str, blocks, device, std: float, cap_gib=None):
+        self.kind, self.blocks, self.device, self.std, self.cap_gib = kind, blocks, device, std, cap_gib
+        self.specs = {n: (tuple(t.shape), t.dtype) for n, t in blocks[0].expert_tensors().items()}
+        self.snap = experts_to_host(blocks) if kind == "host" else None
+        self.cuda = device.type == "cuda"
+
+    def layout(self) -> ExpertLayout:
+        """The exact layout of one expert (from the shapes alone)."""
+        E = self.specs[next(iter(self.specs))][0][0]
+        return ExpertLayout.from_stacked({n: torch.empty(shape, dtype=dtype, device="meta")
+                                          for n, (shape, dtype) in self.specs.items()}, E)
+
+    def restore(self):
+        """The model's own experts modules hold every expert again (an earlier offload undone), ready for the
+        next ``offload_experts``; with ``gpu`` the cap is lifted first."""
+        if self.cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        if self.snap is not None:
+            attach_experts(self.blocks, self.snap)
+        else:
+            regenerate_experts(self.blocks, self.specs, self.device, self.std)
+
+    def settle(self):
+        """After an offload: free what it left, cap the GPU, and start the peak count from here."""
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            apply_cap(self.cap_gib, self.device)
+            torch.cuda.reset_peak_memory_stats()
+
+
+def apply_cap(cap_gib, device):
+    """Cap the GPU at ``cap_gib`` (``torch.cuda.set_per_process_memory_fraction``); ``None``: no cap."""
+    if cap_gib and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total), device)
+
+
+def auto_slots(cap_bytes: float, resident_bytes: float, layers: int, expert_bytes: int, num_experts: int,
+               reserve_bytes: float = None) -> int:
+    """GPU expert slots per layer that fit a cap: ``(cap - resident - reserve) / (layers * expert_bytes)``, at
+    least 1 and at most ``num_experts``. ``resident_bytes``: the model's weights that stay on the GPU (all but
+    the experts); ``expert_bytes``: one expert as the slots hold it (packed when quantized); ``reserve_bytes``
+    (activations, the prefetch staging buffer, the KV cache, the allocator's slack): 1.5 GiB + 10% of the cap
+    when ``None``.
+
+    >>> auto_slots(16 * 2**30, 3.2e9, 32, 352_321_536, 8)    # Mixtral-8x7B bf16 under 16 GiB
+    1
+    >>> auto_slots(16 * 2**30, 3.2e9, 32, 99_090_432, 8)     # ... int4 (group 64)
+    3
+    """
+    if reserve_bytes is None:
+        reserve_bytes = 1.5 * GIB + 0.1 * cap_bytes
+    free = cap_bytes - resident_bytes - reserve_bytes
+    return int(max(1, min(num_experts, free // (layers * expert_bytes))))
+
+
+def resident_bytes(model, blocks) -> int:
+    """Bytes of the model's parameters and buffers outside its experts (what stays on the GPU when they are
+    offloaded)."""
+    experts = {id(t) for b in blocks for t in b.expert_tensors().values()}
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if id(t) not in experts)
+
+
+def host_bandwidth_gbps(nbytes: int) -> float:
+    """Host memory read bandwidth, GB/s: the best of 3 ``sum()`` of an ``nbytes`` fp32 tensor on the CPU (every
+    intra-op thread), what the CPU-compute peers' host bound is computed from."""
+    t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    t.sum()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        t.sum()
+        best = min(best, time.perf_counter() - t0)
+    return t.numel() * 4 / best / 1e9
+
+
+def host_memory() -> dict:
+    """``MemTotal`` and ``MemAvailable`` of ``/proc/meminfo`` in bytes (``psutil``'s where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return {"total": info["MemTotal"], "available": info["MemAvailable"]}
+    except (OSError, KeyError):
+        import psutil
+        vm = psutil.virtual_memory()
+        return {"total": vm.total, "available": vm.available}
+
+
 def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, reference=None, mask=None,
-             prefill_ids=None, **extra):
+             prefill_ids=None, host_gbps=None, gpu=True, **extra):
+    cuda = gpu and torch.cuda.is_available()
     try:
         decode(model, ids, warmup_tokens, mask)      # warm-up (kernels, allocator, cache)
         if handle is not None:
             handle.reset_stats()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
         tps = decode(model, ids, tokens, mask)
         st = handle.stats() if handle is not None else None
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
         pre = {}
         if prefill_ids is not None:  # warm-up forward at the length (attention's graphs), then the timed one
             prefill(model, prefill_ids)
@@ -216,25 +403,30 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
                 handle.reset_stats()
             sec = prefill(model, prefill_ids)
             pre = {"prefill s": round(sec, 3), "prefill tok/s": round(prefill_ids.numel() / sec, 1)}
-            if torch.cuda.is_available():
-                pre["prefill peak GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if cuda:
+                pre["prefill peak GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
             if handle is not None:
                 pst = handle.stats()
                 pre.update({"prefill experts/layer": round(pst["experts_per_layer"], 2),
                             "prefill hit rate": round(pst["hit_rate"], 3)})
-        quality = reference.compare(model) if reference is not None else {}
+        quality = reference.compare(model, handle) if reference is not None else {}
     except Exception as e:  # a peer that cannot run is a row
         bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
         return None
     row = {"tokens/s": round(tps, 2)}
     if st is not None:
         per_tok = st["bytes_moved"] / max(st["tokens"], 1)
-        row.update({"hit rate": round(st["hit_rate"], 3), "prefetch prec": round(st["prefetch_precision"], 3),
+        host_tok = st.get("cpu_experts", 0) * st["expert_bytes"] / max(st["tokens"], 1)  # host bytes read a token
+        row.update({"slots/layer": st["slots_per_layer"], "hit rate": round(st["hit_rate"], 3),
+                    "prefetch prec": round(st["prefetch_precision"], 3),
                     "prefetch recall": round(st["prefetch_recall"], 3), "GB/token": round(per_tok / 1e9, 3),
                     "PCIe bound tok/s": round(H2D_GBPS * 1e9 / per_tok, 2) if per_tok else "-",
                     "stall ms": round(st["stall_ms"], 1), "expert MB": round(st["expert_bytes"] / 1e6, 1),
-                    "host experts/token": round(st.get("cpu_experts", 0) / max(st["tokens"], 1), 2),
-                    "experts/layer": round(st["experts_per_layer"], 2)})
+                    "host experts/token": round(st.get("cpu_experts", 0) / max(st["tokens"], 1), 2)})
+        if handle.host_compute is not None:
+            row.update({"host GB/token": round(host_tok / 1e9, 3),
+                        "host bound tok/s": round(host_gbps * 1e9 / host_tok, 2) if host_tok and host_gbps else "-"})
+        row["experts/layer"] = round(st["experts_per_layer"], 2)
     row.update(pre)
     row.update(quality)
     row.update(extra)
@@ -269,28 +461,65 @@ def hooks_baseline(model, device):
     return handles
 
 
-def parse_peers(args) -> set:
-    """The peer keys to run: ``--peers`` (comma-separated keys of ``PEERS``), else ``--quick``'s, else all."""
+def parse_peers(args) -> list:
+    """The peer keys to run, in order: ``--peers`` (comma-separated keys of ``PEERS``, run in the order given),
+    else ``--quick``'s, else all; ``full`` runs first (the quality reference is taken after it) and ``cpu`` and
+    ``whole`` last, wherever they are named."""
     if args.peers:
-        keys = {k.strip() for k in args.peers.split(",") if k.strip()}
-        bad = keys - set(PEERS)
+        keys = list(dict.fromkeys(k.strip() for k in args.peers.split(",") if k.strip()))
+        bad = set(keys) - set(PEERS)
         if bad:
             raise SystemExit(f"--peers: unknown {sorted(bad)}; choose from {', '.join(PEERS)}")
-        return keys
-    return set(QUICK_PEERS) if args.quick else set(PEERS)
+    else:
+        keys = list(QUICK_PEERS) if args.quick else list(PEERS)
+    return ([k for k in keys if k == "full"] + [k for k in keys if k not in ("full", *LAST_PEERS)]
+            + [k for k in LAST_PEERS if k in keys])
+
+
+def resolve_shape(args) -> None:
+    """Fill ``args``' model sizes: ``--family``'s shape (``--small``: a CPU-sized one), then the flags given."""
+    shape = dict(FAMILIES[args.family])
+    if args.small:
+        shape.update(SMALL[args.family])
+    for k in ("layers", "hidden", "ffn", "experts", "top_k", "vocab"):
+        if getattr(args, k) is not None:
+            shape[k] = getattr(args, k)
+    if args.family == "mixtral" and args.hidden is not None:  # heads of 128, a KV head per 4 of them
+        shape.update(heads=max(1, shape["hidden"] // 128), kv_heads=max(1, shape["hidden"] // 512))
+    for k, v in shape.items():
+        setattr(args, k, v)
+    if args.tokens is None:
+        args.tokens = 16 if args.small else 32
+    if args.baseline_tokens is None:
+        args.baseline_tokens = 4 if args.small else 6
+    if args.agree_tokens is None:
+        args.agree_tokens = args.tokens
+
+
+def expert_bytes_bf16(args) -> int:
+    """Bytes of every expert of the model in bf16."""
+    return 3 * args.hidden * args.ffn * args.experts * args.layers * 2
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--slots", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--baseline-tokens", type=int, default=6, help="tokens for the slow move-every-layer peer")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="mixtral", help="mixtral (Mixtral-8x7B layers) or "
+                   "qwen3 (Qwen3-30B-A3B: 48 layers, 128 experts of ffn 768, top-8)")
+    p.add_argument("--layers", type=int, default=None, help="override the family's layer count")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None, help="each expert's intermediate size")
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--slots", default="2", help="GPU expert slots per layer: an integer, or 'auto' (as many as fit "
+                   "the --cap-gib, per peer from its packed expert size)")
+    p.add_argument("--reserve-gib", type=float, default=None, help="with --slots auto: GPU memory kept for "
+                   "activations, staging and the KV cache (default 1.5 GiB + 10%% of the cap)")
+    p.add_argument("--tokens", type=int, default=None, help="timed decode tokens (32; --small 16)")
+    p.add_argument("--agree-tokens", type=int, default=None, help="length of the bf16 model's greedy continuation "
+                   "that token agree / rel err are measured over, in one teacher-forced forward per peer "
+                   "(default --tokens)")
+    p.add_argument("--baseline-tokens", type=int, default=None, help="tokens for the slow move-every-layer peers")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (left padded, masked); "
                    "tokens/s counts all of them")
@@ -299,37 +528,57 @@ def main(argv=None):
     p.add_argument("--group-size", type=int, default=64, help="moe.quant.group_size of the int peers")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
     p.add_argument("--quick", action="store_true", help="only ours: LRU, staged guesses, in-slot guesses")
+    p.add_argument("--ours-variants", choices=("all", "quick", "default"), default=None, help="the bf16 cache "
+                   "variants of peer 'ours': all six, the first three (--quick's), or only the default cache "
+                   "(prefetch top-1, head staged)")
     p.add_argument("--peers", default=None, help=f"comma-separated peers to run, of: {', '.join(PEERS)}")
     p.add_argument("--cap-gib", type=float, default=None, help="cap the GPU at this many GiB for every peer but "
-                   "'full' (torch.cuda.set_per_process_memory_fraction)")
+                   "'full' (torch.cuda.set_per_process_memory_fraction); on the CPU only --slots auto uses it")
+    p.add_argument("--expert-source", choices=("gpu", "host"), default=None, help="where each offloaded peer's "
+                   "experts come from: 'host', one pageable host copy; 'gpu', regenerated on the compute device "
+                   "(default: host when the experts take under 40%% of host memory)")
+    p.add_argument("--host-bw-gb", type=float, default=2.0, help="GB read to measure the host's bandwidth")
     p.add_argument("--budget-s", type=float, default=165.0, help="wall-clock budget; peers that no longer fit "
                    "are rows that say so")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     budget = Budget(args.budget_s)
     want = parse_peers(args)
-    quick_ours = args.quick
-    if args.small:
-        args.layers, args.hidden, args.ffn, args.vocab, args.tokens, args.baseline_tokens = 4, 256, 512, 1024, 16, 4
+    resolve_shape(args)
+    ours_variants = args.ours_variants or ("quick" if args.quick else "all")
+    if args.slots != "auto" and not args.slots.isdigit():
+        raise SystemExit(f"--slots takes a positive integer or 'auto', not {args.slots!r}")
+    if args.batch < 1 or (args.prefill_len is not None and args.prefill_len < 1) or args.agree_tokens < 1:
+        raise SystemExit("--batch, --prefill-len and --agree-tokens take positive integers")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    progress(f"building the model on {device} ({args.layers} layers, H={args.hidden}, F={args.ffn}, "
-             f"E={args.experts}, {args.dtype})")
+    mem = host_memory()
+    expert_bytes = expert_bytes_bf16(args) * (1 if device.type == "cuda" else 2)  # fp32 on the CPU
+    source = args.expert_source or ("host" if expert_bytes < 0.4 * mem["total"] else "gpu")
+    progress(f"expert source: {source} ({expert_bytes / 1e9:.1f} GB of experts, host memory "
+             f"{mem['total'] / 1e9:.0f} GB, {mem['available'] / 1e9:.0f} GB available)")
+    host_gbps = host_bandwidth_gbps(int(args.host_bw_gb * 1e9 if not args.small else min(args.host_bw_gb, 0.25) * 1e9))
+    progress(f"host memory bandwidth: {host_gbps:.1f} GB/s ({torch.get_num_threads()} threads, sum() of fp32)")
+    progress(f"building the {args.family} model on {device} ({args.layers} layers, H={args.hidden}, F={args.ffn}, "
+             f"E={args.experts}, top-{args.top_k}, {args.dtype})")
     model = build(args, device)
-    expert_gib = 3 * args.hidden * args.ffn * args.experts * args.layers * (2 if device.type == "cuda" else 4) / 2**30
+    expert_gib = expert_bytes / GIB
     cap = args.cap_gib if device.type == "cuda" else None
     bench = Bench("moe_offload", dtype=str(args.dtype).replace("torch.", ""),
-                  sizes={"layers": args.layers, "H": args.hidden, "F": args.ffn, "E": args.experts,
-                         "top_k": args.top_k, "slots/layer": args.slots, "expert GiB": round(expert_gib, 1),
-                         "decode tokens": args.tokens, "batch": args.batch,
+                  sizes={"family": args.family, "layers": args.layers, "H": args.hidden, "F": args.ffn,
+                         "E": args.experts, "top_k": args.top_k, "slots/layer": args.slots,
+                         "expert GiB": round(expert_gib, 1), "decode tokens": args.tokens,
+                         "agree tokens": args.agree_tokens, "batch": args.batch,
                          "prefill tokens": args.prefill_len or "-", "group size": args.group_size,
-                         "GPU cap GiB": cap if cap else "none"},
+                         "GPU cap GiB": cap if cap else "none", "expert source": source,
+                         "host GB/s": round(host_gbps, 1)},
                   notes=f"tokens/s = decode only (after prefill), every sequence of the batch; ms = 1000 / "
                         f"tokens/s; experts/layer = distinct experts a MoE layer call hit; PCIe bound at "
-                        f"{H2D_GBPS:.0f} GB/s pinned H2D from the measured bytes moved per token; token agree / "
-                        f"rel err: teacher-forced over the bf16 model's {args.tokens}-token greedy continuation")
-    if args.batch < 1 or (args.prefill_len is not None and args.prefill_len < 1):
-        raise SystemExit("--batch and --prefill-len take positive integers")
+                        f"{H2D_GBPS:.0f} GB/s pinned H2D from the measured bytes moved per token; host bound "
+                        f"(+cpu rows) at the measured {host_gbps:.0f} GB/s host bandwidth from the expert bytes the "
+                        f"host read per token; token agree / rel err: teacher-forced over the bf16 model's "
+                        f"{args.agree_tokens}-token greedy continuation (+cpu rows: that forward under "
+                        f"cpu_compute=auto)")
     ids, mask = prompts(args, device)
     prefill_ids = None
     if args.prefill_len:
@@ -337,13 +586,15 @@ def main(argv=None):
                                     generator=torch.Generator().manual_seed(2)).to(device)
 
     base = "full model on GPU (HF generate)"
-    scale = (1.0 if device.type == "cuda" else 0.1) * args.layers / 8
-    # seconds each step needs on an H200 at 8 full-size layers, scaled by the layers (a step starts only when it
-    # still fits):
-    # hooks = 22.5 GB pinned copy + ~10 forwards that each move every expert; ours = its pinned store;
-    # quant setup = quantizing every expert on the GPU into the pinned packed store
+    # seconds each step needs on an H200 at the default run's size (8 Mixtral-8x7B layers, 22.5 GB of bf16
+    # experts), scaled by the model's expert bytes (a step starts only when it still fits):
+    # hooks = 22.5 GB pinned copy + ~10 forwards that each move every expert; ours = its pinned store (gpu source:
+    # plus regenerating the experts on the device); quant setup = quantizing every expert on the GPU into the
+    # pinned packed store, its decode the packed bytes; reference = a 32-token greedy decode on the GPU; cpu = the
+    # whole model moved to the host and decoded there
+    scale = (1.0 if device.type == "cuda" else 0.1) * expert_bytes_bf16(args) / MIXTRAL_8L_EXPERT_BYTES
     cost = {"full": 14, "hooks setup": 12, "hooks": 12, "ours setup": 12, "ours": 8, "whole setup": 10,
-            "quant setup": 10, "reference": 6}
+            "quant setup": 10, "reference": 6 * max(1.0, args.agree_tokens / 32), "cpu setup": 10, "cpu": 30}
     # a batch's decode step hits up to every expert of a layer (each miss a whole expert over the link), and a
     # prefill two forwards that hit every expert: ours and the copy-everything peers cost that much more
     hit = min(args.experts, args.batch * args.top_k) / args.top_k
@@ -358,15 +609,16 @@ def main(argv=None):
     acc_tps = []
     reference = None
 
-    def peer(name, key, *a, **kw):
+    def peer(name, key, *a, need=None, **kw):
         tps = None
-        if not budget.allows(cost[key] * scale, name):
+        if not budget.allows((cost[key] if need is None else need) * scale, name):
             bench.skip(name)
         else:
             progress(f"{name}: start ({budget.left():.0f} s left)")
             if key == "ours" and acc_tps:
                 kw = {**kw, "x accelerate": "pending"}
-            tps = run_peer(bench, name, *a, reference=reference, mask=mask, prefill_ids=prefill_ids, **kw)
+            tps = run_peer(bench, name, *a, reference=reference, mask=mask, prefill_ids=prefill_ids,
+                           host_gbps=host_gbps, **kw)
             if tps and key == "ours" and acc_tps:
                 bench.results[-1].extra["x accelerate"] = f"{tps / acc_tps[0]:.1f}x"
             progress(f"{name}: {f'{tps:.2f} tokens/s' if tps else bench.results[-1].error}")
@@ -374,30 +626,55 @@ def main(argv=None):
         return tps
 
     progress(f"model built on {device} ({expert_gib:.1f} GiB of experts); budget {args.budget_s:.0f} s; "
-             f"peers {sorted(want)}")
+             f"peers {want}")
     # the first peer warms up over the whole length: attention builds a cuDNN graph for each new sequence
     # length (~40 ms each on the H200), cached for the later peers
     if "full" in want:
         peer(base, "full", model, ids, args.tokens, warmup_tokens=args.tokens)
     if budget.allows(cost["reference"] * scale, "the bf16 reference (token agree, rel err)"):
-        progress("the bf16 model's greedy continuation and logits (the quality reference)")
-        reference = Reference(model, ids, args.tokens, mask)
+        progress(f"the bf16 model's {args.agree_tokens}-token greedy continuation and logits (the quality "
+                 f"reference)")
+        reference = Reference(model, ids, args.agree_tokens, mask)
         if "full" in want and bench.results and bench.results[-1].error == "":
             bench.results[-1].extra.update(reference.compare(model))
     blocks = find_moe_blocks(model)
-    progress("moving the experts to host memory (each offloaded peer starts from there)")
-    snap = experts_to_host(blocks)
+    std = model.config.initializer_range
+    resident = resident_bytes(model, blocks)
+    progress("experts: " + ("moved to host memory (each offloaded peer starts from there)" if source == "host"
+                            else "regenerated on the device by each offloaded peer"))
+    src = ExpertSource(source, blocks, device, std, cap)
+    src.settle()
     if cap:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), device)
-        progress(f"GPU capped at {cap:g} GiB of {total / 2**30:.0f}")
-    hooks_name = "hooks: copy every expert of a layer per forward (pinned)"
-    acc_name = "accelerate cpu_offload (experts modules)"
-    if "hooks" not in want:
-        pass
-    elif budget.allows((cost["hooks setup"] + cost["hooks"]) * scale, hooks_name):
+        progress(f"GPU capped at {cap:g} GiB of {torch.cuda.get_device_properties(device).total_memory / GIB:.0f}")
+    exact = src.layout()
+    slot_cap = args.cap_gib * GIB if args.cap_gib else (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    reserve = args.reserve_gib * GIB if args.reserve_gib is not None else None
+
+    def slots_for(bits):
+        """GPU slots per layer of a peer whose tier holds ``bits``-bit experts (``None``: bf16)."""
+        if args.slots != "auto":
+            return int(args.slots)
+        lay = QuantizedExpertLayout.from_layout(exact, bits, args.group_size) if bits else exact
+        if slot_cap is None:  # no cap on the CPU: every expert
+            return args.experts
+        return auto_slots(slot_cap, resident, args.layers, lay.nbytes, args.experts, reserve)
+
+    def setup_need(bits, key):
+        """Estimated set-up seconds (at the default run's size) of an offload whose tier holds ``bits``."""
+        return cost[key] * (bits / 16 if bits else 1.0) + 2
+
+    def run_hooks():
+        hooks_name = "hooks: copy every expert of a layer per forward (pinned)"
+        acc_name = "accelerate cpu_offload (experts modules)"
+        if not budget.allows((cost["hooks setup"] + cost["hooks"]) * scale, hooks_name):
+            bench.skip(hooks_name)
+            bench.skip(acc_name)
+            return
         progress("hooks baseline: copying the experts to pinned CPU memory")
+        src.restore()
         hooks = hooks_baseline(model, device)
+        src.settle()
         peer(hooks_name, "hooks", model, ids, args.baseline_tokens)
         for h in hooks:
             h.remove()
@@ -405,41 +682,46 @@ def main(argv=None):
             import accelerate
         except ImportError:
             bench.add(f"{acc_name}: not installed", None, error="-")
-        else:
-            for b in blocks:
-                accelerate.cpu_offload(b.experts, execution_device=device,
-                                       state_dict={n: t.data for n, t in b.expert_tensors().items()})
-            tps = peer(f"{acc_name} {accelerate.__version__}", "hooks", model, ids, args.baseline_tokens)
-            if tps:
-                acc_tps.append(tps)
-            for b in blocks:
-                accelerate.hooks.remove_hook_from_module(b.experts, recurse=True)
-    else:
-        bench.skip(hooks_name)
-        bench.skip(acc_name)
+            return
+        for b in blocks:
+            accelerate.cpu_offload(b.experts, execution_device=device,
+                                   state_dict={n: t.data for n, t in b.expert_tensors().items()})
+        tps = peer(f"{acc_name} {accelerate.__version__}", "hooks", model, ids, args.baseline_tokens)
+        if tps:
+            acc_tps.append(tps)
+        for b in blocks:
+            accelerate.hooks.remove_hook_from_module(b.experts, recurse=True)
+
     ours = ["ours: LRU cache, prefetch off (mixtral-offloading design)",
             "ours: prefetch top-1, head staged (+96 MiB GPU; the default)",
             "ours: prefetch top-1, 96 MiB head into a slot",
             "ours: prefetch top-1, head into a slot, LRU victims",
             "ours: prefetch top-1, whole-expert guesses into a slot",
             f"ours: prefetch top-{args.top_k}, heads into slots"]
-    if "ours" not in want:
-        pass
-    elif not budget.allows((cost["ours setup"] + cost["ours"]) * scale, "ours (offload_experts)"):
-        for name in ours:
-            bench.skip(name)
-    else:
+
+    def run_ours():
+        names = {"all": ours, "quick": ours[:3], "default": ours[1:2]}[ours_variants]
+        if not budget.allows((setup_need(None, "ours setup") + cost["ours"]) * scale, "ours (offload_experts)"):
+            for name in names:
+                bench.skip(name)
+            return
         progress("ours: offload_experts (experts into the pinned store)")
-        attach_experts(blocks, snap)
-        handle = offload_experts(model, {"gpu_experts_per_layer": args.slots, "speculative_prefetch": False})
+        src.restore()
+        slots = slots_for(None)
+        default_only = ours_variants == "default"
+        handle = offload_experts(model, {"gpu_experts_per_layer": slots, "speculative_prefetch": default_only})
+        src.settle()
         cache = handle.cache
-        peer(ours[0], "ours", model, ids, args.tokens, handle, warmup_tokens=args.tokens if quick_ours else 2)
-        handle.speculative_prefetch = True
+        if not default_only:
+            peer(ours[0], "ours", model, ids, args.tokens, handle,
+                 warmup_tokens=args.tokens if ours_variants == "quick" else 2)
+            handle.speculative_prefetch = True
         handle.cfg.prefetch_top_k = 1
         peer(ours[1], "ours", model, ids, args.tokens, handle)
-        cache.stage_guesses = False  # the guess's head goes into the slot it will use (evicting a resident)
-        peer(ours[2], "ours", model, ids, args.tokens, handle)
-        if not quick_ours:
+        if not default_only:
+            cache.stage_guesses = False  # the guess's head goes into the slot it will use (evicting a resident)
+            peer(ours[2], "ours", model, ids, args.tokens, handle)
+        if ours_variants == "all":
             handle.keep_predicted = False  # ... and the victim is the least recent, predicted or not
             peer(ours[3], "ours", model, ids, args.tokens, handle)
             handle.keep_predicted = True
@@ -449,47 +731,87 @@ def main(argv=None):
             handle.cfg.prefetch_top_k = None
             peer(ours[5], "ours", model, ids, args.tokens, handle)
         handle.close()
-        handle = cache = None
-    # the default cache (prefetch top-1, staged head) with CPU compute of misses and/or the quantized tier
-    variants = [("bf16+cpu", None, True)] + [(k, b, cpu) for cpu in (False, True) for k, b in QUANT_BITS.items()]
-    for key, bits, cpu in variants:
-        key = key if key == "bf16+cpu" else key + ("+cpu" if cpu else "")
-        if key not in want:
-            continue
+
+    def run_variant(key):
+        """The default cache (prefetch top-1, staged head) with CPU compute of misses and/or the quantized tier."""
+        bits, cpu = QUANT_BITS.get(key.removesuffix("+cpu")), key.endswith("+cpu")
         name = (f"ours int{bits} (group {args.group_size})" if bits else "ours bf16") + \
             (" + cpu_compute=misses" if cpu else "")
-        if not budget.allows((cost["quant setup"] + cost["ours"]) * scale, name):
+        need = setup_need(bits, "quant setup" if bits else "ours setup") + cost["ours"] * (bits / 16 if bits else 1)
+        if not budget.allows(need * scale, name):
             bench.skip(name)
             checkpoint()
-            continue
+            return
         progress(f"{name}: offload_experts" + (" (quantizing every expert once)" if bits else ""))
-        attach_experts(blocks, snap)
-        cfg = {"gpu_experts_per_layer": args.slots, "cpu_compute": "misses" if cpu else "off"}
-        if bits:
-            cfg["quant"] = {"bits": bits, "group_size": args.group_size}
+        src.restore()
         try:
+            slots = slots_for(bits)
+            cfg = {"gpu_experts_per_layer": slots, "cpu_compute": "misses" if cpu else "off"}
+            if bits:
+                cfg["quant"] = {"bits": bits, "group_size": args.group_size}
             handle = offload_experts(model, cfg)
         except Exception as e:  # a configuration that cannot run is a row
             bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
             checkpoint()
-            continue
-        peer(name, "ours", model, ids, args.tokens, handle)
+            return
+        src.settle()
+        progress(f"{name}: {slots} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
+        peer(name, "ours", model, ids, args.tokens, handle, need=0)
         handle.close()
-        handle = None
-    # accelerate as the issue ran it: the whole model under cpu_offload, a new copy (docs/bench/code_history.md)
-    whole = "accelerate cpu_offload (whole model)"
-    try:
-        import accelerate
-    except ImportError:
-        accelerate = None
-    if "whole" not in want:
-        pass
-    elif accelerate is None:
-        bench.add(f"{whole}: not installed", None, error="-")
-    elif not budget.allows((cost["whole setup"] + cost["hooks"]) * scale, whole):
-        bench.skip(whole)
-    else:
-        model = blocks = snap = None
+
+    def run_bnb():
+        name = "bitsandbytes 4-bit, all on GPU"
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as e:  # not installed, or no CUDA build here
+            bench.add(f"{name}: not available", None, error=f"{type(e).__name__}: {str(e)[:60]}")
+        else:
+            bench.add(name, None, error="bnb: fused 3-D experts are not nn.Linear; not applicable")
+        checkpoint()
+
+    def run_cpu():
+        """CPU-only inference of the whole model, where it fits host memory next to what is held there."""
+        nonlocal model
+        name = "CPU only (whole model on the host)"
+        on_host = sum(t.numel() * t.element_size() for layer in (src.snap or ()) for t in layer.values())
+        need_bytes = resident + expert_bytes - on_host  # what moving the model to the host adds there
+        free = host_memory()["available"]
+        if need_bytes + 4 * GIB + 0.05 * need_bytes > free:
+            bench.add(name, None, error=f"does not fit: needs {need_bytes / 1e9:.0f} GB + 4 GiB, host has "
+                                        f"{free / 1e9:.0f} GB available")
+            checkpoint()
+            return
+        if not budget.allows((cost["cpu setup"] + cost["cpu"]) * scale, name):
+            bench.skip(name)
+            checkpoint()
+            return
+        progress(f"{name}: the model to the host ({need_bytes / 1e9:.0f} GB of {free / 1e9:.0f} GB available)")
+        src.restore()
+        model = model.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        cpu_mask = mask.cpu() if mask is not None else None
+        progress(f"{name}: start ({budget.left():.0f} s left)")
+        tps = run_peer(bench, name, model, ids.cpu(), args.baseline_tokens, reference=reference, mask=cpu_mask,
+                       gpu=False, threads=torch.get_num_threads())
+        progress(f"{name}: {f'{tps:.2f} tokens/s' if tps else bench.results[-1].error}")
+        checkpoint()
+
+    def run_whole():
+        # accelerate as the issue ran it: the whole model under cpu_offload, a new copy
+        # (docs/bench/code_history.md)
+        nonlocal model, blocks, src
+        whole = "accelerate cpu_offload (whole model)"
+        try:
+            import accelerate
+        except ImportError:
+            bench.add(f"{whole}: not installed", None, error="-")
+            return
+        if not budget.allows((cost["whole setup"] + cost["hooks"]) * scale, whole):
+            bench.skip(whole)
+            return
+        model = blocks = src = None
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, device)  # built on the GPU, then offloaded whole
@@ -498,15 +820,22 @@ def main(argv=None):
         accelerate.cpu_offload(model, execution_device=device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-            if cap:
-                total = torch.cuda.get_device_properties(device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), device)
+            apply_cap(cap, device)
+            torch.cuda.reset_peak_memory_stats()
         peer(f"{whole} {accelerate.__version__}", "hooks", model, ids, max(2, args.baseline_tokens // 2))
+
+    for key in want:
+        if key == "full":
+            continue
+        progress(f"peer {key} ({budget.left():.0f} s left)")
+        {"hooks": run_hooks, "ours": run_ours, "bnb": run_bnb, "cpu": run_cpu,
+         "whole": run_whole}.get(key, lambda k=key: run_variant(k))()
     text = bench.report(baseline=base if "full" in want else None)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     return 0
+
 
 if __name__ == "__main__":
     main()
