@@ -1,7 +1,11 @@
-"""Greedy decode (batch 1, or ``--batch N`` sequences) of a Mixtral-shaped MoE whose experts do not stay on the GPU.
+"""Greedy decode (batch 1, or ``--batch N`` sequences) of a Mixtral- or Qwen3-MoE-shaped model whose experts do not
+stay on the GPU.
 
     python -m benchmarks.bench_moe_offload                 # 8 layers, H=4096, F=14336, 8 experts, top-2, bf16
     python -m benchmarks.bench_moe_offload --small         # a CPU-sized smoke run
+    python -m benchmarks.bench_moe_offload --layers 32 --cap-gib 16 --slots auto --agree-tokens 256 \
+        --peers full,int4,int4+cpu,ours,bf16+cpu --ours-variants default   # the real Mixtral-8x7B
+    python -m benchmarks.bench_moe_offload --family qwen3 --cap-gib 16 --slots auto   # Qwen3-30B-A3B's shape
     python -m benchmarks.bench_moe_offload --batch 8 --prefill-len 2048 --peers full,ours,int8,int8+cpu
     python -m benchmarks.bench_moe_offload --cap-gib 16 --quick --peers ours,int8,int4,int4+cpu   # a subset, capped
 
@@ -39,10 +43,32 @@ before offload (bf16): the bf16 model's greedy continuation of the prompt is fed
 ``rel err`` is ``||logits - logits_bf16|| / ||logits_bf16||`` over those positions.
 
 ``--peers`` picks a subset by key (``full``, ``hooks`` (with accelerate's experts offload), ``ours`` (the bf16
-cache variants; with ``--quick`` only the first three), ``bf16+cpu``, ``int8`` ... ``int2``, ``int8+cpu`` ...
-``int2+cpu``, ``whole``). ``--cap-gib`` caps the GPU (``torch.cuda.set_per_process_memory_fraction``) for every
+cache variants; with ``--quick`` only the first three, with ``--ours-variants default`` only the default cache),
+``bf16+cpu``, ``int8`` ... ``int2``, ``int8+cpu`` ... ``int2+cpu``, ``bnb``, ``cpu``, ``whole``) and runs them in
+the order given (most important first: a budget cut leaves the rest as "skipped" rows); ``full`` always runs
+first, ``cpu`` and ``whole`` last. ``--cap-gib`` caps the GPU (``torch.cuda.set_per_process_memory_fraction``) for every
 peer but ``full`` (all on GPU, uncapped) once the model's experts have been moved to host memory; ``peak GiB``
 is each peer's GPU peak.
+
+``--family qwen3``: Qwen3-30B-A3B's shape (48 layers, hidden 2048, 128 experts of ffn 768, top-8, vocabulary 151936,
+32 heads of 128, 4 KV heads); the size flags override either family. ``--slots auto`` (with ``--cap-gib``): each
+offloaded peer gets as many GPU slots per layer as fit, ``(cap - non-expert weights - reserve) / (layers x that
+peer's expert bytes as the slots hold them)`` (:func:`auto_slots`; ``slots/layer`` in each row). ``--agree-tokens``:
+the length of the bf16 continuation ``token agree`` / ``rel err`` are measured over (one forward per peer),
+apart from the timed decode's ``--tokens``.
+
+``--expert-source``: ``host`` keeps one pageable host copy of every expert that each offloaded peer re-attaches
+(small runs, the CPU). ``gpu`` (the default once the experts take 40% of host memory: the real Mixtral-8x7B's
+90 GB host copy next to a bf16 peer's 90 GB pinned tier does not fit a 125 GiB host) keeps none: each peer
+regenerates the experts on the device from the build's per-layer generators (the same weights, bit for bit) with
+the cap lifted, then ``offload_experts`` quantizes them there and copies them into the host tier. That set-up peaks
+above the cap (the whole model on the GPU for a moment; a user with a 16 GB card would load the experts from a
+checkpoint on the host instead); the cap is applied again before the timed decode, and ``peak GiB`` is the capped
+run's peak. The host's read bandwidth is measured once at the start (a ~2 GB ``sum()``), and every ``+cpu`` row
+shows ``host bound tok/s`` = that bandwidth / the expert bytes the host read per token, beside the PCIe bound.
+``cpu``: CPU-only inference of the whole model, where it fits host memory next to what is held there (else a row
+that says why); it runs after every other peer but ``whole``. ``bnb``: a row saying why bitsandbytes' 4-bit
+``nn.Linear`` replacement does not apply to fused 3-D expert parameters.
 """
 from __future__ import annotations
 
