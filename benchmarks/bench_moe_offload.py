@@ -325,6 +325,10 @@ class ExpertSource:
         self.kind, self.blocks, self.device, self.std, self.cap_gib = kind, blocks, device, std, cap_gib
         self.specs = {n: (tuple(t.shape), t.dtype) for n, t in blocks[0].expert_tensors().items()}
         self.snap = experts_to_host(blocks) if kind == "host" else None
+        if kind == "gpu":  # the build's copies go: every peer makes its own, and the cap holds until then
+            for b in blocks:
+                for n in self.specs:
+                    delattr(b.experts, n)
         self.cuda = device.type == "cuda"
 
     def layout(self) -> ExpertLayout:

@@ -73,16 +73,17 @@ def test_regenerated_experts_equal_the_build(family):
     with torch.no_grad():
         logits = model(ids).logits
     src = ExpertSource("gpu", blocks, torch.device("cpu"), model.config.initializer_range)
-    assert src.snap is None
-    for _ in range(2):  # an offloaded peer, then the next one's regeneration
-        handle = offload_experts(model, {"gpu_experts_per_layer": 2})
-        assert all(not hasattr(b.experts, "down_proj") for b in blocks)  # the offload took the model's copies
-        del handle
+    assert src.snap is None and all(not hasattr(b.experts, "down_proj") for b in blocks)  # no copy kept
+    for _ in range(2):  # a peer's regeneration and offload, then the next one's
         src.restore()
         for b, tensors in zip(blocks, first):
             assert b.block.experts is b.experts
             for n, t in tensors.items():
                 assert torch.equal(b.expert_tensors()[n], t), n
+        handle = offload_experts(model, {"gpu_experts_per_layer": 2})
+        assert all(not hasattr(b.experts, "down_proj") for b in blocks)  # the offload took the model's copies
+        del handle
+    src.restore()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, logits)
 
