@@ -14,13 +14,13 @@
 #      top-8: 58 GB of bf16 experts).
 # Writes $OUT/moe_scale_$FAMILY.md (the table, rewritten after every peer), the log and the build logs.
 #
-# Time estimate, 32-layer Mixtral on the H200 (from the 8- and 16-layer runs): imports and host bandwidth ~15 s;
-# the 93 GB model built on the GPU in seconds; full: 32 warm-up + 32 timed tokens at ~9 tok/s ~10 s; the
-# 256-token reference ~40 s (a cuDNN graph per new length); per offloaded peer: regenerating the experts ~1 s,
-# offload (bf16: 90 GB pinned, ~15-25 s; int4: quantized on the GPU, 25 GB pinned, ~8 s), decode 34 tokens
-# (bf16 1 slot ~2 tok/s ~17 s; int4 3 slots ~5 tok/s ~7 s), agreement forward ~2 s: int4 ~20 s, int4+cpu
-# ~20 s, bf16 ~45 s, bf16+cpu ~40 s, int8 ~30 s, int3 and int2 ~20 s each: ~290 s with the set-up, the CPU-only
-# peer (93 GB to the host, minutes of CPU decode) only if time is left. Builds ~120 s when not cached.
+# Time estimate for the 32-layer Mixtral, scaled from the 8- and 16-layer figures in docs/bench/: imports and
+# host bandwidth ~15 s; the 93 GB model built on the GPU in seconds; full: 32 warm-up + 32 timed tokens at
+# ~9 tok/s ~10 s; the 256-token reference ~40 s (a cuDNN graph per new length); per offloaded peer: regenerating
+# the experts ~1 s, offload (bf16: 90 GB pinned, ~15-25 s; int4: quantized on the GPU, 25 GB pinned, ~8 s),
+# decode 34 tokens (bf16 1 slot ~2 tok/s ~17 s; int4 3 slots ~5 tok/s ~7 s), agreement forward ~2 s: int4 ~20 s,
+# int4+cpu ~20 s, bf16 ~45 s, bf16+cpu ~40 s, int8 ~30 s, int3 and int2 ~20 s each: ~290 s with the set-up; the
+# CPU-only peer (93 GB to the host, minutes of CPU decode) only if time is left. Builds ~120 s when not cached.
 set -x
 . "$(dirname "$0")/common.sh"
 T0=$SECONDS
