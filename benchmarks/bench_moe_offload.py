@@ -865,6 +865,8 @@ def main(argv=None):
         progress(f"peer {key} ({budget.left():.0f} s left)")
         {"hooks": run_hooks, "ours": run_ours, "bnb": run_bnb, "cpu": run_cpu,
          "whole": run_whole}.get(key, lambda k=key: run_variant(k))()
+    if device.type == "cuda":  # the cap is this process's: lift it for whatever runs after (a test session)
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     text = bench.report(baseline=base if "full" in want else None)
     if args.out:
         with open(args.out, "w") as f:

@@ -58,21 +58,25 @@ def test_auto_slots_arithmetic():
     assert got == [1, 3, 6]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3"])
-def test_regenerated_experts_equal_the_build(family):
+def test_regenerated_experts_equal_the_build(family, device):
     """``--expert-source gpu``: after an offload took the experts, the next peer's regeneration on the compute
     device gives the build's weights bit for bit, back in the model's own experts modules, and the model's
     logits are the build's again."""
+    device = torch.device(device)
     args = small_args(family)
-    model = build(args, torch.device("cpu"))
+    if device.type == "cuda":
+        args.dtype = torch.bfloat16
+    model = build(args, device)
     blocks = find_moe_blocks(model)
     assert len(blocks) == args.layers and blocks[0].num_experts == args.experts
     first = [{n: t.detach().clone() for n, t in b.expert_tensors().items()} for b in blocks]
     assert not torch.equal(first[0]["down_proj"], first[1]["down_proj"])  # each layer its own generator
-    ids = torch.randint(1, args.vocab, (1, 12), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, args.vocab, (1, 12), generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
         logits = model(ids).logits
-    src = ExpertSource("gpu", blocks, torch.device("cpu"), model.config.initializer_range)
+    src = ExpertSource("gpu", blocks, device, model.config.initializer_range)
     assert src.snap is None and all(not hasattr(b.experts, "down_proj") for b in blocks)  # no copy kept
     for _ in range(2):  # a peer's regeneration and offload, then the next one's
         src.restore()
@@ -107,6 +111,7 @@ def _resident_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="its fake cap would cap a real GPU; the gpu twin runs there")
 @pytest.mark.parametrize("family", ["mixtral", "qwen3"])
 def test_bench_small_gpu_source_auto_slots(family, capsys):
     """A ``--small`` run of each family with the experts regenerated for every peer and slots from a fake cap on
@@ -158,3 +163,28 @@ def test_bench_small_default_source_is_host(capsys):
     out = capsys.readouterr().out
     assert "expert source: host" in out and "slots/layer=2" in out
     assert float(table(out)["ours int8 (group 64)"]["slots/layer"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "qwen3"])
+def test_bench_small_cuda_capped_gpu_source(family, capsys):
+    """On CUDA: the experts regenerated on the GPU for every peer with the cap lifted, each timed decode under
+    the cap again (its peak within it), slots per layer from the cap, the bf16 cache agreeing with the model."""
+    cap = 2.5
+    try:
+        assert main(["--small", "--family", family, "--expert-source", "gpu", "--slots", "auto", "--cap-gib",
+                     str(cap), "--agree-tokens", "24", "--peers", "full,int4,int4+cpu,ours", "--ours-variants",
+                     "default", "--budget-s", BIG]) == 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the later tests of the session run uncapped
+    out = capsys.readouterr().out
+    assert "expert source: gpu" in out and f"GPU cap GiB={cap}" in out
+    rows = table(out)
+    offloaded = [rows["ours int4 (group 64)"], rows["ours int4 (group 64) + cpu_compute=misses"],
+                 rows["ours: prefetch top-1, head staged (+96 MiB GPU; the default)"]]
+    for row in offloaded:
+        assert float(row["tokens/s"]) > 0 and float(row["peak GiB"]) <= cap
+        assert 1 <= int(row["slots/layer"]) <= (16 if family == "qwen3" else 8)
+        assert 0 <= float(row["token agree"]) <= 1
+    assert float(offloaded[2]["token agree"]) >= 0.9
+    assert float(offloaded[1]["host bound tok/s"]) > 0
