@@ -67,8 +67,10 @@ checkpoint on the host instead); the cap is applied again before the timed decod
 run's peak. The host's read bandwidth is measured once at the start (a ~2 GB ``sum()``), and every ``+cpu`` row
 shows ``host bound tok/s`` = that bandwidth / the expert bytes the host read per token, beside the PCIe bound.
 ``cpu``: CPU-only inference of the whole model, where it fits host memory next to what is held there (else a row
-that says why); it runs after every other peer but ``whole``. ``bnb``: a row saying why bitsandbytes' 4-bit
-``nn.Linear`` replacement does not apply to fused 3-D expert parameters.
+that says why); it runs after every other peer but ``whole``. ``bnb``: bitsandbytes' 4-bit model,
+not offloaded: the fused 3-D expert tensors are not ``nn.Linear`` (``Linear4bit`` cannot take them), so each is
+quantized to nf4 in place by ``bitsandbytes.nn.parametrize.replace_parameter_4bit`` and dequantized whole at every
+access; under a cap it does not fit (the 32-layer Mixtral's nf4 experts alone are ~25 GB), a row that says so.
 """
 from __future__ import annotations
 
@@ -794,14 +796,45 @@ def main(argv=None):
         handle.close()
 
     def run_bnb():
-        name = "bitsandbytes 4-bit, all on GPU"
+        """bitsandbytes' 4-bit model, not offloaded: every expert tensor (fused, 3-D: not an ``nn.Linear`` that
+        ``Linear4bit`` could replace) quantized to nf4 in place by ``bitsandbytes.nn.parametrize.
+        replace_parameter_4bit``, which dequantizes the whole tensor at every access (a layer's experts in bf16
+        for a moment); where the model does not fit the cap, a row that says by how much."""
+        name = "bitsandbytes nf4 experts (replace_parameter_4bit), not offloaded"
         try:
-            import bitsandbytes  # noqa: F401
-        except Exception as e:  # not installed, or no CUDA build here
+            import bitsandbytes
+            from bitsandbytes.nn.parametrize import replace_parameter_4bit
+        except Exception as e:  # not installed, no build for this machine, or too old for fused experts
             bench.add(f"{name}: not available", None, error=f"{type(e).__name__}: {str(e)[:60]}")
-        else:
-            bench.add(name, None, error="bnb: fused 3-D experts are not nn.Linear; not applicable")
-        checkpoint()
+            checkpoint()
+            return
+        from torch.nn.utils import parametrize
+        layer_bytes = expert_bytes / args.layers
+        params = expert_bytes / (2 if device.type == "cuda" else 4)
+        need = resident + params * (0.5 + 4 / 64) + layer_bytes  # nf4 codes, an fp32 absmax per 64, one layer's
+        if cap and need + 1.5 * GIB > cap * GIB:                  # dequantized experts
+            bench.add(name, None, error=f"does not fit the {cap:g} GiB cap: needs {need / GIB:.1f} GiB + 1.5 GiB "
+                                        f"of activations")
+            checkpoint()
+            return
+        if not budget.allows((cost["quant setup"] * 0.25 + cost["ours"]) * scale, name):
+            bench.skip(name)
+            checkpoint()
+            return
+        progress(f"{name}: quantizing every expert tensor in place ({need / GIB:.1f} GiB)")
+        src.restore()
+        with torch.no_grad():
+            for b in blocks:
+                for n in src.specs:
+                    t = getattr(b.experts, n)
+                    setattr(b.experts, n, nn.Parameter(t.detach().to(device), requires_grad=False))
+                    replace_parameter_4bit(b.experts, n, quant_type="nf4")
+        src.settle()
+        peer(f"{name} {bitsandbytes.__version__}", "ours", model, ids, args.tokens, need=0)
+        for b in blocks:  # back to a plain experts module without expert tensors (the next peer makes its own)
+            for n in src.specs:
+                parametrize.remove_parametrizations(b.experts, n, leave_parametrized=False)
+                delattr(b.experts, n)
 
     def run_cpu():
         """CPU-only inference of the whole model, where it fits host memory next to what is held there."""

@@ -152,9 +152,22 @@ def test_bench_small_gpu_source_auto_slots(family, capsys):
     assert float(cpu["token agree"]) == 1 and float(cpu["rel err"]) < 1e-4
     assert 0 < float(q4["rel err"]) < 0.5 and q4["host bound tok/s"] == ""  # only +cpu rows have a host bound
     assert float(cpu["host experts/token"]) > 0 and float(cpu["host bound tok/s"]) > 0
-    assert any(name.startswith("bitsandbytes 4-bit") for name in rows)
+    assert any(name.startswith("bitsandbytes nf4 experts") for name in rows)
     only = rows["CPU only (whole model on the host)"]
     assert float(only["tokens/s"]) > 0 and float(only["token agree"]) == 1
+
+
+def test_bench_small_bnb_peer(capsys):
+    """bitsandbytes' nf4 quantization of the fused expert tensors in place (not offloaded): a measured row near
+    our int4's error, and the peers after it see the exact experts again."""
+    pytest.importorskip("bitsandbytes.nn.parametrize")
+    assert main(["--small", "--expert-source", "gpu", "--peers", "full,bnb,ours", "--ours-variants", "default",
+                 "--tokens", "8", "--budget-s", BIG]) == 0
+    rows = table(capsys.readouterr().out)
+    bnb = next(row for name, row in rows.items() if name.startswith("bitsandbytes nf4 experts"))
+    assert float(bnb["tokens/s"]) > 0 and 0 < float(bnb["rel err"]) < 0.5
+    ours = rows["ours: prefetch top-1, head staged (+96 MiB GPU; the default)"]
+    assert float(ours["token agree"]) >= 0.9 and float(ours["rel err"]) < 0.05
 
 
 def test_bench_small_default_source_is_host(capsys):
