@@ -70,7 +70,7 @@ shows ``host bound tok/s`` = that bandwidth / the expert bytes the host read per
 that says why); it runs after every other peer but ``whole``. ``bnb``: bitsandbytes' 4-bit model,
 not offloaded: the fused 3-D expert tensors are not ``nn.Linear`` (``Linear4bit`` cannot take them), so each is
 quantized to nf4 in place by ``bitsandbytes.nn.parametrize.replace_parameter_4bit`` and dequantized whole at every
-access; under a cap it does not fit (the 32-layer Mixtral's nf4 experts alone are ~25 GB), a row that says so.
+access; where it does not fit the cap (the 32-layer Mixtral's nf4 experts alone are ~25 GB), a row that says so.
 """
 from __future__ import annotations
 
