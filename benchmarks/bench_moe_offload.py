@@ -745,8 +745,14 @@ def main(argv=None):
         src.restore()
         slots = slots_for(None)
         default_only = ours_variants == "default"
-        handle = offload_experts(model, {"gpu_experts_per_layer": slots, "speculative_prefetch": default_only})
+        try:
+            handle = offload_experts(model, {"gpu_experts_per_layer": slots, "speculative_prefetch": default_only})
+        except Exception as e:  # a configuration that cannot run (host memory, say) is a row
+            bench.add(names[0], None, error=f"{type(e).__name__}: {str(e)[:60]}")
+            checkpoint()
+            return
         src.settle()
+        progress(f"ours: {slots} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
         cache = handle.cache
         if not default_only:
             peer(ours[0], "ours", model, ids, args.tokens, handle,
@@ -823,18 +829,25 @@ def main(argv=None):
             return
         progress(f"{name}: quantizing every expert tensor in place ({need / GIB:.1f} GiB)")
         src.restore()
-        with torch.no_grad():
-            for b in blocks:
-                for n in src.specs:
-                    t = getattr(b.experts, n)
-                    setattr(b.experts, n, nn.Parameter(t.detach().to(device), requires_grad=False))
-                    replace_parameter_4bit(b.experts, n, quant_type="nf4")
-        src.settle()
-        peer(f"{name} {bitsandbytes.__version__}", "ours", model, ids, args.tokens, need=0)
+        try:
+            with torch.no_grad():
+                for b in blocks:
+                    for n in src.specs:
+                        t = getattr(b.experts, n)
+                        setattr(b.experts, n, nn.Parameter(t.detach().to(device), requires_grad=False))
+                        replace_parameter_4bit(b.experts, n, quant_type="nf4")
+        except Exception as e:  # no kernels for this machine, say: a row
+            bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
+        else:
+            src.settle()
+            peer(f"{name} {bitsandbytes.__version__}", "ours", model, ids, args.tokens, need=0)
         for b in blocks:  # back to a plain experts module without expert tensors (the next peer makes its own)
             for n in src.specs:
-                parametrize.remove_parametrizations(b.experts, n, leave_parametrized=False)
-                delattr(b.experts, n)
+                if parametrize.is_parametrized(b.experts, n):
+                    parametrize.remove_parametrizations(b.experts, n, leave_parametrized=False)
+                if hasattr(b.experts, n):
+                    delattr(b.experts, n)
+        checkpoint()
 
     def run_cpu():
         """CPU-only inference of the whole model, where it fits host memory next to what is held there."""
