@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ds_maximus.experts.training.pending import PendingStep
-from ds_maximus.partition.staged_update import StagedUpdate
+from ds_maximus.partition.staged_update import StagedUpdate, device_with_index
 
 STATE_BYTES = 4  # fp32 masters, moments and gradients
 
@@ -157,6 +157,10 @@ class StagedStep(ExpertStep):
         return 0 if self.pipeline is None or not self.pipeline.cuda else self.pipeline.device_bytes()
 
     def _pipeline(self, dev: torch.device) -> StagedUpdate:
+        """The pipeline of ``dev``, kept between steps (its streams and staging buffers). Compared with its index:
+        the pipeline holds ``cuda:N``, and a plain ``cuda`` compared unequal, which would build a new pipeline
+        (new streams, new buffers) at every step."""
+        dev = device_with_index(dev)
         if self.pipeline is None or self.pipeline.device != dev:
             self.pipeline = StagedUpdate(dev)
         return self.pipeline
