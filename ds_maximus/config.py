@@ -214,7 +214,9 @@ class ExpertCPUCompute(str, enum.Enum):
     moves all of it over the link."""
     AUTO = "auto"
     """Per missed expert, from the tokens routed to it: at most ``cpu_compute_max_tokens`` on the host, more (a
-    prefill) on the GPU, whose GEMM is faster once the copy is shared by many tokens."""
+    prefill) on the GPU, whose GEMM is faster once the copy is shared by many tokens. On a CUDA device the light
+    misses are split between the host and the link so that both finish together: the link loads its share into
+    free slots (they stay for later tokens) while the host computes the rest."""
 
 
 class ExpertQuantConfig(_Section):

@@ -5,7 +5,10 @@ each be copied whole over the link to serve one or two tokens. :class:`HostExper
 where they live, from the CPU tier's weights (the ``maximus_expert_cpu`` op: fp32 accumulation, OpenMP over rows),
 while the GPU computes the resident ones. ``misses`` sends every missed expert to the host; ``auto`` only those
 routed at most ``cpu_compute_max_tokens`` tokens (a prefill's crowded experts go to the GPU, whose GEMM wins
-once the copy is shared by many tokens).
+once the copy is shared by many tokens), and on a CUDA device it splits those light misses between the host and
+the link (:func:`balance`): the link loads some into free slots, where they stay for later tokens, while the host
+computes the rest, so that both sides finish together. The two sides' costs are estimates: one timed pinned copy
+of an expert for the link, the host's measured seconds per expert (a running mean) for the host.
 
 The result equals the GPU path's within fp32-accumulation tolerances: the host computes each expert's
 SwiGLU in fp32 from the same weights (exact, or the quantized tier's packed form, decoded in the op), scales it by
@@ -19,13 +22,14 @@ Works with fused SwiGLU experts (``gate_up_proj`` ``[2F, H]`` with the gate rows
 >>> import torch
 >>> from ds_maximus.config import ExpertCPUCompute
 >>> h = HostExpertCompute.__new__(HostExpertCompute)
->>> h.mode, h.max_tokens = ExpertCPUCompute.AUTO, 2
+>>> h.mode, h.max_tokens, h.link_s = ExpertCPUCompute.AUTO, 2, None
 >>> h.choose(used=[0, 3, 5], counts=[1, 0, 0, 4, 0, 2], resident=[0])
 [5]
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -39,6 +43,36 @@ from ds_maximus.ops import expert_cpu
 # module can be reached while ops.expert_cpu is still initialising
 
 _SILU = ("SiLU", "SiLUActivation")
+HOST_GBPS_PRIOR = 20.0  # host seconds per expert before the first one is measured: its bytes at this rate
+EMA = 0.2               # weight of the newest measurement in the host's running mean
+
+
+def balance(light: Sequence[int], counts: Sequence[int], free_slots: int, host_s: float, link_s: float,
+            link_busy_s: float = 0.0, staged: Optional[int] = None, staged_frac: float = 1.0) -> List[int]:
+    """Of the light misses ``light``, those the host computes; the others go over the link into slots.
+
+    Greedy over two sides that run at once, the staged guess first (only the rest of it crosses the link,
+    ``staged_frac`` of an expert), then the experts with more tokens: each goes where it finishes sooner,
+    the link's load of ``link_s`` seconds (after ``link_busy_s`` already queued) or the host's ``host_s``,
+    and the link takes at most ``free_slots`` experts.
+
+    >>> balance([0, 1, 2, 3], [1, 1, 1, 1], free_slots=4, host_s=1.0, link_s=1.0)
+    [1, 3]
+    >>> balance([0, 1, 2, 3], [1, 1, 1, 1], free_slots=1, host_s=1.0, link_s=0.1)
+    [1, 2, 3]
+    >>> balance([0, 5], [1, 0, 0, 0, 0, 1], free_slots=2, host_s=1.0, link_s=3.0, staged=5, staged_frac=0.2)
+    [0]
+    """
+    host_t, link_t, n_link, on_host = 0.0, float(link_busy_s), 0, []
+    for e in sorted(light, key=lambda e: (e != staged, -counts[e], e)):
+        c_link = link_s * (staged_frac if e == staged else 1.0)
+        if n_link < free_slots and link_t + c_link <= host_t + host_s:
+            link_t += c_link
+            n_link += 1
+        else:
+            host_t += host_s
+            on_host.append(e)
+    return sorted(on_host)
 
 
 class HostExpertCompute:
@@ -48,7 +82,7 @@ class HostExpertCompute:
     per layer; ``mode`` and ``max_tokens`` from the ``moe`` section.
     """
 
-    def __init__(self, store, num_experts: int, mode: ExpertCPUCompute, max_tokens: int = 8):
+    def __init__(self, store, num_experts: int, mode: ExpertCPUCompute, max_tokens: int = 8, device=None):
         self.store = store
         self.layout = store.layout  # ExpertLayout, or QuantizedExpertLayout (moe.quant)
         self.num_experts = int(num_experts)
@@ -56,6 +90,25 @@ class HostExpertCompute:
         self.max_tokens = int(max_tokens)
         self.experts_computed = 0  # experts computed on the host
         self.tokens_computed = 0   # (token, expert) pairs computed on the host
+        self.host_s = self.layout.nbytes / (HOST_GBPS_PRIOR * 1e9)  # host seconds per expert (running mean)
+        # auto's split between host and link needs a link: on a CUDA device, one timed copy of an expert
+        self.link_s: Optional[float] = None
+        if device is not None and torch.device(device).type == "cuda" and self.mode == ExpertCPUCompute.AUTO:
+            self.link_s = self._time_link(torch.device(device))
+
+    def _time_link(self, device: torch.device) -> float:
+        """Seconds of one expert's pinned host-to-device copy (the faster of two, after a warm-up)."""
+        src = self.store.host_view(0)
+        dst = torch.empty_like(src, device=device)
+        best = float("inf")
+        for i in range(3):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return best
 
     @staticmethod
     def check_supported(store, original, form) -> None:
@@ -76,15 +129,24 @@ class HostExpertCompute:
             raise ConfigError(f"moe.cpu_compute needs experts made of gate_up_proj and down_proj; {name} has "
                               f"{sorted(store.layout.names)}: set cpu_compute to \"off\"")
 
-    def choose(self, used: Sequence[int], counts: Sequence[int], resident: Sequence[int]) -> List[int]:
+    def choose(self, used: Sequence[int], counts: Sequence[int], resident: Sequence[int],
+               slots: Optional[int] = None, staged: Optional[int] = None, staged_frac: float = 1.0) -> List[int]:
         """The experts of ``used`` to compute on the host: not in ``resident``, and under ``auto`` routed at most
-        ``max_tokens`` tokens (``counts[e]``: the layer's (token, k) pairs routed to expert ``e``)."""
+        ``max_tokens`` tokens (``counts[e]``: the layer's (token, k) pairs routed to expert ``e``); with a link
+        (CUDA) and the layer's ``slots``, auto gives the link the share of those that :func:`balance` picks
+        (``staged``: the expert whose first ``1 - staged_frac`` is already staged on the device)."""
         if self.mode == ExpertCPUCompute.OFF:
             return []
         res = set(resident)
         missed = [e for e in used if e not in res]
         if self.mode == ExpertCPUCompute.AUTO:
-            missed = [e for e in missed if counts[e] <= self.max_tokens]
+            light = [e for e in missed if counts[e] <= self.max_tokens]
+            if slots is None or self.link_s is None:
+                return light
+            crowded = len(missed) - len(light)   # these go over the link whatever the split
+            free = int(slots) - (len(used) - len(missed)) - crowded
+            return balance(light, counts, max(0, free), self.host_s, self.link_s, crowded * self.link_s,
+                           staged, staged_frac)
         return missed
 
     def weights(self, uid: int) -> Tuple[expert_cpu.Weight, expert_cpu.Weight, expert_cpu.Weight]:
@@ -109,16 +171,21 @@ class HostExpertCompute:
         rw = top_k_weights.detach().to("cpu", torch.float32)
         out = torch.zeros_like(x)
         for e in experts:
+            t0 = time.perf_counter()
             pos, tok = where[e]
             t = torch.tensor(tok, dtype=torch.long)
             y = expert_cpu.swiglu(x[t], *self.weights(group * self.num_experts + e))
             out.index_add_(0, t, y * rw[t, torch.tensor(pos, dtype=torch.long), None])
+            self.host_s += EMA * (time.perf_counter() - t0 - self.host_s)
             self.experts_computed += 1
             self.tokens_computed += len(tok)
         return out
 
     def stats(self) -> dict:
-        return {"cpu_experts": self.experts_computed, "cpu_expert_tokens": self.tokens_computed}
+        """Experts and (token, expert) pairs computed on the host; the split's cost estimates, ms an expert."""
+        return {"cpu_experts": self.experts_computed, "cpu_expert_tokens": self.tokens_computed,
+                "cpu_ms_per_expert": self.host_s * 1e3,
+                "link_ms_per_expert": self.link_s * 1e3 if self.link_s is not None else None}
 
     def reset_stats(self) -> None:
         self.experts_computed = self.tokens_computed = 0

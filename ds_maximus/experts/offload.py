@@ -150,7 +150,7 @@ class MoEOffload:
         self._layer_calls += 1
         self._experts_hit += len(used)
         self._experts_hit_max = max(self._experts_hit_max, len(used))
-        on_host = self.host_compute.choose(used, counts, self.cache.resident(group)) if self.host_compute else []
+        on_host = self._host_experts(group, used, counts) if self.host_compute else []
         if on_host:  # copied before the GPU's expert work is queued, so the host computes while the GPU does
             used = [e for e in used if e not in on_host]
             host_in = (hidden.to("cpu"), top_k_weights.to("cpu"))
@@ -180,6 +180,15 @@ class MoEOffload:
         if group == len(self.blocks) - 1:
             self._t_last = time.perf_counter()
         return out
+
+    def _host_experts(self, group: int, used: List[int], counts: List[int]) -> List[int]:
+        """The routed experts of ``group`` computed on the host (``moe.cpu_compute``), told the layer's slots and
+        its staged guess (only the rest of which would cross the link)."""
+        st = self.cache.staged
+        staged = st.key[1] if st is not None and st.key is not None and st.key[0] == group else None
+        frac = 1.0 - st.nbytes / self.cache.entry_bytes if staged is not None else 1.0
+        return self.host_compute.choose(used, counts, self.cache.resident(group), self.cache.slots_per_group,
+                                        staged, frac)
 
     def _issue_prefetch(self, group: int, votes: List[int]) -> None:
         E = len(votes) // 2
@@ -293,7 +302,7 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     handle = MoEOffload(blocks, cache, cfg)
     if cfg.cpu_compute != ExpertCPUCompute.OFF:
         HostExpertCompute.check_supported(store, blocks[0].experts, blocks[0].form)
-        handle.host_compute = HostExpertCompute(store, E, cfg.cpu_compute, cfg.cpu_compute_max_tokens)
+        handle.host_compute = HostExpertCompute(store, E, cfg.cpu_compute, cfg.cpu_compute_max_tokens, device)
     with torch.no_grad():
         for gi, b in enumerate(blocks):
             tensors = b.expert_tensors()

@@ -33,6 +33,36 @@ def test_choose(mode, max_tokens, want):
     assert h.choose(used=[0, 2, 3], counts=[1, 0, 5, 2], resident=[0, 1]) == want
 
 
+def test_auto_splits_light_misses_between_host_and_link():
+    """With a link (its seconds an expert known, as on CUDA), auto gives the link the share of the light misses
+    that finishes with the host's, never more than the layer's free slots, the staged guess first; misses
+    stays all-host, and crowded experts take slots and link time first."""
+    store, _ = _store()
+    h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO, max_tokens=2)
+    assert h.link_s is None  # no link on a CPU device: the token rule alone
+    assert h.choose(used=[0, 1, 2, 3], counts=[1, 1, 1, 1], resident=[], slots=4) == [0, 1, 2, 3]
+    h.host_s, h.link_s = 1.0, 1.0
+    assert h.choose(used=[0, 1, 2, 3], counts=[1, 1, 1, 1], resident=[], slots=4) == [1, 3]
+    assert h.choose(used=[0, 1, 2, 3], counts=[1, 1, 1, 1], resident=[0], slots=2) == [2, 3]  # 1 free slot
+    assert h.choose(used=[0, 1, 2, 3], counts=[1, 1, 1, 1], resident=[0, 1], slots=2) == [2, 3]  # none free
+    # 3 is crowded: it goes over the link first, so the link is busy 1 s when the light ones are split
+    assert h.choose(used=[1, 2, 3], counts=[0, 1, 1, 5], resident=[], slots=3) == [1]
+    h.link_s = 3.0   # a slow link: the host takes all but the staged guess, whose rest is cheap
+    assert h.choose(used=[0, 1, 2], counts=[1, 1, 1], resident=[], slots=3, staged=2, staged_frac=0.1) == [0, 1]
+    m = HostExpertCompute(store, 4, ExpertCPUCompute.MISSES)
+    m.link_s = 1e-9
+    assert m.choose(used=[0, 1], counts=[1, 1], resident=[], slots=2) == [0, 1]
+
+
+def test_host_seconds_an_expert_follow_the_measured_forward():
+    store, t = _store()
+    h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO)
+    h.host_s = 10.0  # far above any real expert's time: the running mean must come down
+    x, rw = torch.randn(3, t["down_proj"].shape[1]), torch.rand(3, 2)
+    h.forward(0, x, rw, [1, 2], {1: ([0], [0]), 2: ([1, 0], [1, 2])})
+    assert h.host_s < 10.0 * (1 - 0.2) ** 2 + 1.0 and h.stats()["cpu_ms_per_expert"] == h.host_s * 1e3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_host_forward_equals_the_eager_expert_loop(dtype):
     store, t = _store(dtype=dtype)
@@ -49,7 +79,7 @@ def test_host_forward_equals_the_eager_expert_loop(dtype):
         y = (torch.nn.functional.silu(gate) * up) @ t["down_proj"][e].float().t()
         want.index_add_(0, torch.tensor(tok), y * rw[tok, pos, None])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    assert h.stats() == {"cpu_experts": 2, "cpu_expert_tokens": 3}
+    assert {k: h.stats()[k] for k in ("cpu_experts", "cpu_expert_tokens")} == {"cpu_experts": 2, "cpu_expert_tokens": 3}
 
 
 def _run(model, cfg, batch=1, prompt_len=6, new_tokens=12):
