@@ -44,7 +44,9 @@ before offload (bf16): the bf16 model's greedy continuation of the prompt is fed
 
 ``--peers`` picks a subset by key (``full``, ``hooks`` (with accelerate's experts offload), ``ours`` (the bf16
 cache variants; with ``--quick`` only the first three, with ``--ours-variants default`` only the default cache),
-``bf16+cpu``, ``int8`` ... ``int2``, ``int8+cpu`` ... ``int2+cpu``, ``bnb``, ``cpu``, ``whole``) and runs them in
+``bf16+cpu``, ``int8`` ... ``int2``, ``int8+cpu`` ... ``int2+cpu`` (``cpu_compute: misses``), ``bf16+auto``,
+``int8+auto`` ... ``int2+auto`` (``cpu_compute: auto``: on CUDA its light misses split between host and link),
+``bnb``, ``cpu``, ``whole``) and runs them in
 the order given (most important first: a budget cut leaves the rest as "skipped" rows); ``full`` always runs
 first, ``cpu`` and ``whole`` last. ``--cap-gib`` caps the GPU (``torch.cuda.set_per_process_memory_fraction``) for every
 peer but ``full`` (all on GPU, uncapped) once the model's experts have been moved to host memory; ``peak GiB``
@@ -90,8 +92,9 @@ from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 
 H2D_GBPS = 55.0  # pinned host-to-device on the H200 machine, GB/s
 QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
-PEERS = ("full", "hooks", "ours", "bf16+cpu", *QUANT_BITS, *(f"{k}+cpu" for k in QUANT_BITS), "bnb", "cpu",
-         "whole")
+CPU_MODES = {"cpu": "misses", "auto": "auto"}  # a peer key's suffix -> moe.cpu_compute
+PEERS = ("full", "hooks", "ours", "bf16+cpu", "bf16+auto", *QUANT_BITS,
+         *(f"{k}+{m}" for m in CPU_MODES for k in QUANT_BITS), "bnb", "cpu", "whole")
 QUICK_PEERS = ("ours",)
 LAST_PEERS = ("cpu", "whole")  # run after every other peer: they move the model off the GPU or replace it
 EXPERT_SEED = 1000  # layer i's experts come from torch.Generator(device).manual_seed(EXPERT_SEED + i)
@@ -776,9 +779,10 @@ def main(argv=None):
 
     def run_variant(key):
         """The default cache (prefetch top-1, staged head) with CPU compute of misses and/or the quantized tier."""
-        bits, cpu = QUANT_BITS.get(key.removesuffix("+cpu")), key.endswith("+cpu")
+        base, _, suffix = key.partition("+")
+        bits, cpu = QUANT_BITS.get(base), CPU_MODES.get(suffix)
         name = (f"ours int{bits} (group {args.group_size})" if bits else "ours bf16") + \
-            (" + cpu_compute=misses" if cpu else "")
+            (f" + cpu_compute={cpu}" if cpu else "")
         need = setup_need(bits, "quant setup" if bits else "ours setup") + cost["ours"] * (bits / 16 if bits else 1)
         if not budget.allows(need * scale, name):
             bench.skip(name)
@@ -788,7 +792,7 @@ def main(argv=None):
         src.restore()
         try:
             slots = slots_for(bits)
-            cfg = {"gpu_experts_per_layer": slots, "cpu_compute": "misses" if cpu else "off"}
+            cfg = {"gpu_experts_per_layer": slots, "cpu_compute": cpu or "off"}
             if bits:
                 cfg["quant"] = {"bits": bits, "group_size": args.group_size}
             handle = offload_experts(model, cfg)

@@ -46,7 +46,7 @@ else
 fi
 timeout "$LEFT" python -u -m benchmarks.bench_moe_offload $SHAPE --cap-gib 16 --slots auto --tokens 32 \
   --agree-tokens 256 --expert-source gpu --ours-variants default \
-  --peers full,int4,int4+cpu,ours,bf16+cpu,int8,int3,int2,bnb,cpu --budget-s "$BUDGET" \
+  --peers full,int4,int4+auto,int4+cpu,ours,bf16+auto,bf16+cpu,int8,int3,int2,bnb,cpu --budget-s "$BUDGET" \
   --out "$OUT/moe_scale_$FAMILY.md" > "$OUT/moe_scale_$FAMILY.log" 2>&1
 rc=$?
 grep -v -i warning "$OUT/moe_scale_$FAMILY.log" | grep -E "^\[" | tail -40
