@@ -18,6 +18,7 @@ from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_with_engine
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
 from ds_maximus.partition import PartitionCache, TensorTier
+from ds_maximus.partition.staged_update import StagedUpdate, device_with_index
 from ds_maximus.vocab.function import BatchPlan, BatchPlanner, ids_on_host
 from ds_maximus.vocab.sharded_state import ShardedStateMixin
 from ds_maximus.vocab.stats import EmbeddingStats, format_line
@@ -81,6 +82,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self.grad = SparseRowGrad()
         self.stats_tracker = EmbeddingStats(self.num_embeddings)
         self._step_pins: list = []
+        self._tier_pipeline: Optional[StagedUpdate] = None  # the GPU pipeline of out-of-cache row steps
+        self.staged_tier_update: Optional[bool] = None  # those steps through it: None = on a CUDA device
         self._prefetched: collections.deque = collections.deque()
         self._planner = BatchPlanner(self.num_embeddings)
         self._overflow_warned = False  # the one-time warning of a batch too large for the cache
@@ -432,7 +435,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self.cache._finish_write_backs(block=True)
         dev = rows.device
         step = max(1, min(int(self.cache.num_slots), ids.numel()))
-        if self._tier_update_in_place(ids, rows, where, step):
+        if self._tier_update_in_place(ids, rows, where, step, staged=self.staged_tier_update):
             return
         staging = self.cache._staging(step)  # pinned when the cache is on a GPU
         for lo in range(0, ids.numel(), step):
@@ -449,11 +452,18 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 torch.cuda.current_stream(dev).synchronize()  # the tier write reads the copies
             self.tier.write(part, buf)
 
-    def _tier_update_in_place(self, ids: Tensor, rows: Tensor, where: Tensor, step: int) -> bool:
+    def _tier_update_in_place(self, ids: Tensor, rows: Tensor, where: Tensor, step: int,
+                              staged: Optional[bool] = None) -> bool:
         """``_tier_update`` straight on the tier's host memory when it keeps every table there in the same pieces
         (not on NVMe): each window of ``step`` id values goes to the device and back as one slice of every table
         (the span from its first to its last id; cached rows inside it cross unchanged), so no rows are gathered
-        into or scattered out of staging buffers on the host. ``ids`` are sorted. False where it does not apply."""
+        into or scattered out of staging buffers on the host. ``ids`` are sorted. False where it does not apply.
+
+        On a GPU (``staged``, default: the device is CUDA) the windows go through the staged-update pipeline
+        (:class:`~ds_maximus.partition.StagedUpdate`): window ``i + 1`` is loaded while window ``i`` is
+        updated and window ``i - 1`` goes back, so the two link directions and the update overlap (a tied
+        head's gradient reaches every row: every step moves the whole table's weights and moments both ways).
+        Elsewhere each window is updated in place on the host views."""
         names = ("weight", *self.optimizer.state_names)
         pieces = {n: self.tier.pieces(n) for n in names}
         ranges = [(lo, hi) for lo, hi, _ in pieces["weight"]]
@@ -463,6 +473,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         ids_np = ids.numpy()
         if ids_np.size > 1 and not bool((ids_np[1:] > ids_np[:-1]).all()):
             return False
+        windows = []  # (host slices of every table, a, b, first id): the window's ids are ids[a:b]
         for k, (plo, phi) in enumerate(ranges):
             tables = {n: pieces[n][k][2].view(phi - plo, -1) for n in names}
             for wlo in range(plo, phi, step):
@@ -470,16 +481,41 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 if a == b:
                     continue
                 first, last = int(ids_np[a]), int(ids_np[b - 1])
-                host = {n: t[first - plo:last + 1 - plo] for n, t in tables.items()}
-                work = {n: v.to(dev, non_blocking=True) for n, v in host.items()}  # on a CPU: the views themselves
+                windows.append(({n: t[first - plo:last + 1 - plo] for n, t in tables.items()}, int(a), int(b),
+                                first))
+        if not (dev.type == "cuda" if staged is None else staged):
+            for host, a, b, first in windows:  # on a CPU: the views themselves are updated
                 grad = rows.index_select(0, where[a:b].to(dev))
-                self.optimizer.update(work["weight"], [work[n] for n in names[1:]],
-                                      (ids[a:b] - first).to(dev), grad, ids[a:b])
-                for n, v in host.items():
-                    if work[n] is not v:
-                        v.copy_(work[n], non_blocking=True)
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()  # the tier is read on the host next
+                self.optimizer.update(host["weight"], [host[n] for n in names[1:]], ids[a:b] - first, grad,
+                                      ids[a:b])
+            return True
+        if self._tier_pipeline is None or self._tier_pipeline.device != device_with_index(dev):
+            self._tier_pipeline = StagedUpdate(dev)
+        pl = self._tier_pipeline
+        where_d = where.to(dev, non_blocking=True)
+        width = step * self.embedding_dim
+        for s, (host, a, b, first) in pl.pieces(windows, after=torch.cuda.current_stream(dev) if pl.cuda else None):
+            n = host["weight"].shape[0]
+            bufs = {nm: pl.buffer(s, nm, width)[:n * self.embedding_dim].view(n, -1) for nm in names}
+            with pl.loading(s):  # the index pair first: the update then needs no copy of its own
+                index = self.optimizer.device_index(ids[a:b] - first, ids[a:b], dev)
+                if pl.cuda:  # made on the load stream, read by the update: its memory waits for that
+                    index[0].record_stream(torch.cuda.current_stream(dev))
+                for nm in names:
+                    bufs[nm].copy_(host[nm], non_blocking=True)
+            with pl.updating():
+                grad = rows.index_select(0, where_d[a:b])
+                self.optimizer.update(bufs["weight"], [bufs[nm] for nm in names[1:]], ids[a:b] - first, grad,
+                                      ids[a:b], index=index)
+            with pl.storing(s):
+                for nm in names:
+                    host[nm].copy_(bufs[nm], non_blocking=True)
+        ev = pl.end()
+        if ev is not None:
+            ev.synchronize()  # the tier is read on the host next
+        if pl.cuda:
+            torch.cuda.current_stream(dev).wait_stream(pl.store)
+        pl.release()  # the staging sets go back to the allocator for the forward
         return True
 
     def _resident_catch_up(self, ids: Tensor) -> None:

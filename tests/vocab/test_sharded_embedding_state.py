@@ -68,11 +68,15 @@ def test_nvme_tier_equals_cpu_tier(tmp_path):
     assert torch.equal(ShardStore.open(str(tmp_path / "emb")).read_all("weight"), s_cpu["tensors"]["weight"])
 
 
-def test_tied_head_protocol_equals_dense():
-    """rows_for_compute + add_dense_row_grad_ (a tied LM head) and the embedding's own grads, vs dense AdamW."""
+@pytest.mark.parametrize("staged", [False, True])
+def test_tied_head_protocol_equals_dense(staged):
+    """rows_for_compute + add_dense_row_grad_ (a tied LM head) and the embedding's own grads, vs dense AdamW.
+    ``staged``: the rows outside the cache (the head's gradient reaches every row) step through the staged-update
+    pipeline, as on a GPU (its CPU twin: the same windows, copied into staging sets and back)."""
     g = torch.Generator().manual_seed(9)
     ref = nn.Embedding(24, 4)
     emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=6))
+    emb.staged_tier_update = staged
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(6):
         ids = torch.randint(0, 24, (5,), generator=g)
@@ -89,6 +93,7 @@ def test_tied_head_protocol_equals_dense():
         emb.sparse_step(lr=1e-2, weight_decay=0.1)
     torch.testing.assert_close(emb.rows_for_compute(0, 24), ref.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(emb.full_weight(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    assert (emb._tier_pipeline is not None) == staged  # the staged run went through the pipeline
 
 
 def test_grad_scaling_and_finiteness_protocol():
