@@ -463,7 +463,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         (:class:`~ds_maximus.partition.StagedUpdate`): window ``i + 1`` is loaded while window ``i`` is
         updated and window ``i - 1`` goes back, so the two link directions and the update overlap (a tied
         head's gradient reaches every row: every step moves the whole table's weights and moments both ways).
-        Elsewhere each window is updated in place on the host views."""
+        Otherwise (``staged=False``) the windows run one after another on the current stream; on a CPU device
+        that updates the host views in place."""
         names = ("weight", *self.optimizer.state_names)
         pieces = {n: self.tier.pieces(n) for n in names}
         ranges = [(lo, hi) for lo, hi, _ in pieces["weight"]]
@@ -484,10 +485,16 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 windows.append(({n: t[first - plo:last + 1 - plo] for n, t in tables.items()}, int(a), int(b),
                                 first))
         if not (dev.type == "cuda" if staged is None else staged):
-            for host, a, b, first in windows:  # on a CPU: the views themselves are updated
+            for host, a, b, first in windows:  # one window after another, on the current stream
+                work = {n: v.to(dev, non_blocking=True) for n, v in host.items()}  # on a CPU: the views themselves
                 grad = rows.index_select(0, where[a:b].to(dev))
-                self.optimizer.update(host["weight"], [host[n] for n in names[1:]], ids[a:b] - first, grad,
-                                      ids[a:b])
+                self.optimizer.update(work["weight"], [work[n] for n in names[1:]], (ids[a:b] - first).to(dev),
+                                      grad, ids[a:b])
+                for n, v in host.items():
+                    if work[n] is not v:
+                        v.copy_(work[n], non_blocking=True)
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()  # the tier is read on the host next
             return True
         if self._tier_pipeline is None or self._tier_pipeline.device != device_with_index(dev):
             self._tier_pipeline = StagedUpdate(dev)
