@@ -303,6 +303,9 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     if cfg.cpu_compute != ExpertCPUCompute.OFF:
         HostExpertCompute.check_supported(store, blocks[0].experts, blocks[0].form)
         handle.host_compute = HostExpertCompute(store, E, cfg.cpu_compute, cfg.cpu_compute_max_tokens, device)
+        # the link brings the next layer's guesses into slots, where they count as resident (the GPU computes
+        # them): a staged guess is not resident, so the host would compute it and its head would cross for nothing
+        cache.stage_guesses = False
     with torch.no_grad():
         for gi, b in enumerate(blocks):
             tensors = b.expert_tensors()
