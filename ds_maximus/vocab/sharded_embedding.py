@@ -503,7 +503,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         width = step * self.embedding_dim
         for s, (host, a, b, first) in pl.pieces(windows, after=torch.cuda.current_stream(dev) if pl.cuda else None):
             n = host["weight"].shape[0]
-            bufs = {nm: pl.buffer(s, nm, width)[:n * self.embedding_dim].view(n, -1) for nm in names}
+            bufs = {nm: pl.buffer(s, nm, width, host[nm].dtype)[:n * self.embedding_dim].view(n, -1) for nm in names}
             with pl.loading(s):  # the index pair first: the update then needs no copy of its own
                 index = self.optimizer.device_index(ids[a:b] - first, ids[a:b], dev)
                 if pl.cuda:  # made on the load stream, read by the update: its memory waits for that
