@@ -83,7 +83,7 @@ import time
 import torch
 from torch import nn
 
-from benchmarks.harness import Bench, Budget, progress
+from benchmarks.harness import Bench, Budget, default_dtype, progress
 from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.experts import offload_experts
 from ds_maximus.experts.adapters import find_moe_blocks
@@ -170,13 +170,8 @@ def build(args, device):
     from transformers.initialization import no_init_weights
     cfg, cls = model_config(args)
     torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(args.dtype)
-    try:
-        with torch.device(device), no_init_weights():
-            model = cls(cfg)
-    finally:
-        torch.set_default_dtype(old)
+    with default_dtype(args.dtype), torch.device(device), no_init_weights():
+        model = cls(cfg)
     blocks = find_moe_blocks(model)
     experts = {id(t) for b in blocks for t in b.expert_tensors().values()}
     with torch.no_grad():

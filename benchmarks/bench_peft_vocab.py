@@ -135,20 +135,16 @@ def _build(shape: dict, dtype, qlora: bool, liger: bool):
                   num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
                   num_key_value_heads=shape["kv"], head_dim=shape["head_dim"], max_position_embeddings=8192,
                   tie_word_embeddings=shape["tied"])
+    from benchmarks.harness import default_dtype
     torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            if shape["family"] == "gemma3":
-                from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-                model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=1024,
-                                                           final_logit_softcapping=30.0, attn_implementation="sdpa"))
-            else:
-                from transformers import LlamaConfig, LlamaForCausalLM
-                model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
-    finally:
-        torch.set_default_dtype(default)
+    with default_dtype(dtype), torch.device(dev):
+        if shape["family"] == "gemma3":
+            from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=1024,
+                                                       final_logit_softcapping=30.0, attn_implementation="sdpa"))
+        else:
+            from transformers import LlamaConfig, LlamaForCausalLM
+            model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
     model.to(dtype)
     if qlora:
         _quantize_blocks(model, dtype)

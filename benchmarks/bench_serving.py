@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import GIB, Bench, Budget, progress
+from benchmarks.harness import GIB, Bench, Budget, default_dtype, progress
 
 
 def build_model(vocab: int, hidden: int, layers: int, dtype: torch.dtype):
@@ -44,13 +44,8 @@ def build_model(vocab: int, hidden: int, layers: int, dtype: torch.dtype):
                       num_key_value_heads=max(1, hidden // 256), max_position_embeddings=4096,
                       tie_word_embeddings=False)
     where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(where), no_init_weights():
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
+    with default_dtype(dtype), torch.device(where), no_init_weights():
+        model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for prm in model.parameters():
             if prm.dim() == 1:

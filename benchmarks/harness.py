@@ -189,6 +189,18 @@ class Budget:
         return ok
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """``torch.get_default_dtype()`` is ``dtype`` inside the block: a model made there allocates its floating
+    parameters in it (no fp32 copy first, which at full size would not fit)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def progress(msg: str) -> None:
     """A flushed progress line with the seconds since the process imported the harness."""
     print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from benchmarks.harness import default_dtype
+
 FILL_CHUNK_ELEMS = 1 << 24  # random init in pieces of 16M elements, one generator each, on every core
 
 
@@ -45,18 +47,14 @@ def build_model(a, dtype, zero3_config=None):
                         max_position_embeddings=max(4096, a.seq), router_aux_loss_coef=0.0,
                         initializer_range=0.02)
     cfg._experts_implementation = "grouped_mm"
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    ctx = contextlib.nullcontext()
-    if zero3_config is not None:
-        import deepspeed
-        ctx = deepspeed.zero.Init(config_dict_or_path=zero3_config, remote_device="cpu", pin_memory=True,
-                                  dtype=dtype)
-    try:
+    with default_dtype(dtype):
+        ctx = contextlib.nullcontext()
+        if zero3_config is not None:
+            import deepspeed
+            ctx = deepspeed.zero.Init(config_dict_or_path=zero3_config, remote_device="cpu", pin_memory=True,
+                                      dtype=dtype)
         with no_init_weights(), ctx:  # the weights are written once, below (HF's init would write them twice)
             model = MixtralForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
     with torch.no_grad():
         _fill_random_(list(model.named_parameters()))
     return model

@@ -297,15 +297,16 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
         store = FileExpertStore(layout, n, path, loader=make_loader(io_cfg))
     else:
         store = CpuExpertStore(layout, n, pin_memory=cfg.offload.pin_memory, reclaimable_bytes=on_cpu)
+    # a guess's head is staged (it evicts nothing until the demand is known), except with cpu_compute: a staged
+    # guess is not resident, so the host would compute it and its head would cross for nothing; there the link
+    # brings guesses into slots, where the GPU computes them
     cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
-                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=True)
+                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES,
+                        stage_guesses=cfg.cpu_compute == ExpertCPUCompute.OFF)
     handle = MoEOffload(blocks, cache, cfg)
     if cfg.cpu_compute != ExpertCPUCompute.OFF:
         HostExpertCompute.check_supported(store, blocks[0].experts, blocks[0].form)
         handle.host_compute = HostExpertCompute(store, E, cfg.cpu_compute, cfg.cpu_compute_max_tokens, device)
-        # the link brings the next layer's guesses into slots, where they count as resident (the GPU computes
-        # them): a staged guess is not resident, so the host would compute it and its head would cross for nothing
-        cache.stage_guesses = False
     with torch.no_grad():
         for gi, b in enumerate(blocks):
             tensors = b.expert_tensors()

@@ -517,12 +517,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             with pl.storing(s):
                 for nm in names:
                     host[nm].copy_(bufs[nm], non_blocking=True)
-        ev = pl.end()
-        if ev is not None:
-            ev.synchronize()  # the tier is read on the host next
-        if pl.cuda:
-            torch.cuda.current_stream(dev).wait_stream(pl.store)
-        pl.release()  # the staging sets go back to the allocator for the forward
+        pl.release()  # waits on the host for the last copy out (the tier is read on the host next) and gives the
+        # staging sets back to the allocator for the forward
         return True
 
     def _resident_catch_up(self, ids: Tensor) -> None:

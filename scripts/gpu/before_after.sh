@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Benchmarks of this tree and of an older one ($OLD, e.g. `git archive <rev> | tar x -C .old_tree`), run in the same
 # call, each benchmark old then new, so a regression shows against the same machine's state. BENCHES lists
-# "module:arguments" items (arguments joined by +); PER_S bounds each run; OLD_EXT is the older tree's extension
-# folder (default /tmp/torch_ext_old; ours when the op names differ, so DeepSpeed's own ops are built once). Ops must be built (redesign_check.sh builds
+# "module:arguments" items (arguments joined by +); PER_S bounds each run; the older tree's ops load from $OLD_EXT
+# (common.sh). Ops must be built (redesign_check.sh builds
 # both trees'). Writes $OUT/ba_<i>_{old,new}.{md,log}.
 set -x
 . "$(dirname "$0")/common.sh"
@@ -11,7 +11,7 @@ BENCHES=${BENCHES:-"bench_sharded_embedding:--no-deepspeed+--repeat+10+--budget-
 i=0
 for item in $BENCHES; do
   i=$((i + 1)); mod="${item%%:*}"; args="${item#*:}"; args="${args//+/ }"
-  (cd "$OLD" && MAXIMUS_BENCH_OUT="$OUT/old" PYTHONPATH="$OLD:/tmp/site" TORCH_EXTENSIONS_DIR=${OLD_EXT:-/tmp/torch_ext_old} \
+  (cd "$OLD" && MAXIMUS_BENCH_OUT="$OUT/old" PYTHONPATH="$OLD:/tmp/site" TORCH_EXTENSIONS_DIR=$OLD_EXT \
     timeout ${PER_S:-75} python -u -m benchmarks.$mod $args --out "$OUT/ba_${i}_old.md") > "$OUT/ba_${i}_old.log" 2>&1
   echo "$mod old rc=$?"
   timeout ${PER_S:-75} python -u -m benchmarks.$mod $args --out "$OUT/ba_${i}_new.md" > "$OUT/ba_${i}_new.log" 2>&1

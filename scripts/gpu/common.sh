@@ -11,3 +11,38 @@ export DS_ACCELERATOR="${DS_ACCELERATOR:-cuda}"
 export MAXIMUS_BENCH_OUT="$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The older tree's op builds ($OLD, before_after.sh): ours' folder by default, since the trees' op names differ (give
+# it a folder of its own for a tree whose ops share our names but not our sources).
+export OLD_EXT="${OLD_EXT:-$TORCH_EXTENSIONS_DIR}"
+
+# build_ops NAME...: build ops before any time-limited step, one process each (a JIT build is mostly
+# single-threaded; a killed one leaves torch's lock behind: BUILD_S, 300 s, only guards a hung build), and wait
+# for them all. Names: cuda, cpu (maximus_row_ops), expert (maximus_expert_cpu), nvme (maximus_nvme_loader), ds
+# (DeepSpeed's CPU and fused Adam, async_io where it can), old ($OLD's own op, into $OLD_EXT). Logs:
+# $OUT/build_<name>.log.
+build_ops() {
+  local name code pids=()
+  for name in "$@"; do
+    case "$name" in
+      cuda|cpu) code="from ds_maximus.ops import row_ops as o; print('row_ops $name', o.load_op('$name') is not None)" ;;
+      expert) code="from ds_maximus.ops import expert_cpu as o; print('expert_cpu', o.load_op() is not None)" ;;
+      nvme) code="from ds_maximus.ops import nvme_loader as o; print('nvme_loader', o.nvme_loader_available())" ;;
+      ds) code="from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+from deepspeed.ops.op_builder.async_io import AsyncIOBuilder as A
+CPUAdamBuilder().load(); FusedAdamBuilder().load()
+print('ds adams built, async_io', A().is_compatible(verbose=False) and A().load(verbose=False) is not None)" ;;
+      old) code="from ds_maximus.ops import sharded_embedding as o
+print('old op', o.load_op('cuda') is not None, o.load_op('cpu') is not None)" ;;
+      *) echo "build_ops: unknown op $name" >&2; return 2 ;;
+    esac
+    if [ "$name" = old ]; then
+      (cd "$OLD" && PYTHONPATH="$OLD:/tmp/site" TORCH_EXTENSIONS_DIR="$OLD_EXT" timeout "${BUILD_S:-300}" python -u -c "$code") \
+        > "$OUT/build_$name.log" 2>&1 &
+    else
+      timeout "${BUILD_S:-300}" python -u -c "$code" > "$OUT/build_$name.log" 2>&1 &
+    fi
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  tail -qn1 "$OUT"/build_*.log
+}

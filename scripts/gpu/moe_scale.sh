@@ -27,13 +27,7 @@ T0=$SECONDS
 FAMILY="${FAMILY:-mixtral}"
 nvidia-smi --query-gpu=name,memory.total --format=csv || true
 nproc
-python -u -c "from ds_maximus.ops import row_ops; print('row_ops cuda', row_ops.load_op('cuda') is not None)" \
-  > "$OUT/build.log" 2>&1 &
-b1=$!
-python -u -c "from ds_maximus.ops import expert_cpu; print('expert_cpu', expert_cpu.load_op() is not None)" \
-  > "$OUT/build_expert.log" 2>&1 &
-b2=$!
-wait $b1 $b2; tail -qn2 "$OUT"/build*.log
+build_ops cuda expert
 grep -E "MemTotal|MemAvailable" /proc/meminfo
 # what is left of the call for the benchmark, and its budget inside that (peers start only while they fit)
 LEFT=$(( ${TOTAL_S:-530} - (SECONDS - T0) - 10 ))

@@ -11,29 +11,15 @@ set -x
 . "$(dirname "$0")/common.sh"
 : "${OLD:?OLD must name the older tree}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-timeout 170 python -u -c "from ds_maximus.ops import row_ops as o; print('ours', o.load_op('cuda') is not None, o.load_op('cpu') is not None)" \
-  > "$OUT/build_ours.log" 2>&1 &
-b1=$!
-timeout 170 python -u -c "from ds_maximus.ops import expert_cpu; print('expert_cpu', expert_cpu.load_op() is not None)" \
-  > "$OUT/build_expert.log" 2>&1 &
-b2=$!
-(cd "$OLD" && PYTHONPATH="$OLD:/tmp/site" timeout 170 python -u -c "
-from ds_maximus.ops import sharded_embedding as o; print('old', o.load_op('cuda') is not None, o.load_op('cpu') is not None)") \
-  > "$OUT/build_old.log" 2>&1 &
-b3=$!
-timeout 170 python -u -c "
-from deepspeed.ops.op_builder import FusedAdamBuilder
-FusedAdamBuilder().load(); print('fused adam built')" > "$OUT/build_ds.log" 2>&1 &
-b4=$!
-wait $b1 $b2 $b3 $b4; tail -qn1 "$OUT"/build_*.log
+build_ops cuda cpu expert old ds
 timeout ${TESTS_S:-150} python -m pytest -q -rs -p no:cacheprovider -m gpu tests/vocab/test_sharded_embedding_gpu.py \
   tests/experts/test_rounds_fidelity.py tests/experts/test_cpu_compute.py tests/experts/training/test_gpu.py \
   tests/experts/training/test_store.py > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
 MOE="bench_moe_training:--layers+3+--warmup+2+--steps+4+--peers+ours_split+--cpu-share+${SHARE:-0.55}+--budget-s+75+--slot-s+75"
-OLD_EXT="$TORCH_EXTENSIONS_DIR" PER_S=${MOE_S:-80} BENCHES="$MOE $MOE" bash "$(dirname "$0")/before_after.sh"
+PER_S=${MOE_S:-80} BENCHES="$MOE $MOE" bash "$(dirname "$0")/before_after.sh"
 SERVE="--budget-s 70 --also-batch 32 --also-new 32 --also-repeat 2"
 timeout 80 python -u -m benchmarks.bench_serving $SERVE --out "$OUT/serving_warmup.md" > "$OUT/serving_warmup.log" 2>&1
 echo "serving warm-up rc=$?"
-OLD_EXT="$TORCH_EXTENSIONS_DIR" PER_S=80 BENCHES="bench_serving:${SERVE// /+}" bash "$(dirname "$0")/before_after.sh"
+PER_S=80 BENCHES="bench_serving:${SERVE// /+}" bash "$(dirname "$0")/before_after.sh"
 grep -i "unavailable\|reference" "$OUT"/ba_*_old.log | head -3   # the older tree must have used its own op

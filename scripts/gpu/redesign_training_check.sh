@@ -11,22 +11,11 @@ set -x
 . "$(dirname "$0")/common.sh"
 : "${OLD:?OLD must name the older tree}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-timeout 150 python -u -c "from ds_maximus.ops import row_ops as o; print('ours', o.load_op('cuda') is not None, o.load_op('cpu') is not None)" \
-  > "$OUT/build_ours.log" 2>&1 &
-b1=$!
-(cd "$OLD" && PYTHONPATH="$OLD:/tmp/site" timeout 150 python -u -c "
-from ds_maximus.ops import sharded_embedding as o; print('old', o.load_op('cuda') is not None, o.load_op('cpu') is not None)") \
-  > "$OUT/build_old.log" 2>&1 &
-b2=$!
-timeout 150 python -u -c "
-from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
-CPUAdamBuilder().load(); FusedAdamBuilder().load(); print('ds ops built')" > "$OUT/build_ds.log" 2>&1 &
-b3=$!
-wait $b1 $b2 $b3; tail -qn1 "$OUT"/build_*.log
+build_ops cuda cpu old ds
 timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/integrations/test_peft_frozen_original.py \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu test rc=$?"; tail -2 "$OUT/gpu_tests.log"
-OLD_EXT="$TORCH_EXTENSIONS_DIR" PER_S=${MOE_S:-85} \
+PER_S=${MOE_S:-85} \
   BENCHES="bench_moe_training:--layers+3+--warmup+1+--steps+2+--peers+ours_split+--budget-s+80+--slot-s+80" \
   bash "$(dirname "$0")/before_after.sh"
 HEAD_CLI="--deepspeed_config ds_configs/llama_262k_16gib.json --vocab 262144 --hidden 2048 --layers 16 --heads 16

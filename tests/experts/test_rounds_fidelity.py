@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from benchmarks.harness import default_dtype
 from ds_maximus.experts import offload_experts
 from ds_maximus.experts.adapters import find_moe_blocks
 
@@ -25,13 +26,8 @@ def _layer(device, dtype, hidden, ffn, impl):
     cfg = MixtralConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=1, num_attention_heads=8,
                         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=256)
     cfg._experts_implementation = impl
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device), no_init_weights():
-            model = MixtralForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
+    with default_dtype(dtype), torch.device(device), no_init_weights():
+        model = MixtralForCausalLM(cfg)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
