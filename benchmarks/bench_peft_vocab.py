@@ -95,7 +95,8 @@ REFERENCE = "peft_mts"
 CURVE_REFERENCE = {"curve_ours": "curve_ref", **{p: REFERENCE for p, v in PEERS.items()
                                                  if v[0] == "gemma3" and not p.startswith("curve_")}}
 # the options a peer's process gets from the driver
-FORWARDED = ("batch", "seq", "steps", "warmup", "cap_gib", "new_rows", "cache_rows", "chunk_rows", "bucket_elems", "lr",
+FORWARDED = ("batch", "seq", "steps", "warmup", "profile", "layers", "cap_gib", "new_rows", "cache_rows", "chunk_rows",
+             "bucket_elems", "lr",
              "curve_steps", "curve_layers", "curve_vocab", "curve_batch", "curve_seq")
 
 
@@ -219,6 +220,7 @@ def run_peer(a) -> dict:
     family, variant, ours, capped, qlora = PEERS[a.peer]
     shape = dict(_shape(family, a.small))
     steps, batch, seq = a.steps, a.batch, a.seq
+    shape["layers"] = a.layers or shape["layers"]
     if a.peer.startswith("curve_"):
         steps, batch, seq = a.curve_steps, a.curve_batch or a.batch, a.curve_seq or a.seq
         shape["layers"] = a.curve_layers or shape["layers"]
@@ -248,25 +250,57 @@ def run_peer(a) -> dict:
         data = zipf_batches(shape["vocab"], batch, seq, steps)
         losses, times = [], []
         for ids in data:
-            ids = ids.to(engine.device)
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            loss = float(loss.detach().float())
+            losses.append(_train_step(engine, ids))
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            losses.append(loss)
         timed = times[a.warmup:] or times
         ms = 1e3 * sum(timed) / len(timed)
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
+        if a.profile:
+            _profile_step(engine, data[-1], a.peer, cuda)
         return {"ms": ms, "tokens_per_s": batch * seq / (ms / 1e3), "peak_gib": peak, "losses": losses,
                 "trainable_m": trainable / 1e6}
     except torch.cuda.OutOfMemoryError:
         return {"error": "OOM", "peak_gib": torch.cuda.max_memory_allocated() / GIB}
+
+
+def _train_step(engine, ids) -> float:
+    """One step (forward, backward, optimizer step, each a profiler range); returns the loss."""
+    import torch
+    ids = ids.to(engine.device)
+    with torch.profiler.record_function("bench.forward"):
+        loss = engine(input_ids=ids, labels=ids).loss
+    with torch.profiler.record_function("bench.backward"):
+        engine.backward(loss)
+    with torch.profiler.record_function("bench.step"):
+        engine.step()
+    return float(loss.detach().float())
+
+
+def _profile_step(engine, ids, peer: str, cuda: bool) -> None:
+    """``--profile``: one more step (not timed, not in the losses) under ``torch.profiler``; the ops' table, by self
+    device time (self CPU time on the CPU) and by total CPU time, goes to ``$MAXIMUS_BENCH_OUT/profile_<peer>.txt``
+    (default ``bench_out/``): where a step's time goes, phase by phase (``bench.forward`` / ``backward`` /
+    ``step``) and op by op."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        _train_step(engine, ids)
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    out = Path(os.environ.get("MAXIMUS_BENCH_OUT", ROOT / "bench_out")) / f"profile_{peer}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    by_self = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    out.write_text(f"# {peer}: one step under torch.profiler, ops by {by_self}\n"
+                   + table.table(sort_by=by_self, row_limit=40)
+                   + "\n# by cpu_time_total (the phases bench.forward / bench.backward / bench.step among them)\n"
+                   + table.table(sort_by="cpu_time_total", row_limit=40))
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------------
@@ -336,6 +370,12 @@ def main(argv=None) -> int:
                     "shape's; every row of a tied table is stepped every step, so this sets a curve step's cost)")
     ap.add_argument("--curve-batch", type=int, default=None, help="sequences a curve step (default --batch)")
     ap.add_argument("--curve-seq", type=int, default=None, help="tokens a curve sequence (default --seq)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of every peer's model but the curve's (default: the shape's; fewer keep the "
+                         "vocabulary's cost and shrink the blocks', e.g. for --profile)")
+    ap.add_argument("--profile", type=int, default=None,
+                    help="1: each peer runs one more step under torch.profiler, its table in "
+                         "$MAXIMUS_BENCH_OUT/profile_<peer>.txt")
     ap.add_argument("--cap-gib", type=float, default=16.0)
     ap.add_argument("--new-rows", type=int, default=2048, help="rows trainable_token_indices trains (the newest)")
     ap.add_argument("--cache-rows", type=int, default=16384,

@@ -3,12 +3,14 @@
 # call, each benchmark old then new, so a regression shows against the same machine's state. BENCHES lists
 # "module:arguments" items (arguments joined by +); PER_S bounds each run; the older tree's ops load from $OLD_EXT
 # (common.sh). Ops must be built (redesign_check.sh builds
-# both trees'). Writes $OUT/ba_<i>_{old,new}.{md,log}.
+# both trees'). Writes $OUT/ba_<i>_{old,new}.{md,log}, <i> counting on from what $OUT already holds (a second
+# invocation in one call, or the same benchmark twice, adds files instead of overwriting the first).
 set -x
 . "$(dirname "$0")/common.sh"
 : "${OLD:?OLD must name the older tree}"
 BENCHES=${BENCHES:-"bench_sharded_embedding:--no-deepspeed+--repeat+10+--budget-s+55 bench_lm_head:--skip+liger,cce,floor,big,eager+--budget-s+55 bench_moe_offload:--quick+--budget-s+55"}
-i=0
+i=$(ls "$OUT"/ba_*_new.log "$OUT"/ba_*_old.log 2>/dev/null | sed 's/.*ba_\([0-9]*\)_.*/\1/' | sort -n | tail -1)
+i=${i:-0}
 for item in $BENCHES; do
   i=$((i + 1)); mod="${item%%:*}"; args="${item#*:}"; args="${args//+/ }"
   (cd "$OLD" && MAXIMUS_BENCH_OUT="$OUT/old" PYTHONPATH="$OLD:/tmp/site" TORCH_EXTENSIONS_DIR=$OLD_EXT \

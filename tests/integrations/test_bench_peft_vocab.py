@@ -47,3 +47,18 @@ def test_bench_peft_vocab_runs_chosen_peers_within_a_budget(tmp_path):
     rows = [ln for ln in out.read_text().splitlines() if ln.startswith("| ") and not ln.startswith("| provider")]
     assert [ln.split("|")[1].strip() for ln in rows] == ["ours_capped", "curve_ref"]
     assert all("--budget-s" in ln for ln in rows)
+
+
+def test_bench_peft_vocab_profile_writes_where_a_step_goes(tmp_path):
+    """--profile 1 runs one more step under torch.profiler and writes its table, phases included (with --layers 1,
+    which the driver forwards to the peer like the other sizes)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MAXIMUS_BENCH_OUT=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_peft_vocab", "--small", "--peers", "peft_mts",
+                        "--steps", "2", "--warmup", "1", "--layers", "1", "--profile", "1",
+                        "--out", str(tmp_path / "peft_vocab.md")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    table = (tmp_path / "profile_peft_mts.txt").read_text()
+    for phase in ("bench.forward", "bench.backward", "bench.step"):
+        assert phase in table
+    assert "aten::mm" in table  # the model's own ops are in it
