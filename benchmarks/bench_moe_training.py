@@ -214,6 +214,8 @@ def run_peer(a, kind) -> dict:
         out.update({"experts moved/step": s["experts_loaded"], "MB moved/step": round(s["bytes_moved"] / 1e6, 1),
                     "hit rate": round(s["hit_rate"], 3), "stall ms": round(s["stall_ms"], 1),
                     "step ms": round(s["step_ms"], 1), "wait ms": round(s["step_wait_ms"], 1)})
+        if "step_parts_ms" in s:  # the step's host time: the last step's finish, the cache's sync, this one's issue
+            out["step ms: finish/sync/issue"] = "/".join(f"{v:.1f}" for v in s["step_parts_ms"].values())
     return out
 
 
@@ -366,7 +368,8 @@ def main(argv=None):
                          **({"state experts": a.state_experts} if a.state_experts else {})},
                   notes="ms = one optimizer step (a split step that overlaps the next forward: none runs when the "
                         "clock starts, the last one's tail is timed; "
-                        "step ms: host time in the expert step, wait ms: the forward's waits for the last step's "
+                        "step ms: host time in the expert step (finish/sync/issue: the last step's finish, the expert "
+                        "cache's copies in flight, issuing this one), wait ms: the forward's waits for the last step's "
                         "updates); offloading peers capped with set_per_process_memory_fraction")
     slots = _slots(a.slot_s, keys)
     names = {v: k for k, v in PEERS.items()}

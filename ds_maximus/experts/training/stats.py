@@ -45,6 +45,7 @@ class ExpertTrainStats:
         self.step_wait_ms = 0.0      # split: host time waiting for a step's updates (cumulative)
         self.overlapped_layers = 0   # split: layers whose forward began while the last step still ran
         self.split_sides: Optional[tuple] = None  # split: the last finished step's (CPU ms, device ms, experts each)
+        self.step_parts_ms: Optional[tuple] = None  # the last sparse_step's host ms: (finish, cache sync, issue)
         self.last = _Step()
         self._mark = {"loads": 0, "bytes": 0, "stall": 0.0, "hits": 0, "lookups": 0, "stepped": 0,
                       "bytes_step": 0, "refresh": 0, "caught": 0, "wait": 0.0}
@@ -85,6 +86,8 @@ class ExpertTrainStats:
         last["routing"] = getattr(self, "last_routing", self.step_routing).tolist()
         if self.cpu_step_share is not None:
             last["cpu_step_share"] = self.cpu_step_share
+        if self.step_parts_ms is not None:
+            last["step_parts_ms"] = dict(zip(("finish", "sync", "issue"), self.step_parts_ms))
         if self.split_sides is not None:
             last["split_sides"] = dict(zip(("cpu_ms", "device_ms", "cpu_experts", "device_experts"), self.split_sides))
         out.update({"steps": self.steps, "experts_stepped": self.experts_stepped, "bytes_step": self.bytes_step,

@@ -355,7 +355,9 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
         self.finish_step()
         opt = self.row_optimizer
         opt.begin_step(lr, weight_decay)
+        t1 = time.perf_counter()
         self.cache.synchronize()
+        t2 = time.perf_counter()
         uids = self.grads.uids()
         dev = self._step_device()
         split = self.cfg.moe.optimizer_device == ExpertOptimizerDevice.SPLIT and self.store.in_memory
@@ -368,7 +370,10 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
         elif uids:
             self.staged_step.run(uids, dev)
         self.grads.clear()
-        self.counters.end_step(self.cache, (time.perf_counter() - t0) * 1e3)
+        t3 = time.perf_counter()
+        # where the step's host time went: the last step's finish, the expert cache's copies in flight, this one's issue
+        self.counters.step_parts_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+        self.counters.end_step(self.cache, (t3 - t0) * 1e3)
         if opt.step % self.log_interval_steps == 0:
             logger.info("ExpertTrainer step %d: %s", opt.step, self.counters.line())
 

@@ -118,3 +118,6 @@ def test_split_step_equals_deepspeed(share):
     sides = t.stats()["last_step"]["split_sides"]  # the last finished step: every expert on one side or the other
     assert sides["cpu_experts"] + sides["device_experts"] == t.counters.last.experts_stepped > 0
     assert sides["cpu_ms"] >= 0 and sides["device_ms"] >= 0
+    parts = t.stats()["last_step"]["step_parts_ms"]  # the step's host time in its three parts
+    assert list(parts) == ["finish", "sync", "issue"] and min(parts.values()) >= 0
+    assert sum(parts.values()) <= t.counters.last.step_ms + 1e-6
