@@ -46,3 +46,12 @@ print('old op', o.load_op('cuda') is not None, o.load_op('cpu') is not None)" ;;
   wait "${pids[@]}"
   tail -qn1 "$OUT"/build_*.log
 }
+
+# pack_out: everything under $OUT into one $OUT/results.tgz (the device tool returns at most 8 files; a script that
+# writes more calls this last, inside its own time limit, so a cut run still returns what it wrote)
+pack_out() {
+  local tmp
+  tmp=$(mktemp /tmp/results.XXXXXX.tgz)
+  tar czf "$tmp" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$tmp" "$OUT/results.tgz"
+  ls -la "$OUT"
+}

@@ -6,7 +6,9 @@
 #   3. bench_moe_training old/new, twice, at a fixed CPU share (both trees step the same experts on each side; the
 #      measured share moves with each run's timings and made one pair of 2 steps inconclusive)
 #   4. bench_serving: one warm-up run first (the first process on the GPU pays one-time costs), then old/new
-# Writes $OUT/*.log and $OUT/ba_*.md.
+# Writes $OUT/*.log and $OUT/ba_*.md, packed into $OUT/results.tgz at the end (pack_out). Its steps take ~9 min on a
+# fresh machine: run it as `timeout 560 bash scripts/gpu/redesign_final.sh; . scripts/gpu/common.sh; pack_out`, so
+# that a cut run still returns what it wrote.
 set -x
 . "$(dirname "$0")/common.sh"
 : "${OLD:?OLD must name the older tree}"
@@ -23,3 +25,4 @@ timeout 80 python -u -m benchmarks.bench_serving $SERVE --out "$OUT/serving_warm
 echo "serving warm-up rc=$?"
 PER_S=80 BENCHES="bench_serving:${SERVE// /+}" bash "$(dirname "$0")/before_after.sh"
 grep -i "unavailable\|reference" "$OUT"/ba_*_old.log | head -3   # the older tree must have used its own op
+pack_out
