@@ -14,10 +14,12 @@ set -x
 : "${OLD:?OLD must name the older tree}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 build_ops cuda cpu expert old ds
-timeout ${TESTS_S:-150} python -m pytest -q -rs -p no:cacheprovider -m gpu tests/vocab/test_sharded_embedding_gpu.py \
-  tests/experts/test_rounds_fidelity.py tests/experts/test_cpu_compute.py tests/experts/training/test_gpu.py \
-  tests/experts/training/test_store.py > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: the pairs only (the tests passed on 2026-12-02, 39 + the 4 fixed)
+  timeout ${TESTS_S:-150} python -m pytest -q -rs -p no:cacheprovider -m gpu tests/vocab/test_sharded_embedding_gpu.py \
+    tests/experts/test_rounds_fidelity.py tests/experts/test_cpu_compute.py tests/experts/training/test_gpu.py \
+    tests/experts/training/test_store.py > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+fi
 MOE="bench_moe_training:--layers+3+--warmup+2+--steps+4+--peers+ours_split+--cpu-share+${SHARE:-0.55}+--budget-s+75+--slot-s+75"
 PER_S=${MOE_S:-80} BENCHES="$MOE $MOE" bash "$(dirname "$0")/before_after.sh"
 SERVE="--budget-s 70 --also-batch 32 --also-new 32 --also-repeat 2"
