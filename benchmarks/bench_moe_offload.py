@@ -83,7 +83,7 @@ import time
 import torch
 from torch import nn
 
-from benchmarks.harness import Bench, Budget, default_dtype, progress
+from benchmarks.harness import Bench, Budget, cap_gpu, default_dtype, gpu_fraction, progress
 from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.experts import offload_experts
 from ds_maximus.experts.adapters import find_moe_blocks
@@ -345,7 +345,7 @@ class ExpertSource:
         """The model's own experts modules hold every expert again (an earlier offload undone), ready for the
         next ``offload_experts``; with ``gpu`` the cap is lifted first."""
         if self.cuda:
-            set_fraction(1.0, self.device)
+            gpu_fraction(1.0, self.device)
         if self.snap is not None:
             attach_experts(self.blocks, self.snap)
         else:
@@ -360,18 +360,10 @@ class ExpertSource:
             torch.cuda.reset_peak_memory_stats()
 
 
-def set_fraction(fraction: float, device: torch.device):
-    """``torch.cuda.set_per_process_memory_fraction`` for ``device``, which may be a plain ``cuda`` (torch wants an
-    index there: the current device's)."""
-    index = torch.cuda.current_device() if device.index is None else device.index
-    torch.cuda.set_per_process_memory_fraction(fraction, index)
-
-
 def apply_cap(cap_gib, device):
     """Cap the GPU at ``cap_gib`` (``torch.cuda.set_per_process_memory_fraction``); ``None``: no cap."""
     if cap_gib and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        set_fraction(min(1.0, cap_gib * GIB / total), device)
+        cap_gpu(cap_gib, device)
 
 
 def auto_slots(cap_bytes: float, resident_bytes: float, layers: int, expert_bytes: int, num_experts: int,
@@ -901,7 +893,7 @@ def main(argv=None):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-            set_fraction(1.0, device)  # built on the GPU, then offloaded whole
+            gpu_fraction(1.0, device)  # built on the GPU, then offloaded whole
         progress(f"{whole}: building a fresh model and offloading all of it")
         model = build(args, device)
         accelerate.cpu_offload(model, execution_device=device)
@@ -918,7 +910,7 @@ def main(argv=None):
         {"hooks": run_hooks, "ours": run_ours, "bnb": run_bnb, "cpu": run_cpu,
          "whole": run_whole}.get(key, lambda k=key: run_variant(k))()
     if device.type == "cuda":  # the cap is this process's: lift it for whatever runs after (a test session)
-        set_fraction(1.0, device)
+        gpu_fraction(1.0, device)
     text = bench.report(baseline=base if "full" in want else None)
     if args.out:
         with open(args.out, "w") as f:

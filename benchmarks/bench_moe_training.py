@@ -145,9 +145,9 @@ def run_peer(a, kind) -> dict:
     _log_to_stdout()
     cuda = torch.cuda.is_available()
     if cuda and kind not in UNCAPPED and a.cap_gib:  # the same cap for every offloading peer
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total))
-        print(f"GPU cap {a.cap_gib} GiB of {total / 2**30:.1f}", flush=True)
+        from benchmarks.harness import cap_gpu
+        fraction = cap_gpu(a.cap_gib)
+        print(f"GPU cap {a.cap_gib} GiB ({fraction:.3f} of the device)", flush=True)
     dtype = torch.bfloat16 if cuda else torch.float32
     phase("model build")
     cfg = ds_config(a, kind, cuda)

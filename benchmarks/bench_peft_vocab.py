@@ -229,8 +229,8 @@ def run_peer(a) -> dict:
     bf16 = cuda and not a.small
     dtype = torch.bfloat16 if bf16 else torch.float32
     if capped and cuda:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * GIB / torch.cuda.get_device_properties(0)
-                                                       .total_memory))
+        from benchmarks.harness import cap_gpu
+        cap_gpu(a.cap_gib)
     try:
         model = _build(shape, dtype, qlora, variant == "mts_liger")
         if qlora:   # what a QLoRA recipe does: norms (and the tables) to fp32, gradient checkpointing on
