@@ -201,19 +201,21 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def gpu_fraction(fraction: float, device=None) -> None:
-    """``torch.cuda.set_per_process_memory_fraction`` for ``device`` (``None`` or a plain ``cuda``: the current
-    device; torch wants an index); ``1.0`` lifts a cap."""
+def _cuda_index(device) -> int:
+    """The index of ``device`` (``None`` or a plain ``cuda``: the current device's; torch's memory calls want one)."""
     device = torch.device("cuda" if device is None else device)
-    torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device() if device.index is None
-                                               else device.index)
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def gpu_fraction(fraction: float, device=None) -> None:
+    """``torch.cuda.set_per_process_memory_fraction`` for ``device``; ``1.0`` lifts a cap."""
+    torch.cuda.set_per_process_memory_fraction(fraction, _cuda_index(device))
 
 
 def cap_gpu(cap_gib: float, device=None) -> float:
     """Cap this process's CUDA allocations on ``device`` at ``cap_gib`` GiB (:func:`gpu_fraction`, what the
     benchmarks' "capped" rows mean); returns the fraction of the device's memory set."""
-    device = torch.device("cuda" if device is None else device)
-    index = torch.cuda.current_device() if device.index is None else device.index
+    index = _cuda_index(device)
     fraction = min(1.0, cap_gib * GIB / torch.cuda.get_device_properties(index).total_memory)
     gpu_fraction(fraction, device)
     return fraction

@@ -4,10 +4,13 @@ more experts than it has slots (the cache's rounds: docs/moe_inference.md, "Batc
 against the un-offloaded model: the same greedy tokens and logits within fp32 tolerance; with ``moe.quant`` against
 the model holding the dequantized weights; with ``moe.cpu_compute`` (misses, auto) as well. The hooks on the
 offloaded modules record how many distinct experts each layer call hit, so every test asserts the overflow path ran."""
+import contextlib
+
 import pytest
 import torch
 
 from ds_maximus.experts import OffloadedExperts, offload_experts
+from tests.helpers.threads import torch_threads
 
 from .test_quant_offload import GROUP, dequantized_model
 from .tiny_moe import clone, tiny_model
@@ -208,13 +211,8 @@ def test_batched_long_prefill_then_decode(cpu_compute):
     model = _long_model("qwen3_moe")
     ids, mask = batch_prompts(8, max_len=512, min_len=128)
     cfg = {"gpu_experts_per_layer": 1, "cpu_compute": cpu_compute}
-    threads = torch.get_num_threads()
-    if cpu_compute == "off":
-        torch.set_num_threads(1)
-    try:
+    with torch_threads(1) if cpu_compute == "off" else contextlib.nullcontext():
         check(model, cfg, ids, mask, tol=HOST_TOL if cpu_compute != "off" else EXACT_TOL, new_tokens=4)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- CUDA: the same on the device, and the issue's 2,048-token prefill -------------------------------------------

@@ -7,14 +7,13 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from ds_maximus.integrations.hf_lm_head import patch_causal_lm_loss  # noqa: E402
 from ds_maximus.vocab import ShardedLMHead  # noqa: E402
+from tests.helpers.threads import torch_threads  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 def _llama(seed=0, tie=False, vocab=300):

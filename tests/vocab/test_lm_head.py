@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from ds_maximus.vocab import ShardedLMHead, linear_cross_entropy
 from ds_maximus.vocab.linear_cross_entropy import linear_cross_entropy_reference
+from tests.helpers.threads import torch_threads
 
 IGN = -100
 
@@ -12,10 +13,8 @@ IGN = -100
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny matmuls: one thread avoids OpenMP barrier stalls on a busy 2-core CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 def _data(n, d, v, dtype=torch.float32, ignore_every=0, seed=0, lead=()):

@@ -8,16 +8,15 @@ import torch
 
 from ds_maximus.vocab import ShardedLMHead
 from ds_maximus.vocab.lm_head_tier import HeadTier
+from tests.helpers.threads import torch_threads
 
 V, D, CHUNK = 23, 6, 5
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 def _grad_plan(seed):
