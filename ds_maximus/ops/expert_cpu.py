@@ -1,10 +1,11 @@
 """Python face of the ``maximus_expert_cpu`` op: a SwiGLU expert computed on the host for a few tokens.
 
-The op (``csrc/expert_cpu``) reads each weight row once, decodes it to fp32 (bf16, fp32, or the quantized tier's
-packed codes with fp16 scales and offsets, :mod:`ds_maximus.experts.quant`), and takes its dot products with every
-token in fp32 with 16 independent partial sums; OpenMP splits the rows over the host's cores and the calls run
-without the GIL. One token through an expert reads the expert once from host memory, which is what lets a missed
-expert be computed where it lives instead of being copied to the GPU.
+The op (``csrc/expert_cpu``) reads each weight row once, decodes it a chunk at a time to fp32 in L1 (bf16, fp32, or
+the quantized tier's packed codes with fp16 scales and offsets, :mod:`ds_maximus.experts.quant`), and takes its dot
+products with every token in fp32 with 64 independent partial sums a token, added in a fixed order (a result does
+not depend on the thread count); OpenMP splits the rows over the host's cores and the calls run without the GIL.
+One token through an expert reads the expert once from host memory, which is what lets a missed expert be computed
+where it lives instead of being copied to the GPU.
 
 The op is built (JIT, cached) and loaded once per process. There is no fallback: where it cannot be built,
 every call raises :class:`ds_maximus.errors.OpBuildError` with the compiler's log and the fix. The plain-PyTorch

@@ -5,6 +5,7 @@ import torch
 
 from ds_maximus.experts.quant import SUPPORTED_BITS, dequantize, quantize, swiglu_reference
 from ds_maximus.ops import expert_cpu
+from tests.helpers.threads import torch_threads
 
 
 def _expert(hidden, ffn, dtype, seed):
@@ -71,6 +72,22 @@ def test_bad_inputs_raise_clear_errors():
         expert_cpu.swiglu(torch.randn(2, 8), w1, w3, w2)
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         expert_cpu.linear(x, w1.half())
+
+
+@pytest.mark.parametrize("bits", [None, 4, 3])
+def test_result_does_not_depend_on_the_thread_count(bits):
+    """Each output is one row's fixed-order sum (64 partial sums a token), whichever thread computes it."""
+    w1, w3, w2 = _expert(256, 320, torch.bfloat16, seed=5)
+    if bits:
+        w1, w3, w2 = (quantize(w, bits, 64) for w in (w1, w3, w2))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    with torch_threads(1):
+        assert expert_cpu.max_threads() == 1  # the op shares torch's OpenMP runtime
+        one = expert_cpu.swiglu(x, w1, w3, w2)
+    with torch_threads(2):
+        assert expert_cpu.max_threads() == 2
+        two = expert_cpu.swiglu(x, w1, w3, w2)
+    assert torch.equal(one, two)
 
 
 def test_threads_are_openmp_threads():

@@ -1,6 +1,7 @@
 // SwiGLU experts for a few tokens on the host, from bf16, fp32 or group-wise quantized weights.
-// No torch headers: raw pointers in, fp32 out. fp32 accumulation; OpenMP over output rows; each weight row is
-// decoded once into fp32 and used by every token, so a row's bytes are read from memory once per call.
+// No torch headers: raw pointers in, fp32 out. fp32 accumulation in a fixed order (64 partial sums a token, whatever
+// the thread count); OpenMP over output rows; each weight row is decoded a chunk at a time into fp32 in L1 and used
+// by every token, so a row's bytes are read from memory once per call.
 #pragma once
 
 #include <cstdint>
@@ -23,9 +24,6 @@ struct WeightView {
     int64_t rows;
     int64_t cols;
 };
-
-// Row r of w in fp32 into out[cols].
-void decode_row(const WeightView& w, int64_t r, float* out);
 
 // y[t, n] = sum_k x[t, k] * w[n, k] for t < tokens, n < w.rows (x: [tokens, w.cols], y: [tokens, w.rows]).
 void linear(const float* x, int64_t tokens, const WeightView& w, float* y);
