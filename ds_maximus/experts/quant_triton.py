@@ -1,6 +1,11 @@
-"""Triton kernel: ``y = x @ dequantize(W)^T`` for a few tokens (decode), dequantizing inside the GEMM.
+"""Triton kernels: ``y = x @ dequantize(W)^T`` for a few tokens (decode), dequantizing inside the GEMM.
 
-Each program owns ``BLOCK_N`` output rows of ``W`` and walks the columns ``BLOCK_K`` at a time: it loads the packed
+The gemv kernel (8-, 4- and 2-bit codes in power-of-two groups; the default where it applies) steps a group at a
+time: a row's scale and offset are loaded once a group, the group's bytes are loaded whole, and each byte's codes
+are decoded as planes; where the output rows alone leave SMs idle (an expert's down projection) the columns are
+split over programs and the splits' partial sums added in order afterwards (deterministic). The loop kernel (any
+width, 3 bits included):
+each program owns ``BLOCK_N`` output rows of ``W`` and walks the columns ``BLOCK_K`` at a time: it loads the packed
 bytes of its rows (``BLOCK_K * bits / 8`` a row, the layout of :mod:`ds_maximus.experts.quant`: code ``c`` of a
 row starts at bit ``c * bits``), their fp16 scales and offsets, decodes the codes to fp32 in registers
 (``code * scale + zero``), and accumulates ``x[:, k] * w[n, k]`` in fp32 for all tokens. No bf16 copy of the
@@ -10,6 +15,7 @@ CUDA device exist; tested against :func:`ds_maximus.experts.quant.dequantize` by
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -62,8 +68,44 @@ def _quant_matmul_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, 
     tl.store(y_ptr + offs_t[:, None] * N + offs_n[None, :], acc, mask=mask_t[:, None] & mask_n[None, :])
 
 
+def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K, row_bytes, groups, k_per_split,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One group a step (BLOCK_K == GROUP): one scale and one offset a row, loaded once; the group's bytes of
+    # BLOCK_N rows loaded whole (contiguous, coalesced); each byte's PER_BYTE codes decoded as PER_BYTE planes, each
+    # multiplied with the x columns it holds. Program (n, t, s) covers columns [s * k_per_split, ...) and writes
+    # its partial sums to y[s] (split-K where the rows alone leave SMs idle; the caller adds the splits in order).
+    PER_BYTE: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = GROUP // PER_BYTE
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_b = tl.arange(0, NB)
+    mask_n = offs_n < N
+    mask_t = offs_t < T
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_s * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, GROUP):
+        g = k0 // GROUP
+        s = tl.load(scales_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
+        byts = tl.load(packed_ptr + offs_n[:, None] * row_bytes + (k0 // PER_BYTE + offs_b)[None, :],
+                       mask=mask_n[:, None], other=0).to(tl.int32)
+        for j in tl.static_range(PER_BYTE):
+            codes = ((byts >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            w = codes * s[:, None] + z[:, None]                                 # [BLOCK_N, NB] fp32
+            xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
+                         mask=mask_t[:, None], other=0.0).to(tl.float32)       # [BLOCK_T, NB]
+            acc += tl.sum(xj[:, None, :] * w[None, :, :], axis=2)
+    tl.store(y_ptr + pid_s * T * N + offs_t[:, None] * N + offs_n[None, :], acc,
+             mask=mask_t[:, None] & mask_n[None, :])
+
+
 if triton is not None:
     _quant_matmul_kernel = triton.jit(_quant_matmul_kernel)
+    _quant_gemv_kernel = triton.jit(_quant_gemv_kernel)
 
 
 # a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` lives in registers: at most this many fp32 values (64 a
@@ -71,13 +113,21 @@ if triton is not None:
 TILE_ELEMS = 8192
 
 
-def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = None, block_k: int = 64
-                 ) -> torch.Tensor:
+def _gemv_fits(q: QuantizedTensor) -> bool:
+    """The group-a-step kernel serves whole-byte codes (8, 4, 2 bits) in power-of-two groups of at least 16."""
+    g = q.group_size
+    return q.bits in (8, 4, 2) and g >= 16 and g & (g - 1) == 0
+
+
+def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = None, block_k: int = 64,
+                 kernel: str = "auto") -> torch.Tensor:
     """``x @ dequantize(q)^T`` in fp32 on the GPU: ``x [tokens, cols]`` (any float dtype), ``q`` on the same device.
 
     Meant for decode (a few tokens; the tokens of a program are one ``BLOCK_T <= 16`` tile, more tokens run more
-    tiles); fp32 accumulation. ``block_n`` (output rows a program) defaults to what fits ``TILE_ELEMS``, halved
-    (down to 8) while the grid has fewer than 4 programs a multiprocessor.
+    tiles); fp32 accumulation. ``kernel``: ``"gemv"`` (a group a step, whole bytes loaded, split-K where the rows
+    leave SMs idle; 8-, 4- and 2-bit codes in power-of-two groups), ``"loop"`` (any width: each code's byte loaded
+    on its own), ``"auto"`` (gemv where it applies). ``block_n`` (output rows a program) defaults to what fits
+    ``TILE_ELEMS``; the loop kernel halves it (down to 8) while the grid has fewer than 4 programs a multiprocessor.
     """
     if triton is None:
         raise ImportError("quant_matmul needs triton (pip install triton, on a host with a CUDA GPU)")
@@ -86,14 +136,33 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = N
     rows, cols = q.shape
     if x.dim() != 2 or x.shape[1] != cols:
         raise ValueError(f"x must be [tokens, {cols}], got {tuple(x.shape)}")
+    if kernel not in ("auto", "gemv", "loop"):
+        raise ValueError(f"kernel must be 'auto', 'gemv' or 'loop', got {kernel!r}")
+    if kernel == "gemv" and not _gemv_fits(q):
+        raise ValueError(f"the gemv kernel needs 8-, 4- or 2-bit codes in power-of-two groups of at least 16; got "
+                         f"{q.bits} bits, group {q.group_size}")
     x = x.contiguous()
     T = x.shape[0]
-    y = torch.empty(T, rows, dtype=torch.float32, device=x.device)
     block_t = max(2, min(16, triton.next_power_of_2(T)))  # a tile of at least 2 (masked) rows
+    sms = _sm_count(x.device)
+    if kernel == "gemv" or (kernel == "auto" and _gemv_fits(q)):
+        nb = q.group_size * q.bits // 8
+        bn = block_n or max(16, min(128, TILE_ELEMS // (block_t * nb)))
+        programs = triton.cdiv(rows, bn) * triton.cdiv(T, block_t)
+        steps = cols // q.group_size
+        split = max(1, min(steps, triton.cdiv(2 * sms, programs)))
+        k_per_split = triton.cdiv(steps, split) * q.group_size
+        split = triton.cdiv(cols, k_per_split)
+        y = torch.empty(split, T, rows, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(rows, bn), triton.cdiv(T, block_t), split)
+        _quant_gemv_kernel[grid](x, q.packed, q.scales, q.zeros, y, T, rows, cols, q.packed.shape[1],
+                                 cols // q.group_size, k_per_split, BITS=q.bits, GROUP=q.group_size,
+                                 BLOCK_T=block_t, BLOCK_N=bn)
+        return y[0] if split == 1 else y.sum(0)
+    y = torch.empty(T, rows, dtype=torch.float32, device=x.device)
     if block_n is None:
         block_n = max(8, min(32, TILE_ELEMS // (block_t * block_k)))
         # few output rows (an expert's down projection: hidden rows, a long K) would leave SMs idle: smaller tiles
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         while block_n > 8 and triton.cdiv(rows, block_n) * triton.cdiv(T, block_t) < 4 * sms:
             block_n //= 2
     grid = (triton.cdiv(rows, block_n), triton.cdiv(T, block_t))
@@ -101,3 +170,8 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = N
                                cols // q.group_size, BITS=q.bits, GROUP=q.group_size, BLOCK_T=block_t,
                                BLOCK_N=block_n, BLOCK_K=block_k)
     return y
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -116,18 +116,24 @@ def test_swiglu_reference_is_the_expert_formula():
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 @pytest.mark.parametrize("tokens", [1, 3, 16, 40])
-@pytest.mark.parametrize("rows,cols,group_size", [(4096, 1024, 64), (136, 320, 64), (72, 256, 128)])
+@pytest.mark.parametrize("rows,cols,group_size", [(4096, 1024, 64), (136, 320, 64), (72, 256, 128), (40, 14336, 32)])
 @pytest.mark.parametrize("block_n", [None, 32])
-def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_size, block_n):
+@pytest.mark.parametrize("kernel", ["loop", "gemv"])
+def test_triton_dequant_matmul_equals_reference(bits, tokens, rows, cols, group_size, block_n, kernel):
+    """Both kernels; the gemv kernel's split-K (the 40-row case: few rows, a long K) adds its splits in order."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
-    from ds_maximus.experts.quant_triton import quant_matmul
+    from ds_maximus.experts.quant_triton import _gemv_fits, quant_matmul
     g = torch.Generator().manual_seed(bits * 1000 + rows)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
     x = torch.randn(tokens, cols, generator=g).to(torch.bfloat16).cuda()
     q = quantize(w, bits, group_size).to("cuda")
-    y = quant_matmul(x, q, block_n=block_n)
+    if kernel == "gemv" and not _gemv_fits(q):
+        with pytest.raises(ValueError, match="gemv kernel needs"):
+            quant_matmul(x, q, kernel=kernel)
+        return
+    y = quant_matmul(x, q, block_n=block_n, kernel=kernel)
     want = x.float() @ dequantize(q).t()
     assert y.shape == (tokens, rows) and y.dtype == torch.float32
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
