@@ -76,7 +76,7 @@ def test_regenerated_experts_equal_the_build(family, device):
     ids = torch.randint(1, args.vocab, (1, 12), generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
         logits = model(ids).logits
-    src = ExpertSource("gpu", blocks, device, model.config.initializer_range)
+    src = ExpertSource("gpu", blocks, device, model.bench_expert_stds)
     assert src.snap is None and all(not hasattr(b.experts, "down_proj") for b in blocks)  # no copy kept
     for _ in range(2):  # a peer's regeneration and offload, then the next one's
         src.restore()
