@@ -19,24 +19,13 @@ resident expert is the GPU rows. Figures go to ``docs/bench/``.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from benchmarks.bench_moe_offload import host_bandwidth_gbps
 from benchmarks.harness import Bench, progress
 from ds_maximus.experts.quant import quantize
 from ds_maximus.ops import expert_cpu
-
-
-def host_gbps(gb: float = 2.0) -> float:
-    """The host's read bandwidth: ``sum()`` of a ``gb`` GB fp32 tensor on all torch threads (best of 3)."""
-    a = torch.ones(int(gb * 1e9) // 4)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return gb / best
 
 
 def qbytes(q) -> int:
@@ -60,7 +49,7 @@ def main(argv=None):
     w2 = (torch.randn(H, F, generator=g) * 0.02).to(torch.bfloat16)
     quants = {b: (quantize(w13, b, 64), quantize(w2, b, 64)) for b in bits_list}
     progress(f"expert H={H} F={F} quantized at {bits_list}")
-    hbw = host_gbps(0.2 if a.small else 2.0)
+    hbw = host_bandwidth_gbps(int(0.2e9 if a.small else 2e9))
     bench = Bench("expert_kernels", dtype="bfloat16 weights, fp32 accumulation",
                   sizes={"H": H, "F": F, "group": 64, "host threads": expert_cpu.max_threads(),
                          "host GB/s": round(hbw, 1)},
