@@ -125,8 +125,9 @@ def _missing(peer: str) -> Optional[str]:
 
 def _build(shape: dict, dtype, qlora: bool, liger: bool):
     """The model in ``dtype`` (built in it: no fp32 copy of 4-8B parameters first) on the GPU where there is one,
-    as ``from_pretrained(..., device_map="cuda")`` would leave it; a QLoRA model on the CPU, then its blocks
-    quantized onto the GPU (its bf16 weights would not fit under the cap)."""
+    as ``from_pretrained(..., device_map="cuda")`` would leave it; a QLoRA model as ``from_pretrained`` with a
+    ``BitsAndBytesConfig(load_in_4bit=True)`` leaves it: its blocks' Linears 4-bit NF4 on the GPU (their bf16 weights
+    would not fit under the cap), the embedding, head and norms on the host (:func:`_build_qlora`)."""
     import torch
     dev = "cuda" if torch.cuda.is_available() and not qlora else "cpu"
     if liger:
@@ -138,6 +139,8 @@ def _build(shape: dict, dtype, qlora: bool, liger: bool):
                   tie_word_embeddings=shape["tied"])
     from benchmarks.harness import default_dtype
     torch.manual_seed(0)
+    if qlora:
+        return _build_qlora(common, dtype)
     with default_dtype(dtype), torch.device(dev):
         if shape["family"] == "gemma3":
             from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -147,27 +150,53 @@ def _build(shape: dict, dtype, qlora: bool, liger: bool):
             from transformers import LlamaConfig, LlamaForCausalLM
             model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
     model.to(dtype)
-    if qlora:
-        _quantize_blocks(model, dtype)
     return model
 
 
-def _quantize_blocks(model, dtype) -> None:
-    """Every Linear of the decoder blocks as a bitsandbytes 4-bit NF4 Linear (QLoRA's base, quantized as the blocks
-    move to the GPU). The embedding and head stay where they are: DeepSpeed places them (plain PEFT), or they
-    become maximus rows first (ours)."""
+def _build_qlora(common: dict, dtype):
+    """The Llama-shaped QLoRA model, built without a bf16 copy of its blocks anywhere: the skeleton on the meta
+    device, then each block Linear's random bf16 weight drawn on the GPU and quantized there to a bitsandbytes 4-bit
+    NF4 Linear (one Linear's bf16 weight at a time), and the embedding, head and norms materialised on the host
+    (drawn on the GPU, copied down). DeepSpeed places the tables (plain PEFT), or they become maximus rows (ours).
+    Drawing 8B parameters with the host's ``normal_`` and quantizing them from there took minutes."""
     import bitsandbytes as bnb
+    import torch
     from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from benchmarks.harness import default_dtype
+    config = LlamaConfig(**common, attn_implementation="sdpa")
+    with default_dtype(dtype), torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    std = config.initializer_range
+
+    def draw(*shape):
+        return torch.empty(*shape, dtype=dtype, device="cuda").normal_(0.0, std, generator=gen)
+
     for name, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear) or ".layers." not in name:
-            continue
-        q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None, compute_dtype=dtype,
-                              quant_type="nf4", device="cpu")
-        q.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False, quant_type="nf4")
-        parent = model.get_submodule(name.rsplit(".", 1)[0])
-        setattr(parent, name.rsplit(".", 1)[1], q)
-    model.model.layers.cuda()
+        if isinstance(mod, nn.Linear) and ".layers." in name:
+            q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=False, compute_dtype=dtype,
+                                  quant_type="nf4", device="meta")
+            q.weight = bnb.nn.Params4bit(draw(mod.out_features, mod.in_features), requires_grad=False,
+                                         quant_type="nf4")
+            q.cuda()                                     # quantizes; the bf16 draw is freed with the old data
+            parent, child = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, q)
+        elif isinstance(mod, (nn.Embedding, nn.Linear)):  # the tables
+            mod.weight = nn.Parameter(draw(*mod.weight.shape).cpu())
+        elif hasattr(mod, "weight") and isinstance(mod.weight, nn.Parameter) and mod.weight.is_meta:  # norms
+            mod.weight = nn.Parameter(torch.ones(mod.weight.shape, dtype=dtype))
+    with torch.device("cpu"):
+        model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if meta:
+        raise RuntimeError(f"QLoRA build left tensors on the meta device: {meta[:5]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
     model.is_loaded_in_4bit = True
+    return model
 
 
 def _peft(model, shape: dict, variant: str, new_rows: int):
