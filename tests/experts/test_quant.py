@@ -113,6 +113,84 @@ def test_swiglu_reference_is_the_expert_formula():
     assert torch.equal(swiglu_reference(x, q1, q3, q2), deq)
 
 
+def _triton_interpreter():
+    """quant_triton under Triton's CPU interpreter, or a skip: triton missing, or TRITON_INTERPRET=1 not set
+    before triton was imported (the interpreter runs only kernels made in that mode)."""
+    pytest.importorskip("triton")
+    from triton import knobs
+    if not knobs.runtime.interpret:
+        pytest.skip("set TRITON_INTERPRET=1 to run the Triton kernels on CPU tensors in the interpreter")
+    from ds_maximus.experts import quant_triton
+    return quant_triton
+
+
+_GEMV_CONFIG_IDS = [f"c{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize("config", range(8), ids=_GEMV_CONFIG_IDS)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("tokens,rows,cols,group_size", [
+    (1, 40, 512, 64),     # rows not a multiple of the row tile; split-K
+    (3, 24, 768, 32),     # a token tile with a masked row; columns not a multiple of the step
+    (8, 16, 256, 128),    # the largest token tile of the sizes tested: a row tile cut down to fit
+    (17, 9, 128, 64),     # two token tiles (16 + 1); one group a step for 8 bits
+])
+def test_gemv_config_in_the_triton_interpreter_equals_reference(config, bits, tokens, rows, cols, group_size):
+    """Each configuration the tuner may pick, on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1; skipped
+    otherwise), against dequantize + fp32 matmul; ``sms=2`` makes the small grids split the columns."""
+    qt = _triton_interpreter()
+    assert len(qt.GEMV_CONFIGS) == len(_GEMV_CONFIG_IDS)
+    cfg = qt.GEMV_CONFIGS[config]
+    g = torch.Generator().manual_seed(bits * 1000 + rows)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(tokens, cols, generator=g).to(torch.bfloat16)
+    q = quantize(w, bits, group_size)
+    y = qt._launch_gemv(x, q, cfg, sms=2)
+    want = x.float() @ dequantize(q).t()
+    assert y.shape == (tokens, rows) and y.dtype == torch.float32
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert torch.equal(qt._launch_gemv(x, q, cfg, sms=2), y)      # the splits are added in a fixed order
+
+
+def test_gemv_plan_splits_columns_only_where_rows_leave_sms_idle():
+    """The plan (no triton needed): a tall weight gets no split, a wide one (down projection) several, each
+    split a whole number of steps, the token tile the next power of two, the row tile cut to fit the registers."""
+    from ds_maximus.experts.quant_triton import GEMV_CONFIGS, GemvConfig
+    cfg = GemvConfig(block_n=64, step_bytes=128, num_warps=4, num_stages=3, programs_per_sm=2)
+    tall = cfg.plan(tokens=1, rows=28672, cols=4096, bits=4, group_size=64, sms=132)
+    assert (tall.block_t, tall.block_n, tall.groups_per_step, tall.split) == (1, 64, 4, 1)
+    wide = cfg.plan(tokens=1, rows=4096, cols=14336, bits=4, group_size=64, sms=132)
+    assert wide.split > 1 and wide.k_per_split % (wide.groups_per_step * 64) == 0
+    assert (wide.split - 1) * wide.k_per_split < 14336 <= wide.split * wide.k_per_split
+    eight = cfg.plan(tokens=5, rows=28672, cols=4096, bits=8, group_size=64, sms=132)
+    assert eight.block_t == 8 and eight.groups_per_step == 2 and eight.block_n * 8 * 128 <= 8192
+    for c in GEMV_CONFIGS:
+        for bits in (8, 4, 2):
+            p = c.plan(tokens=3, rows=2048, cols=768, bits=bits, group_size=64, sms=132)
+            assert p.block_n >= 8 and p.k_per_split % (p.groups_per_step * 64) == 0
+            assert (p.split - 1) * p.k_per_split < 768 <= p.split * p.k_per_split
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", range(8), ids=_GEMV_CONFIG_IDS)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("rows,cols,group_size", [(2048, 768, 64), (4096, 14336, 64), (136, 320, 32)])
+def test_triton_gemv_configs_equal_reference(config, bits, tokens, rows, cols, group_size):
+    """Every configuration of the tuner's list on the GPU, Qwen3-MoE's and Mixtral's down shapes included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from ds_maximus.experts.quant_triton import GEMV_CONFIGS, quant_matmul
+    g = torch.Generator().manual_seed(bits * 1000 + rows)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(tokens, cols, generator=g).to(torch.bfloat16).cuda()
+    q = quantize(w, bits, group_size).to("cuda")
+    y = quant_matmul(x, q, config=GEMV_CONFIGS[config])
+    want = x.float() @ dequantize(q).t()
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 @pytest.mark.parametrize("tokens", [1, 3, 16, 40])
