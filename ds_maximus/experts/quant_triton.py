@@ -1,17 +1,23 @@
 """Triton kernels: ``y = x @ dequantize(W)^T`` for a few tokens (decode), dequantizing inside the GEMM.
 
-The gemv kernel (8-, 4- and 2-bit codes in power-of-two groups; the default where it applies) steps a group at a
-time: a row's scale and offset are loaded once a group, the group's bytes are loaded whole, and each byte's codes
-are decoded as planes; where the output rows alone leave SMs idle (an expert's down projection) the columns are
-split over programs and the splits' partial sums added in order afterwards (deterministic). The loop kernel (any
-width, 3 bits included):
+The gemv kernel (8-, 4- and 2-bit codes in power-of-two groups; the default where it applies) is memory-bound
+by design: each loop step of a program loads ``BLOCK_N`` rows x ``step_bytes`` contiguous packed bytes (several
+groups: ``GROUPS_PER_STEP``), the rows' ``[BLOCK_N, GROUPS_PER_STEP]`` scales and offsets, and decodes each byte's
+codes as planes; the loop is software-pipelined (``num_stages`` steps in flight) so that enough bytes are in
+flight to approach HBM bandwidth. Where the output rows alone give too few programs (an expert's down projection,
+few rows and a long K) the columns are split over programs (split-K) and the splits' partial sums added in order
+afterwards: deterministic, no atomics. The launch (row tile, step, warps, stages, split-K) is one of
+:data:`GEMV_CONFIGS`, the fastest for the shape, timed on the shape's first call in the process
+(:func:`quant_matmul`'s ``config`` picks one instead; ``python -m benchmarks.sweep_quant_gemv`` times them all).
+
+The loop kernel (any width, 3 bits included):
 each program owns ``BLOCK_N`` output rows of ``W`` and walks the columns ``BLOCK_K`` at a time: it loads the packed
 bytes of its rows (``BLOCK_K * bits / 8`` a row, the layout of :mod:`ds_maximus.experts.quant`: code ``c`` of a
 row starts at bit ``c * bits``), their fp16 scales and offsets, decodes the codes to fp32 in registers
 (``code * scale + zero``), and accumulates ``x[:, k] * w[n, k]`` in fp32 for all tokens. No bf16 copy of the
 weight is materialised: the only bytes read from memory are the packed form's. Imported only where triton and a
-CUDA device exist; tested against :func:`ds_maximus.experts.quant.dequantize` by ``tests/experts/test_quant.py``
-(a ``gpu`` test).
+CUDA device exist (the gemv kernel also runs in Triton's CPU interpreter, ``TRITON_INTERPRET=1``); tested against
+:func:`ds_maximus.experts.quant.dequantize` by ``tests/experts/test_quant.py``.
 """
 from __future__ import annotations
 
@@ -96,13 +102,13 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in tl.range(k_begin, k_end, STEP_K):
+        # the plan makes STEP_K divide K and k_per_split: every step is whole, so the loads need only the row mask
+        # (constant along a row: the byte loads vectorize) and a step's first byte is a multiple of STEP_BYTES
         g = k0 // GROUP + offs_g
-        m_sz = mask_n[:, None] & (g < groups)[None, :]
-        s = tl.load(scales_ptr + sz_off + g[None, :], mask=m_sz, other=0.0).to(tl.float32)   # [BLOCK_N, GPS]
-        z = tl.load(zeros_ptr + sz_off + g[None, :], mask=m_sz, other=0.0).to(tl.float32)
-        byte = k0 // PER_BYTE + offs_b
-        mask_b = byte < row_bytes                  # a last step past K (K not a multiple of STEP_K)
-        byts = tl.load(row_ptrs + byte[None, :], mask=mask_n[:, None] & mask_b[None, :],
+        s = tl.load(scales_ptr + sz_off + g[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)  # [BN, GPS]
+        z = tl.load(zeros_ptr + sz_off + g[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
+        byte0 = tl.multiple_of(k0 // PER_BYTE, STEP_BYTES)
+        byts = tl.load(row_ptrs + (byte0 + offs_b)[None, :], mask=mask_n[:, None],
                        other=0).to(tl.int32)                                   # [BLOCK_N, STEP_BYTES]
         for j in tl.static_range(PER_BYTE):
             codes = ((byts >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
@@ -112,7 +118,7 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
                 w3 = tl.reshape(codes, (BLOCK_N, GROUPS_PER_STEP, NB))
                 w = tl.reshape(w3 * s[:, :, None] + z[:, :, None], (BLOCK_N, STEP_BYTES))
             xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
-                         mask=mask_t[:, None] & mask_b[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, STEP_BYTES]
+                         mask=mask_t[:, None], other=0.0).to(tl.float32)      # [BLOCK_T, STEP_BYTES]
             acc += tl.sum(xj[:, None, :] * w[None, :, :], axis=2)
     tl.store(y_ptr + pid_s * T * N + offs_t[:, None] * N + offs_n[None, :], acc,
              mask=mask_t[:, None] & mask_n[None, :])
@@ -136,10 +142,10 @@ class GemvConfig:
 
     ``block_n``: output rows a program (at most: a larger token tile gets fewer, :data:`TILE_ELEMS` per 4 warps of
     ``BLOCK_T x BLOCK_N x step_bytes``); ``step_bytes``: packed bytes of a row loaded a loop step (whole groups:
-    at least one group's bytes, so ``GROUPS_PER_STEP = step_bytes / group bytes``); ``num_warps``,
-    ``num_stages`` (loop steps in flight, software pipelining); ``programs_per_sm``: the columns are split over
-    programs (split-K) until the grid has about this many programs a multiprocessor, for shapes whose rows alone
-    leave SMs idle.
+    ``GROUPS_PER_STEP`` is ``step_bytes / group bytes``, at least 1, halved until it divides the row's groups);
+    ``num_warps``; ``num_stages`` (loop steps in flight, software pipelining); ``programs_per_sm``: the columns are
+    split over programs (split-K) until the grid has about this many programs a multiprocessor, for shapes whose
+    rows alone leave SMs idle.
 
     >>> GemvConfig(32, 128, 4, 3, 4).plan(tokens=1, rows=4096, cols=14336, bits=4, group_size=64, sms=132)
     GemvPlan(block_t=1, block_n=32, groups_per_step=4, split=5, k_per_split=3072)
@@ -156,7 +162,9 @@ class GemvConfig:
         block_t = min(GEMV_MAX_BLOCK_T, _next_pow2(tokens))
         group_bytes = group_size * bits // 8
         groups = cols // group_size
-        gps = max(1, min(self.step_bytes // group_bytes, _next_pow2(groups)))
+        gps = _floor_pow2(max(1, self.step_bytes // group_bytes))
+        while groups % gps:          # whole steps only: the kernel's loads then need no column mask
+            gps //= 2
         fit = TILE_ELEMS * self.num_warps // 4 // (block_t * gps * group_bytes)
         block_n = max(8, min(self.block_n, _next_pow2(rows), _floor_pow2(max(1, fit))))
         programs = _cdiv(rows, block_n) * _cdiv(tokens, block_t)
@@ -244,13 +252,14 @@ def _tuned_config(x: torch.Tensor, q: QuantizedTensor, sms: int) -> GemvConfig:
         return best
     if torch.cuda.is_current_stream_capturing():
         return GEMV_CONFIGS[0]
+    from triton.testing import do_bench
     seen, timed = set(), []
     for cfg in GEMV_CONFIGS:
         launch = (cfg.plan(T, rows, cols, q.bits, q.group_size, sms), cfg.num_warps, cfg.num_stages)
         if launch in seen:
             continue
         seen.add(launch)
-        ms = triton.testing.do_bench(lambda: _launch_gemv(x, q, cfg, sms), warmup=2, rep=10, return_mode="median")
+        ms = do_bench(lambda: _launch_gemv(x, q, cfg, sms), warmup=2, rep=10, return_mode="median")
         timed.append((ms, len(timed), cfg))
     best = min(timed)[2]
     _TUNED[key] = best
