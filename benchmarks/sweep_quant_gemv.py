@@ -63,6 +63,37 @@ def time_ms(fn, flush: torch.Tensor, warmup: int, repeat: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def unique_configs(qt, T, N, K, bits, group, sms):
+    """``(name, config, plan)`` of the configurations that plan distinct launches for this product."""
+    seen, out = set(), []
+    for i, cfg in enumerate(qt.GEMV_CONFIGS):
+        plan = cfg.plan(T, N, K, bits, group, sms)
+        if (plan, cfg.num_warps, cfg.num_stages) not in seen:
+            seen.add((plan, cfg.num_warps, cfg.num_stages))
+            out.append((f"c{i}", cfg, plan))
+    return out
+
+
+def precompile(qt, cases, sms, threads: int) -> str:
+    """Compile every launch of the sweep up front on a thread pool (Triton's ``AsyncCompileMode``, where this
+    Triton has it), so that compiling, not timing, does not dominate the run; else they compile one by one as
+    they are first timed. Returns a note for the header."""
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton import AsyncCompileMode
+    except ImportError:
+        return "compiled serially (no AsyncCompileMode in this triton)"
+    try:
+        with ThreadPoolExecutor(threads) as ex, AsyncCompileMode(ex):
+            for x, q, N, K, b in cases:
+                for _, cfg, _ in unique_configs(qt, x.shape[0], N, K, b, q.group_size, sms):
+                    qt._launch_gemv(x, q, cfg, sms, compile_only=True)
+    except Exception as e:  # noqa: BLE001 (an optimisation only: the timed calls compile what is missing)
+        return f"parallel compile failed ({type(e).__name__}: {e}); compiled serially"
+    return f"compiled in parallel ({threads} threads)"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK weight shapes")
@@ -74,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-flush", action="store_true", help="leave L2 warm between runs")
     p.add_argument("--all", action="store_true", help="a row per configuration, not only the best")
     p.add_argument("--budget-s", type=float, default=115, help="skip what is left after this many seconds")
+    p.add_argument("--compile-threads", type=int, default=16)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_quant_gemv needs a CUDA GPU", file=sys.stderr)
@@ -87,22 +119,29 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     flush = None if a.no_flush else torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
     g = torch.Generator(device=dev).manual_seed(0)
+    weights = {}
+    for N, K in shapes:
+        w = (torch.randn(N, K, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+        weights[N, K] = (w, {b: quant.quantize(w, b, a.group) for b in bits_list})
+    xs = {(K, T): torch.randn(T, K, device=dev, generator=g).to(torch.bfloat16)
+          for _, K in shapes for T in tokens_list}
+    cases = [(xs[K, T], q, N, K, b) for (N, K), (_, qs) in weights.items() for T in tokens_list
+             for b, q in qs.items()]
+    note = precompile(qt, cases, sms, a.compile_threads)
+    progress(f"{len(cases)} products, {note}")
     print(f"device: {device_name()} ({sms} SMs) | x bf16, fp32 accumulation | group {a.group} | "
-          f"repeat {a.repeat}, L2 {'warm' if a.no_flush else 'flushed'} | commit: {git_commit()}\n")
-    cfg_names = {c: f"c{i}" for i, c in enumerate(qt.GEMV_CONFIGS)}
-    for c, n in cfg_names.items():
-        print(f"- {n}: block_n {c.block_n}, step_bytes {c.step_bytes}, warps {c.num_warps}, stages "
+          f"repeat {a.repeat}, L2 {'warm' if a.no_flush else 'flushed'} | {note} | commit: {git_commit()}\n")
+    for i, c in enumerate(qt.GEMV_CONFIGS):
+        print(f"- c{i}: block_n {c.block_n}, step_bytes {c.step_bytes}, warps {c.num_warps}, stages "
               f"{c.num_stages}, programs/SM {c.programs_per_sm}")
-    print("\n| N x K | bits | T | best | plan (block_t, block_n, groups/step, split) | best us | GB/s | c0 us "
-          "| bf16 F.linear us | bf16 GB/s | bf16 / best |")
+    print("\n| N x K | bits | T | config | plan (block_t, block_n, groups/step, split) | us | GB/s | c0 us "
+          "| bf16 F.linear us | bf16 GB/s | bf16 / config |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     wins = collections.Counter()
     skipped = 0
-    for N, K in shapes:
-        w = (torch.randn(N, K, device=dev, generator=g) * 0.02).to(torch.bfloat16)
-        quants = {b: quant.quantize(w, b, a.group) for b in bits_list}
+    for (N, K), (w, quants) in weights.items():
         for T in tokens_list:
-            x = torch.randn(T, K, device=dev, generator=g).to(torch.bfloat16)
+            x = xs[K, T]
             dense_ms = time_ms(lambda: torch.nn.functional.linear(x, w), flush, a.warmup, a.repeat)
             dense_gbs = w.numel() * 2 / dense_ms / 1e6
             for b in bits_list:
@@ -111,20 +150,15 @@ def main(argv=None) -> int:
                     continue
                 q = quants[b]
                 want = x.float() @ quant.dequantize(q).t()
-                seen, rows = set(), []
-                for cfg in qt.GEMV_CONFIGS:
-                    plan = cfg.plan(T, N, K, b, a.group, sms)
-                    launch = (plan, cfg.num_warps, cfg.num_stages)
-                    if launch in seen:
-                        continue
-                    seen.add(launch)
+                rows = []
+                for name, cfg, plan in unique_configs(qt, T, N, K, b, a.group, sms):
                     y = qt.quant_matmul(x, q, config=cfg)
                     err = (y - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
                     if err > 1e-4:
-                        progress(f"WRONG {N}x{K} int{b} T={T} {cfg_names[cfg]}: rel err {err:.2e}")
+                        progress(f"WRONG {N}x{K} int{b} T={T} {name}: rel err {err:.2e}")
                         continue
                     ms = time_ms(lambda: qt.quant_matmul(x, q, config=cfg), flush, a.warmup, a.repeat)
-                    rows.append((ms, cfg_names[cfg], plan))
+                    rows.append((ms, name, plan))
                 if not rows:
                     continue
                 rows.sort(key=lambda r: r[0])

@@ -222,20 +222,26 @@ def _gemv_fits(q: QuantizedTensor) -> bool:
     return q.bits in (8, 4, 2) and g >= 16 and g & (g - 1) == 0
 
 
-def _launch_gemv(x: torch.Tensor, q: QuantizedTensor, config: GemvConfig, sms: int) -> torch.Tensor:
+def _launch_gemv(x: torch.Tensor, q: QuantizedTensor, config: GemvConfig, sms: int,
+                 compile_only: bool = False) -> torch.Tensor:
     """``x @ dequantize(q)^T`` (fp32) by the gemv kernel in one configuration; no argument checks (the caller's).
 
-    ``sms`` (multiprocessors) sets the split-K. Under ``TRITON_INTERPRET=1`` (set before triton is imported) the
-    kernel runs in Triton's interpreter on CPU tensors: the tests' path where no GPU is."""
+    ``sms`` (multiprocessors) sets the split-K. ``compile_only``: compile the launch (or find it in the cache)
+    without running it, and return ``y`` unwritten (a sweep compiles every launch first, in parallel). Under
+    ``TRITON_INTERPRET=1`` (set before triton is imported) the kernel runs in Triton's interpreter on CPU
+    tensors: the tests' path where no GPU is."""
     T, cols = x.shape
     rows = q.shape[0]
     p = config.plan(T, rows, cols, q.bits, q.group_size, sms)
     y = torch.empty(p.split, T, rows, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, p.block_n), triton.cdiv(T, p.block_t), p.split)
-    _quant_gemv_kernel[grid](x, q.packed, q.scales, q.zeros, y, T, rows, cols, q.packed.shape[1], cols // q.group_size,
-                             p.k_per_split, BITS=q.bits, GROUP=q.group_size, BLOCK_T=p.block_t,
-                             BLOCK_N=p.block_n, GROUPS_PER_STEP=p.groups_per_step, num_warps=config.num_warps,
-                             num_stages=config.num_stages)
+    args = (x, q.packed, q.scales, q.zeros, y, T, rows, cols, q.packed.shape[1], cols // q.group_size, p.k_per_split)
+    meta = dict(BITS=q.bits, GROUP=q.group_size, BLOCK_T=p.block_t, BLOCK_N=p.block_n,
+                GROUPS_PER_STEP=p.groups_per_step, num_warps=config.num_warps, num_stages=config.num_stages)
+    if compile_only:
+        _quant_gemv_kernel.warmup(*args, grid=grid, **meta)
+        return y[0]
+    _quant_gemv_kernel[grid](*args, **meta)
     return y[0] if p.split == 1 else y.sum(0)   # the splits added in a fixed order: deterministic
 
 
