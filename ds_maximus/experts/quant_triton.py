@@ -22,6 +22,8 @@ CUDA device exist (the gemv kernel also runs in Triton's CPU interpreter, ``TRIT
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
@@ -245,6 +247,22 @@ def _launch_gemv(x: torch.Tensor, q: QuantizedTensor, config: GemvConfig, sms: i
     return y[0] if p.split == 1 else y.sum(0)   # the splits added in a fixed order: deterministic
 
 
+def _compile_in_parallel(x: torch.Tensor, q: QuantizedTensor, configs, sms: int) -> None:
+    """Compile the launches of ``configs`` on a thread pool (Triton's ``AsyncCompileMode``, where this Triton has
+    it): a shape's first call then waits for about one compile, not one per configuration. Any failure leaves the
+    rest to the timed calls, which compile what is missing one by one."""
+    try:
+        from triton import AsyncCompileMode
+    except ImportError:
+        return
+    try:
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
+            for cfg in configs:
+                _launch_gemv(x, q, cfg, sms, compile_only=True)
+    except Exception:  # noqa: BLE001 (an optimisation only: the serial path below compiles what is missing)
+        pass
+
+
 def _tuned_config(x: torch.Tensor, q: QuantizedTensor, sms: int) -> GemvConfig:
     """The fastest of :data:`GEMV_CONFIGS` for this product's shape, timed on its first call (median of a few
     runs each, L2 flushed between runs by ``triton.testing.do_bench``) and kept for the process. Configurations
@@ -256,15 +274,18 @@ def _tuned_config(x: torch.Tensor, q: QuantizedTensor, sms: int) -> GemvConfig:
     best = _TUNED.get(key)
     if best is not None:
         return best
-    if torch.cuda.is_current_stream_capturing():
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return GEMV_CONFIGS[0]
     from triton.testing import do_bench
-    seen, timed = set(), []
+    seen, candidates = set(), []
     for cfg in GEMV_CONFIGS:
         launch = (cfg.plan(T, rows, cols, q.bits, q.group_size, sms), cfg.num_warps, cfg.num_stages)
-        if launch in seen:
-            continue
-        seen.add(launch)
+        if launch not in seen:
+            seen.add(launch)
+            candidates.append(cfg)
+    _compile_in_parallel(x, q, candidates, sms)
+    timed = []
+    for cfg in candidates:
         ms = do_bench(lambda: _launch_gemv(x, q, cfg, sms), warmup=2, rep=10, return_mode="median")
         timed.append((ms, len(timed), cfg))
     best = min(timed)[2]

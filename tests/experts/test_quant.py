@@ -153,6 +153,36 @@ def test_gemv_config_in_the_triton_interpreter_equals_reference(config, bits, to
     assert torch.equal(qt._launch_gemv(x, q, cfg, sms=2), y)      # the splits are added in a fixed order
 
 
+def test_gemv_tuner_times_each_distinct_launch_once_and_keeps_the_fastest(monkeypatch):
+    """The tuner (interpreter, timing faked): configurations that plan the same launch are timed once, the fastest
+    is kept for the (rows, cols, token tile, bits, group) key, and a second call times nothing."""
+    qt = _triton_interpreter()
+    import triton.testing
+    calls = []
+
+    def fake_do_bench(fn, **kw):
+        y = fn()                                              # the launch runs: the timed function is the product
+        calls.append(y)
+        return {0: 3.0, 1: 1.0}.get(len(calls) - 1, 2.0)      # the second distinct launch is the fastest
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(qt, "_TUNED", {})
+    q = quantize(torch.randn(24, 256), 4, 64)
+    x = torch.randn(1, 256)
+    best = qt._tuned_config(x, q, sms=2)
+    plans = {(c.plan(1, 24, 256, 4, 64, 2), c.num_warps, c.num_stages) for c in qt.GEMV_CONFIGS}
+    assert len(calls) == len(plans) > 1
+    firsts = []
+    for c in qt.GEMV_CONFIGS:
+        launch = (c.plan(1, 24, 256, 4, 64, 2), c.num_warps, c.num_stages)
+        if launch not in [f[0] for f in firsts]:
+            firsts.append((launch, c))
+    assert best == firsts[1][1]
+    want = x @ dequantize(q).t()
+    for y in calls:
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert qt._tuned_config(torch.randn(1, 256), q, sms=2) == best and len(calls) == len(plans)
+
+
 def test_gemv_plan_splits_columns_only_where_rows_leave_sms_idle():
     """The plan (no triton needed): a tall weight gets no split, a wide one (down projection) several, each
     split a whole number of steps, the token tile the next power of two, the row tile cut to fit the registers."""
