@@ -121,7 +121,12 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
                 w = tl.reshape(w3 * s[:, :, None] + z[:, :, None], (BLOCK_N, STEP_BYTES))
             xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
                          mask=mask_t[:, None], other=0.0).to(tl.float32)      # [BLOCK_T, STEP_BYTES]
-            acc += tl.sum(xj[:, None, :] * w[None, :, :], axis=2)
+            if j == 0:
+                prod = xj[:, None, :] * w[None, :, :]                         # [BLOCK_T, BLOCK_N, STEP_BYTES]
+            else:
+                prod += xj[:, None, :] * w[None, :, :]
+        # the planes summed elementwise first: one reduction across the warp's lanes a step, not one a plane
+        acc += tl.sum(prod, axis=2)
     tl.store(y_ptr + pid_s * T * N + offs_t[:, None] * N + offs_n[None, :], acc,
              mask=mask_t[:, None] & mask_n[None, :])
 
