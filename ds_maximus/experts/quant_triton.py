@@ -172,8 +172,13 @@ class GemvConfig:
         gps = _floor_pow2(max(1, self.step_bytes // group_bytes))
         while groups % gps:          # whole steps only: the kernel's loads then need no column mask
             gps //= 2
-        fit = TILE_ELEMS * self.num_warps // 4 // (block_t * gps * group_bytes)
-        block_n = max(8, min(self.block_n, _next_pow2(rows), _floor_pow2(max(1, fit))))
+        # registers: BLOCK_T x BLOCK_N x step bytes products at most TILE_ELEMS per 4 warps, counted twice for 2-bit
+        # codes (four planes a byte); the row tile shrinks first (down to 8 rows), then the step
+        budget = TILE_ELEMS * self.num_warps // 4 // (2 if bits == 2 else 1)
+        fit = _floor_pow2(max(1, budget // (block_t * gps * group_bytes)))
+        block_n = max(8, min(self.block_n, _next_pow2(rows), fit))
+        while gps > 1 and block_t * block_n * gps * group_bytes > budget:
+            gps //= 2
         programs = _cdiv(rows, block_n) * _cdiv(tokens, block_t)
         steps = _cdiv(groups, gps)
         split = max(1, min(steps, _cdiv(self.programs_per_sm * sms, programs)))
