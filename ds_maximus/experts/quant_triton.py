@@ -101,6 +101,9 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
     row_ptrs = packed_ptr + offs_n.to(tl.int64)[:, None] * row_bytes
     sz_off = offs_n.to(tl.int64)[:, None] * groups
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    # one token (decode: a token an expert): elementwise partial sums in the weight tile's own layout, reduced once
+    # after the loop; a [1, BLOCK_N, STEP_BYTES] product would move the dequantized tile through shared memory
+    acc1 = tl.zeros((BLOCK_N, STEP_BYTES), dtype=tl.float32)
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in tl.range(k_begin, k_end, STEP_K):
@@ -119,14 +122,21 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
             else:
                 w3 = tl.reshape(codes, (BLOCK_N, GROUPS_PER_STEP, NB))
                 w = tl.reshape(w3 * s[:, :, None] + z[:, :, None], (BLOCK_N, STEP_BYTES))
-            xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
-                         mask=mask_t[:, None], other=0.0).to(tl.float32)      # [BLOCK_T, STEP_BYTES]
-            if j == 0:
-                prod = xj[:, None, :] * w[None, :, :]                         # [BLOCK_T, BLOCK_N, STEP_BYTES]
+            if BLOCK_T == 1:
+                x1 = tl.load(x_ptr + pid_t * K + k0 + offs_b * PER_BYTE + j).to(tl.float32)   # [STEP_BYTES]
+                acc1 += w * x1[None, :]
             else:
-                prod += xj[:, None, :] * w[None, :, :]
-        # the planes summed elementwise first: one reduction across the warp's lanes a step, not one a plane
-        acc += tl.sum(prod, axis=2)
+                xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
+                             mask=mask_t[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, STEP_BYTES]
+                if j == 0:
+                    prod = xj[:, None, :] * w[None, :, :]                     # [BLOCK_T, BLOCK_N, STEP_BYTES]
+                else:
+                    prod += xj[:, None, :] * w[None, :, :]
+        if BLOCK_T > 1:
+            # the planes summed elementwise first: one reduction across the warp's lanes a step, not one a plane
+            acc += tl.sum(prod, axis=2)
+    if BLOCK_T == 1:
+        acc += tl.sum(acc1, axis=1)[None, :]
     tl.store(y_ptr + pid_s * T * N + offs_t[:, None] * N + offs_n[None, :], acc,
              mask=mask_t[:, None] & mask_n[None, :])
 
