@@ -100,7 +100,7 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
     mask_t = offs_t < T
     row_ptrs = packed_ptr + offs_n.to(tl.int64)[:, None] * row_bytes
     sz_off = offs_n.to(tl.int64)[:, None] * groups
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)     # rows first: a row reduction adds in without a shuffle
     # one token (decode: a token an expert): elementwise partial sums in the weight tile's own layout, reduced once
     # after the loop; a [1, BLOCK_N, STEP_BYTES] product would move the dequantized tile through shared memory
     acc1 = tl.zeros((BLOCK_N, STEP_BYTES), dtype=tl.float32)
@@ -126,19 +126,16 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
                 x1 = tl.load(x_ptr + pid_t * K + k0 + offs_b * PER_BYTE + j).to(tl.float32)   # [STEP_BYTES]
                 acc1 += w * x1[None, :]
             else:
-                xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
-                             mask=mask_t[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, STEP_BYTES]
-                if j == 0:
-                    prod = xj[:, None, :] * w[None, :, :]                     # [BLOCK_T, BLOCK_N, STEP_BYTES]
-                else:
-                    prod += xj[:, None, :] * w[None, :, :]
-        if BLOCK_T > 1:
-            # the planes summed elementwise first: one reduction across the warp's lanes a step, not one a plane
-            acc += tl.sum(prod, axis=2)
+                for t in tl.static_range(BLOCK_T):
+                    tok = pid_t * BLOCK_T + t
+                    xt = tl.load(x_ptr + tok * K + k0 + offs_b * PER_BYTE + j, mask=tok + 0 * offs_b < T,
+                                 other=0.0).to(tl.float32)                    # [STEP_BYTES]
+                    part = tl.sum(w * xt[None, :], axis=1)                    # [BLOCK_N]
+                    acc += tl.where((tl.arange(0, BLOCK_T) == t)[None, :], part[:, None], 0.0)
     if BLOCK_T == 1:
-        acc += tl.sum(acc1, axis=1)[None, :]
-    tl.store(y_ptr + pid_s * T * N + offs_t[:, None] * N + offs_n[None, :], acc,
-             mask=mask_t[:, None] & mask_n[None, :])
+        acc += tl.sum(acc1, axis=1)[:, None]
+    tl.store(y_ptr + pid_s * T * N + offs_t[None, :] * N + offs_n[:, None], acc,
+             mask=mask_n[:, None] & mask_t[None, :])
 
 
 if triton is not None:
