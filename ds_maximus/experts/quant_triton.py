@@ -126,6 +126,7 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
                 x1 = tl.load(x_ptr + pid_t * K + k0 + offs_b * PER_BYTE + j).to(tl.float32)   # [STEP_BYTES]
                 acc1 += w * x1[None, :]
             else:
+                # several tokens: a static loop over the tile's tokens, each a row reduction of the same weight tile
                 for t in tl.static_range(BLOCK_T):
                     tok = pid_t * BLOCK_T + t
                     xt = tl.load(x_ptr + tok * K + k0 + offs_b * PER_BYTE + j, mask=tok + 0 * offs_b < T,
@@ -143,8 +144,9 @@ if triton is not None:
     _quant_gemv_kernel = triton.jit(_quant_gemv_kernel)
 
 
-# a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` lives in registers: at most this many fp32 values (64 a
-# thread at 4 warps), so a larger token tile gets fewer output rows
+# a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` (loop kernel; gemv: its token loop's live values scale the
+# same way) lives in registers: at most this many fp32 values (64 a thread at 4 warps), so a larger token tile gets
+# fewer output rows
 TILE_ELEMS = 8192
 #: the gemv kernel's token tile at most (more tokens run more tiles)
 GEMV_MAX_BLOCK_T = 16
