@@ -10,7 +10,8 @@ Rows, each at 1 and 8 tokens:
   gemv kernel and with the loop kernel, per width (8, 4, 3, 2 bits, group 64). GB/s = the weight's bytes (packed,
   with scales and offsets) over the time: the HBM bound is ~4.8 TB/s.
 - Host, one whole SwiGLU expert (the three matrices): ours, ``ds_maximus.ops.expert_cpu.swiglu`` (bf16 and each
-  width), beside torch's own bf16 ``linear`` (oneDNN) on the same cores. GB/s against the host bandwidth measured
+  width; x exactly bf16, as a bf16 model's hidden state), beside torch's own bf16 ``linear`` (oneDNN) on the same
+  cores. GB/s against the host bandwidth measured
   in the same run (``sum()`` of a 2 GB fp32 tensor).
 
 What a decode step of ``moe.cpu_compute`` costs per missed expert is the host row; what ``moe.quant`` costs per
@@ -80,12 +81,13 @@ def main(argv=None):
         del dense
     exact_bytes = (w13.numel() + w2.numel()) * 2
     for T in tokens_list:
-        x = torch.randn(T, H, generator=g)
+        # a bf16 model's hidden state: x exactly bf16 (as torch's rows get it); the intermediate fed to w2 is fp32
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).float()
         r = bench.measure(f"host expert bf16 ours, {T} tok",
                           lambda: expert_cpu.swiglu(x, w13[:F], w13[F:], w2), warmup=1, repeat=a.host_repeat)
         if r.ms:
             r.extra["GB/s"] = round(exact_bytes / r.ms / 1e6, 1)
-        xb = x.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)  # exact
 
         def torch_expert():
             h = torch.nn.functional.linear(xb, w13)

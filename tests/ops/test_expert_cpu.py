@@ -42,6 +42,25 @@ def test_swiglu_quant_equals_reference(bits, tokens, hidden, ffn, group_size):
     _close(y, swiglu_reference(x, q1, q3, q2))
 
 
+@pytest.mark.parametrize("bits", [None, *SUPPORTED_BITS])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("x_exact", [True, False], ids=["x-bf16-exact", "x-fp32"])
+def test_bf16_dot_products_equal_reference(bits, tokens, x_exact):
+    """The bf16 dot-product path (vdpbf16ps where the host has it): x exactly bf16 (one product a weight) and general
+    fp32 x (split into bf16 hi + lo, two products); odd sizes (rows not a multiple of the row blocks, columns not of
+    the 32-lane vector, groups of 40 codes: a full vector and a masked one); token counts across the token blocks."""
+    hidden, ffn = (120, 200) if bits else (67, 45)
+    w1, w3, w2 = _expert(hidden, ffn, torch.bfloat16, seed=11 + (bits or 0))
+    if bits:
+        w1, w3, w2 = (quantize(w, bits, 40) for w in (w1, w3, w2))
+    x = 3 * torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+    if x_exact:
+        x = x.to(torch.bfloat16).float()
+    _close(expert_cpu.swiglu(x, w1, w3, w2), swiglu_reference(x, w1, w3, w2))
+    w = w1 if bits else w1.float()
+    _close(expert_cpu.linear(x, w1), x @ (dequantize(w) if bits else w).t())
+
+
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_quantized_rows_decode_exactly(bits):
     """One token of a one-hot x reads one column of W: the op's decode equals the reference's bits."""
