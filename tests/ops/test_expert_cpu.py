@@ -95,7 +95,7 @@ def test_bad_inputs_raise_clear_errors():
 
 @pytest.mark.parametrize("bits", [None, 4, 3])
 def test_result_does_not_depend_on_the_thread_count(bits):
-    """Each output is one row's fixed-order sum (64 partial sums a token), whichever thread computes it."""
+    """Each output is one row's fixed-order sum, whichever thread computes it (rows in blocks fixed by the shape)."""
     w1, w3, w2 = _expert(256, 320, torch.bfloat16, seed=5)
     if bits:
         w1, w3, w2 = (quantize(w, bits, 64) for w in (w1, w3, w2))
@@ -107,6 +107,31 @@ def test_result_does_not_depend_on_the_thread_count(bits):
         assert expert_cpu.max_threads() == 2
         two = expert_cpu.swiglu(x, w1, w3, w2)
     assert torch.equal(one, two)
+
+
+def test_fp32_fallback_equals_reference():
+    """MAXIMUS_EXPERT_CPU_FP32=1 runs the fp32 path (a host without AVX512-BF16) on any host: it matches too."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch\nfrom ds_maximus.experts.quant import quantize, swiglu_reference\n"
+            "from ds_maximus.ops import expert_cpu\nassert expert_cpu.kernel_isa() == 'fp32'\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "w1, w3, w2 = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g), "
+            "torch.randn(24, 40, generator=g)\nx = torch.randn(3, 24, generator=g)\n"
+            "ws3 = (w1, w3, w2)\n"
+            "for ws in [ws3, [w.bfloat16() for w in ws3], [quantize(w, 4, 8) for w in ws3]]:\n"
+            "    want = swiglu_reference(x, *ws)\n"
+            "    tol = 2e-5 * want.abs().max().item()\n"
+            "    torch.testing.assert_close(expert_cpu.swiglu(x, *ws), want, rtol=2e-5, atol=tol)\n"
+            "print('ok')\n")
+    env = dict(os.environ, MAXIMUS_EXPERT_CPU_FP32="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_kernel_isa_names_a_path():
+    assert expert_cpu.kernel_isa() in ("avx512_bf16", "fp32")
 
 
 def test_threads_are_openmp_threads():

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -13,6 +14,7 @@ namespace expert_cpu {
 
 namespace {
 
+// The fp32 path (fp32 weights, and every weight on a host without AVX512-BF16; the bf16 path is further down).
 // A row is decoded kChunk columns at a time into an L1 buffer and used there by every token, so its bytes are read
 // from memory once and its fp32 form never leaves L1. Each token keeps kLanes partial sums (four 16-float vectors):
 // their adds are independent, which is what lets a core run at memory speed (one accumulator vector is bound by
@@ -165,10 +167,16 @@ constexpr int kVec = 32;           // bf16 lanes of a vector: the x rows are pad
 constexpr int kMaxBlock = 8;       // tokens a row pass serves from registers
 constexpr int64_t kPrefetch = 1024;  // bytes ahead of the weight stream a thread asks for
 
+// whether the host runs the bf16 path: its ISA, unless MAXIMUS_EXPERT_CPU_FP32=1 asks for the fp32 path (to test
+// or compare the fallback on a host that has the ISA); read once a process
 bool bf16_isa() {
-    static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                           __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+    static const bool ok = [] {
+        const char* force = std::getenv("MAXIMUS_EXPERT_CPU_FP32");
+        if (force && std::strcmp(force, "1") == 0) return false;
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+    }();
     return ok;
 }
 
@@ -195,18 +203,23 @@ SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
     s.ld = (w.cols + kVec - 1) / kVec * kVec + kVec;
     s.hi.assign(tokens * s.ld, 0);
     s.lo.assign(tokens * s.ld, 0);
-    for (int64_t t = 0; t < tokens; ++t)
-        for (int64_t k = 0; k < w.cols; ++k) {
-            const float v = x[t * w.cols + k];
-            const uint16_t h = float_to_bf16_rne(v);
-            const uint16_t l = float_to_bf16_rne(v - bf16_to_float(h));
-            s.hi[t * s.ld + k] = h;
-            s.lo[t * s.ld + k] = l;
-            s.exact = s.exact && (l & 0x7fff) == 0;
-        }
+    const int64_t n = tokens * w.cols;
+    int inexact = 0;
+#pragma omp parallel for schedule(static) reduction(| : inexact) if (n > 16384)
+    for (int64_t i = 0; i < n; ++i) {  // element by element: the same split at any thread count
+        const int64_t t = i / w.cols, k = i % w.cols;
+        const float v = x[i];
+        const uint16_t h = float_to_bf16_rne(v);
+        const uint16_t l = float_to_bf16_rne(v - bf16_to_float(h));
+        s.hi[t * s.ld + k] = h;
+        s.lo[t * s.ld + k] = l;
+        inexact |= (l & 0x7fff) != 0;
+    }
+    s.exact = !inexact;
     if (w.kind == WeightKind::kQuant) {
         s.groups = w.cols / w.group_size;
         s.group_sum.assign(tokens * s.groups, 0.f);
+#pragma omp parallel for collapse(2) schedule(static) if (n > 16384)
         for (int64_t t = 0; t < tokens; ++t)
             for (int64_t g = 0; g < s.groups; ++g) {
                 float sum = 0.f;
@@ -497,6 +510,8 @@ void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const We
 }
 
 }  // namespace
+
+const char* kernel_isa() { return bf16_isa() ? "avx512_bf16" : "fp32"; }
 
 float half_to_float(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
