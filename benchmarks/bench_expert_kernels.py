@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_expert_kernels                 # the H200: GPU and host kernels
     python -m benchmarks.bench_expert_kernels --small         # CPU smoke run (a scaled-down expert)
+    MAXIMUS_EXPERT_CPU_FP32=1 python -m benchmarks.bench_expert_kernels   # the host rows on the fp32 path
 
 Rows, each at 1 and 8 tokens:
 
@@ -53,6 +54,7 @@ def main(argv=None):
     hbw = host_bandwidth_gbps(int(0.2e9 if a.small else 2e9))
     bench = Bench("expert_kernels", dtype="bfloat16 weights, fp32 accumulation",
                   sizes={"H": H, "F": F, "group": 64, "host threads": expert_cpu.max_threads(),
+                         "host path": expert_cpu.kernel_isa(),
                          "host GB/s": round(hbw, 1)},
                   notes="GPU rows: one projection (gate_up [2F, H], down [H, F]); host rows: the whole SwiGLU expert. "
                         "GB/s = the weight's bytes (packed + fp16 scales and offsets) / time")

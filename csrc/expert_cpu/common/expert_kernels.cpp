@@ -157,14 +157,15 @@ inline float silu(float a) { return a / (1.f + std::exp(-a)); }
 // per weight vector when x is exactly bf16 (lo == 0 everywhere, as in a bf16 model's decode), two otherwise, which
 // keeps ~16 of fp32 x's mantissa bits. A quantized row is, group by group, scale_g * dot(codes_g, x_g) + zero_g *
 // sum(x_g), the group sums of x taken once a call. Each output is one row's sums in a fixed order, done by one
-// thread, so the result does not depend on the thread count. Tokens go through a row in blocks of up to 8, each
-// weight vector decoded once and used by every token of the block from registers.
+// thread, so the result does not depend on the thread count. Rows go in sub-blocks of 4 (bf16) or 2 (quantized) and
+// tokens in blocks of 4 (2 when x has a lo half): each weight vector is decoded once and used by every token of the
+// block, and each x vector by every row of it, from registers. (Column chunks with the accumulators in L1 between
+// them, to keep x in L1 at many tokens, measured slower.)
 // ---------------------------------------------------------------------------------------------------------------
 
 #define MAXIMUS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")))
 
 constexpr int kVec = 32;           // bf16 lanes of a vector: the x rows are padded to a multiple of it
-constexpr int kMaxBlock = 8;       // tokens a row pass serves from registers
 constexpr int64_t kPrefetch = 1024;  // bytes ahead of the weight stream a thread asks for
 
 // whether the host runs the bf16 path: its ISA, unless MAXIMUS_EXPERT_CPU_FP32=1 asks for the fp32 path (to test
@@ -242,28 +243,18 @@ MAXIMUS_BF16_TARGET inline __m512 dot_step(__m512 acc, __m512bh w, const SplitX&
     return acc;
 }
 
-// The accumulators of a block of rows live between column chunks in a small array (L1): one vector a row and token,
-// and a second for x's lo half (bf16 weights). A chunk of x (every token) stays in L1 while the block's rows stream
-// through it, so however many tokens there are, x is read from L1 and each weight byte from memory once.
-constexpr int64_t kRowBlock = 16;   // rows a thread takes at a time
-constexpr int64_t kColChunk = 256;  // columns of a chunk (whole groups for quantized rows)
-constexpr int64_t kAccStride = 32;  // floats of a row and token in the accumulator array: hi and lo vectors
-
-// acc[i, t] += w[r0 + i, k0:k1] . x[t0 + t, k0:k1] for i < R, t < T, bf16 rows: each x vector loaded serves R rows
-// and each weight vector T tokens (from registers); a fixed order of adds per row and token
+// out[i * ld + j] = w[r0 + i] . x[t0 + j] for i < R, j < T, bf16 rows: each x vector loaded serves R rows and
+// each weight vector T tokens (from registers); one accumulator per row and token, its adds in a fixed order
 template <int R, int T, bool LO>
-MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, int64_t k0,
-                                   int64_t k1, float* acc, int64_t row_ld) {
+MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* out,
+                                   int64_t ld) {
     const uint16_t* row[R];
     for (int i = 0; i < R; ++i) row[i] = static_cast<const uint16_t*>(w.data) + (r0 + i) * w.cols;
-    __m512 hi[R][T], lo[R][T];  // the hi and lo halves of x in separate chains (half the latency)
+    __m512 acc[R][T], lo[R][T];  // the hi and lo halves of x in separate chains (half the latency)
     for (int i = 0; i < R; ++i)
-        for (int t = 0; t < T; ++t) {
-            hi[i][t] = _mm512_loadu_ps(acc + i * row_ld + t * kAccStride);
-            lo[i][t] = _mm512_loadu_ps(acc + i * row_ld + t * kAccStride + 16);
-        }
-    for (int64_t k = k0; k < k1; k += kVec) {
-        const int64_t n = std::min<int64_t>(kVec, k1 - k);
+        for (int t = 0; t < T; ++t) acc[i][t] = lo[i][t] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < w.cols; k += kVec) {
+        const int64_t n = std::min<int64_t>(kVec, w.cols - k);
         const __mmask32 m = n == kVec ? ~0u : (1u << n) - 1;  // the tail: masked loads read zeros past the row
         __m512bh wv[R];
         for (int i = 0; i < R; ++i) {
@@ -272,7 +263,7 @@ MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX
         }
         for (int t = 0; t < T; ++t) {
             const __m512bh xh = load_bh(x.hi.data() + (t0 + t) * x.ld + k);
-            for (int i = 0; i < R; ++i) hi[i][t] = _mm512_dpbf16_ps(hi[i][t], wv[i], xh);
+            for (int i = 0; i < R; ++i) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xh);
             if constexpr (LO) {
                 const __m512bh xl = load_bh(x.lo.data() + (t0 + t) * x.ld + k);
                 for (int i = 0; i < R; ++i) lo[i][t] = _mm512_dpbf16_ps(lo[i][t], wv[i], xl);
@@ -280,10 +271,8 @@ MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX
         }
     }
     for (int i = 0; i < R; ++i)
-        for (int t = 0; t < T; ++t) {
-            _mm512_storeu_ps(acc + i * row_ld + t * kAccStride, hi[i][t]);
-            _mm512_storeu_ps(acc + i * row_ld + t * kAccStride + 16, lo[i][t]);
-        }
+        for (int t = 0; t < T; ++t)
+            out[i * ld + t] = _mm512_reduce_add_ps(LO ? _mm512_add_ps(acc[i][t], lo[i][t]) : acc[i][t]);
 }
 
 // How 32 codes of BITS < 8 become bf16: vpermb puts bytes b and b + 1 (b the byte of the code's first bit) in each
@@ -323,40 +312,39 @@ MAXIMUS_BF16_TARGET inline __m512bh decode32(const uint8_t* p, int64_t n, __m512
     }
 }
 
-// A quantized row's scales in fp32 (scales) and, per token, its zero term sum_g zero_g * group_sum_g (zsum)
-MAXIMUS_BF16_TARGET void quant_row_terms(const WeightView& w, int64_t r, const SplitX& x, int64_t tokens,
-                                         float* scales, float* zsum) {
-    const int64_t groups = x.groups;
-    const uint16_t* sc = w.scales + r * groups;
-    const uint16_t* zr = w.zeros + r * groups;
-    for (int64_t t = 0; t < tokens; ++t) {
-        __m512 zacc = _mm512_setzero_ps();
+// out[i * ld + j] = dequant(w)[r0 + i] . x[t0 + j] for i < R, j < T: per group scale * dot(codes, x) + zero *
+// sum(x) (the zero term over all groups first, then the scaled group dots), in a fixed order
+template <int BITS, int R, int T, bool LO>
+MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
+                                    float* out, int64_t ld) {
+    static const CodeLayout<BITS> lay;
+    const __m512i bytes = _mm512_load_si512(lay.bytes), shifts = _mm512_load_si512(lay.shifts),
+                  table = _mm512_load_si512(lay.table);
+    const int64_t gs = w.group_size, groups = x.groups, sld = groups + 16;
+    const uint8_t* row[R];
+    float zsum[R][T];
+    for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        row[i] = static_cast<const uint8_t*>(w.data) + r * (w.cols * BITS / 8);
+        const uint16_t* sc = w.scales + r * groups;
+        const uint16_t* zr = w.zeros + r * groups;
+        __m512 zacc[T];
+        for (int t = 0; t < T; ++t) zacc[t] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g += 16) {
             const int64_t n = std::min<int64_t>(16, groups - g);
             const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
             const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zr + g));
-            zacc = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, x.group_sum.data() + t * groups + g), zacc);
-            if (t == 0) _mm512_storeu_ps(scales + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g)));
+            _mm512_storeu_ps(scale_buf + i * sld + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g)));
+            for (int t = 0; t < T; ++t)
+                zacc[t] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, x.group_sum.data() + (t0 + t) * groups + g),
+                                          zacc[t]);
         }
-        zsum[t] = _mm512_reduce_add_ps(zacc);
+        for (int t = 0; t < T; ++t) zsum[i][t] = _mm512_reduce_add_ps(zacc[t]);
     }
-}
-
-// acc[i, t] += sum over the groups of columns [k0, k1) of scale_g * dot(codes_g, x_g), for i < R, t < T (the zero
-// terms are added at the end, quant_row_terms); a fixed order of adds per row and token
-template <int BITS, int R, int T, bool LO>
-MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, int64_t k0,
-                                    int64_t k1, const float* scales, int64_t scales_ld, float* acc, int64_t row_ld) {
-    static const CodeLayout<BITS> lay;
-    const __m512i bytes = _mm512_load_si512(lay.bytes), shifts = _mm512_load_si512(lay.shifts),
-                  table = _mm512_load_si512(lay.table);
-    const int64_t gs = w.group_size;
-    const uint8_t* row[R];
-    for (int i = 0; i < R; ++i) row[i] = static_cast<const uint8_t*>(w.data) + (r0 + i) * (w.cols * BITS / 8);
-    __m512 a[R][T];
+    __m512 acc[R][T];
     for (int i = 0; i < R; ++i)
-        for (int t = 0; t < T; ++t) a[i][t] = _mm512_loadu_ps(acc + i * row_ld + t * kAccStride);
-    for (int64_t g = k0 / gs; g < k1 / gs; ++g) {
+        for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
         __m512 d[R][T], dl[R][T];  // the hi and lo halves of x in separate chains (half the latency)
         for (int i = 0; i < R; ++i)
             for (int t = 0; t < T; ++t) d[i][t] = dl[i][t] = _mm512_setzero_ps();
@@ -378,112 +366,81 @@ MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const Split
             }
         }
         for (int i = 0; i < R; ++i) {
-            const __m512 s = _mm512_set1_ps(scales[i * scales_ld + g]);
+            const __m512 s = _mm512_set1_ps(scale_buf[i * sld + g]);
             for (int t = 0; t < T; ++t)
-                a[i][t] = _mm512_fmadd_ps(LO ? _mm512_add_ps(d[i][t], dl[i][t]) : d[i][t], s, a[i][t]);
+                acc[i][t] = _mm512_fmadd_ps(LO ? _mm512_add_ps(d[i][t], dl[i][t]) : d[i][t], s, acc[i][t]);
         }
     }
     for (int i = 0; i < R; ++i)
-        for (int t = 0; t < T; ++t) _mm512_storeu_ps(acc + i * row_ld + t * kAccStride, a[i][t]);
+        for (int t = 0; t < T; ++t) out[i * ld + t] = _mm512_reduce_add_ps(acc[i][t]) + zsum[i][t];
 }
 
-// rows a sub-block: a loaded x vector serves this many rows (bf16 rows need no decode, so more of them fit the
-// registers)
+// rows a block: a loaded x vector serves this many rows (bf16 rows need no decode, so more of them fit the registers)
 inline int rows_per_block(const WeightView& w) { return w.kind == WeightKind::kBF16 ? 4 : 2; }
 
-// per-thread scratch of a block of rows
-struct BlockScratch {
-    std::vector<float> acc, scales, zsum;
-    int64_t scales_ld = 0;
-    BlockScratch(const WeightView& w, int64_t tokens)
-        : acc(kRowBlock * tokens * kAccStride),
-          scales(w.kind == WeightKind::kQuant ? kRowBlock * (w.cols / w.group_size + 16) : 0),
-          zsum(kRowBlock * tokens),
-          scales_ld(w.kind == WeightKind::kQuant ? w.cols / w.group_size + 16 : 0) {}
-};
-
 template <int R, int T, bool LO>
-MAXIMUS_BF16_TARGET void dots_block(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, int64_t k0,
-                                    int64_t k1, const float* scales, int64_t scales_ld, float* acc, int64_t row_ld) {
-    if (w.kind == WeightKind::kBF16) return dots_bf16<R, T, LO>(w, r0, x, t0, k0, k1, acc, row_ld);
+MAXIMUS_BF16_TARGET void dots_block(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
+                                    float* out, int64_t ld) {
+    if (w.kind == WeightKind::kBF16) return dots_bf16<R, T, LO>(w, r0, x, t0, out, ld);
     switch (w.bits) {
-        case 8: return dots_quant<8, R, T, LO>(w, r0, x, t0, k0, k1, scales, scales_ld, acc, row_ld);
-        case 4: return dots_quant<4, R, T, LO>(w, r0, x, t0, k0, k1, scales, scales_ld, acc, row_ld);
-        case 3: return dots_quant<3, R, T, LO>(w, r0, x, t0, k0, k1, scales, scales_ld, acc, row_ld);
-        case 2: return dots_quant<2, R, T, LO>(w, r0, x, t0, k0, k1, scales, scales_ld, acc, row_ld);
+        case 8: return dots_quant<8, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
+        case 4: return dots_quant<4, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
+        case 3: return dots_quant<3, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
+        case 2: return dots_quant<2, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
     }
 }
 
-// columns [k0, k1) of R rows from r0 for every token, in token blocks of 4 (2 when x has a lo half: twice the
-// accumulators), 2 and 1, so the accumulators stay in the 32 vector registers
+// dots[i * tokens + t] = w[r0 + i] . x[t] for i < R and every token, in token blocks of 4 (2 when x has a lo half:
+// twice the accumulators), 2 and 1: the accumulators stay in the 32 vector registers
 template <int R, bool LO>
-MAXIMUS_BF16_TARGET void rows_chunk(const WeightView& w, int64_t r0, const SplitX& x, int64_t tokens, int64_t k0,
-                                    int64_t k1, const float* scales, int64_t scales_ld, float* acc) {
-    const int64_t row_ld = tokens * kAccStride;
+MAXIMUS_BF16_TARGET void rows_dots_t(const WeightView& w, int64_t r0, const SplitX& x, int64_t tokens,
+                                     float* scale_buf, float* dots) {
     int64_t t = 0;
     if constexpr (!LO)
-        for (; t + 4 <= tokens; t += 4)
-            dots_block<R, 4, LO>(w, r0, x, t, k0, k1, scales, scales_ld, acc + t * kAccStride, row_ld);
-    for (; t + 2 <= tokens; t += 2)
-        dots_block<R, 2, LO>(w, r0, x, t, k0, k1, scales, scales_ld, acc + t * kAccStride, row_ld);
-    if (t < tokens) dots_block<R, 1, LO>(w, r0, x, t, k0, k1, scales, scales_ld, acc + t * kAccStride, row_ld);
+        for (; t + 4 <= tokens; t += 4) dots_block<R, 4, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+    for (; t + 2 <= tokens; t += 2) dots_block<R, 2, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+    if (t < tokens) dots_block<R, 1, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
 }
 
-// dots[i * tokens + t] = w[r0 + i] . x[t] for i < n <= kRowBlock and every token: column chunk by column chunk,
-// sub-blocks of 4, 2 or 1 rows (a row's sums are the same in a sub-block of any size)
+// dots for rows [r0, r0 + n), n <= rows_per_block(w); a row's sums are the same in a block of any size
 MAXIMUS_BF16_TARGET void rows_dots(const WeightView& w, int64_t r0, int64_t n, const SplitX& x, int64_t tokens,
-                                   BlockScratch& s, float* dots) {
-    const bool quant = w.kind == WeightKind::kQuant;
-    const int64_t row_ld = tokens * kAccStride;
-    std::fill(s.acc.begin(), s.acc.begin() + n * row_ld, 0.f);
-    if (quant)
-        for (int64_t i = 0; i < n; ++i)
-            quant_row_terms(w, r0 + i, x, tokens, s.scales.data() + i * s.scales_ld, s.zsum.data() + i * tokens);
-    const int64_t chunk = quant ? w.group_size * std::max<int64_t>(1, kColChunk / w.group_size) : kColChunk;
-    for (int64_t k0 = 0; k0 < w.cols; k0 += chunk) {
-        const int64_t k1 = std::min(w.cols, k0 + chunk);
-        for (int64_t i = 0; i < n;) {
-            const int64_t left = n - i;
-            float* acc = s.acc.data() + i * row_ld;
-            const float* scales = s.scales.data() + i * s.scales_ld;
-            if (left >= 4 && rows_per_block(w) >= 4) {
-                x.exact ? rows_chunk<4, false>(w, r0 + i, x, tokens, k0, k1, scales, s.scales_ld, acc)
-                        : rows_chunk<4, true>(w, r0 + i, x, tokens, k0, k1, scales, s.scales_ld, acc);
-                i += 4;
-            } else if (left >= 2) {
-                x.exact ? rows_chunk<2, false>(w, r0 + i, x, tokens, k0, k1, scales, s.scales_ld, acc)
-                        : rows_chunk<2, true>(w, r0 + i, x, tokens, k0, k1, scales, s.scales_ld, acc);
-                i += 2;
-            } else {
-                x.exact ? rows_chunk<1, false>(w, r0 + i, x, tokens, k0, k1, scales, s.scales_ld, acc)
-                        : rows_chunk<1, true>(w, r0 + i, x, tokens, k0, k1, scales, s.scales_ld, acc);
-                i += 1;
-            }
+                                   float* scale_buf, float* dots) {
+    for (int64_t i = 0; i < n;) {
+        const int64_t left = n - i;
+        float* out = dots + i * tokens;
+        if (left >= 4 && rows_per_block(w) >= 4) {
+            x.exact ? rows_dots_t<4, false>(w, r0 + i, x, tokens, scale_buf, out)
+                    : rows_dots_t<4, true>(w, r0 + i, x, tokens, scale_buf, out);
+            i += 4;
+        } else if (left >= 2) {
+            x.exact ? rows_dots_t<2, false>(w, r0 + i, x, tokens, scale_buf, out)
+                    : rows_dots_t<2, true>(w, r0 + i, x, tokens, scale_buf, out);
+            i += 2;
+        } else {
+            x.exact ? rows_dots_t<1, false>(w, r0 + i, x, tokens, scale_buf, out)
+                    : rows_dots_t<1, true>(w, r0 + i, x, tokens, scale_buf, out);
+            i += 1;
         }
     }
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t t = 0; t < tokens; ++t) {
-            const float* a = s.acc.data() + i * row_ld + t * kAccStride;
-            dots[i * tokens + t] =
-                quant ? _mm512_reduce_add_ps(_mm512_loadu_ps(a)) + s.zsum[i * tokens + t]
-                      : _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16)));
-        }
 }
 
 // the weights the bf16 path takes: bf16, and quantized codes of any width (fp32 weights keep the fp32 path)
 inline bool bf16_path(const WeightView& w) { return w.kind != WeightKind::kF32 && bf16_isa(); }
 
+inline int64_t scale_buf_len(const WeightView& w) {
+    return w.kind == WeightKind::kQuant ? 4 * (w.cols / w.group_size + 16) : 16;
+}
+
 void linear_bf16(const float* x, int64_t tokens, const WeightView& w, float* y) {
     const SplitX xs = split_x(x, tokens, w);
-    const int64_t blocks = (w.rows + kRowBlock - 1) / kRowBlock;
+    const int64_t R = rows_per_block(w), blocks = (w.rows + R - 1) / R;
 #pragma omp parallel
     {
-        BlockScratch scratch(w, tokens);
-        std::vector<float> dots(kRowBlock * tokens);
+        std::vector<float> scale_buf(scale_buf_len(w)), dots(R * tokens);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t r0 = b * kRowBlock, n = std::min(kRowBlock, w.rows - r0);
-            rows_dots(w, r0, n, xs, tokens, scratch, dots.data());
+            const int64_t r0 = b * R, n = std::min(R, w.rows - r0);
+            rows_dots(w, r0, n, xs, tokens, scale_buf.data(), dots.data());
             for (int64_t i = 0; i < n; ++i)
                 for (int64_t t = 0; t < tokens; ++t) y[t * w.rows + r0 + i] = dots[i * tokens + t];
         }
@@ -492,25 +449,22 @@ void linear_bf16(const float* x, int64_t tokens, const WeightView& w, float* y) 
 
 void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const WeightView& w3, float* h) {
     const SplitX xs = split_x(x, tokens, w1);  // w1 and w3 share a width and group size
-    const int64_t ffn = w1.rows, blocks = (ffn + kRowBlock - 1) / kRowBlock;
+    const int64_t ffn = w1.rows, R = rows_per_block(w1), blocks = (ffn + R - 1) / R;
 #pragma omp parallel
     {
-        BlockScratch scratch(w1, tokens);
-        std::vector<float> d1(kRowBlock * tokens), d3(kRowBlock * tokens);
+        std::vector<float> scale_buf(scale_buf_len(w1)), d1(R * tokens), d3(R * tokens);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t f0 = b * kRowBlock, n = std::min(kRowBlock, ffn - f0);
-            rows_dots(w1, f0, n, xs, tokens, scratch, d1.data());
-            rows_dots(w3, f0, n, xs, tokens, scratch, d3.data());
+            const int64_t f0 = b * R, n = std::min(R, ffn - f0);
+            rows_dots(w1, f0, n, xs, tokens, scale_buf.data(), d1.data());
+            rows_dots(w3, f0, n, xs, tokens, scale_buf.data(), d3.data());
             for (int64_t i = 0; i < n; ++i)
                 for (int64_t t = 0; t < tokens; ++t)
                     h[t * ffn + f0 + i] = silu(d1[i * tokens + t]) * d3[i * tokens + t];
         }
     }
 }
-
 }  // namespace
-
 const char* kernel_isa() { return bf16_isa() ? "avx512_bf16" : "fp32"; }
 
 float half_to_float(uint16_t h) {
