@@ -158,7 +158,7 @@ inline float silu(float a) { return a / (1.f + std::exp(-a)); }
 // keeps ~16 of fp32 x's mantissa bits. A quantized row is, group by group, scale_g * dot(codes_g, x_g) + zero_g *
 // sum(x_g), the group sums of x taken once a call. Each output is one row's sums in a fixed order, done by one
 // thread, so the result does not depend on the thread count. Rows go in sub-blocks of 4 (bf16) or 2 (quantized) and
-// tokens in blocks of 4 (2 when x has a lo half): each weight vector is decoded once and used by every token of the
+// tokens in blocks of 4: each weight vector is decoded once and used by every token of the
 // block, and each x vector by every row of it, from registers. (Column chunks with the accumulators in L1 between
 // them, to keep x in L1 at many tokens, measured slower.)
 // ---------------------------------------------------------------------------------------------------------------
@@ -250,7 +250,10 @@ MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX
                                    int64_t ld) {
     const uint16_t* row[R];
     for (int i = 0; i < R; ++i) row[i] = static_cast<const uint16_t*>(w.data) + (r0 + i) * w.cols;
-    __m512 acc[R][T], lo[R][T];  // the hi and lo halves of x in separate chains (half the latency)
+    // one token: x's lo half in a chain of its own (half the latency); more: the token chains are independent and
+    // the lo products join the hi chain, which keeps the registers for more tokens
+    constexpr bool kLoChain = LO && T == 1;
+    __m512 acc[R][T], lo[R][T];
     for (int i = 0; i < R; ++i)
         for (int t = 0; t < T; ++t) acc[i][t] = lo[i][t] = _mm512_setzero_ps();
     for (int64_t k = 0; k < w.cols; k += kVec) {
@@ -266,13 +269,16 @@ MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX
             for (int i = 0; i < R; ++i) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xh);
             if constexpr (LO) {
                 const __m512bh xl = load_bh(x.lo.data() + (t0 + t) * x.ld + k);
-                for (int i = 0; i < R; ++i) lo[i][t] = _mm512_dpbf16_ps(lo[i][t], wv[i], xl);
+                for (int i = 0; i < R; ++i) {
+                    if constexpr (kLoChain) lo[i][t] = _mm512_dpbf16_ps(lo[i][t], wv[i], xl);
+                    else acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xl);
+                }
             }
         }
     }
     for (int i = 0; i < R; ++i)
         for (int t = 0; t < T; ++t)
-            out[i * ld + t] = _mm512_reduce_add_ps(LO ? _mm512_add_ps(acc[i][t], lo[i][t]) : acc[i][t]);
+            out[i * ld + t] = _mm512_reduce_add_ps(kLoChain ? _mm512_add_ps(acc[i][t], lo[i][t]) : acc[i][t]);
 }
 
 // How 32 codes of BITS < 8 become bf16: vpermb puts bytes b and b + 1 (b the byte of the code's first bit) in each
@@ -317,6 +323,7 @@ MAXIMUS_BF16_TARGET inline __m512bh decode32(const uint8_t* p, int64_t n, __m512
 template <int BITS, int R, int T, bool LO>
 MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
                                     float* out, int64_t ld) {
+    constexpr bool kLoChain = LO && T == 1;
     static const CodeLayout<BITS> lay;
     const __m512i bytes = _mm512_load_si512(lay.bytes), shifts = _mm512_load_si512(lay.shifts),
                   table = _mm512_load_si512(lay.table);
@@ -345,7 +352,7 @@ MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const Split
     for (int i = 0; i < R; ++i)
         for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        __m512 d[R][T], dl[R][T];  // the hi and lo halves of x in separate chains (half the latency)
+        __m512 d[R][T], dl[R][T];  // x's lo half in a chain of its own for one token, as in dots_bf16
         for (int i = 0; i < R; ++i)
             for (int t = 0; t < T; ++t) d[i][t] = dl[i][t] = _mm512_setzero_ps();
         for (int64_t k = 0; k < gs; k += kVec) {
@@ -361,14 +368,17 @@ MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const Split
                 for (int i = 0; i < R; ++i) d[i][t] = _mm512_dpbf16_ps(d[i][t], wv[i], xh);
                 if constexpr (LO) {
                     const __m512bh xl = load_bh(x.lo.data() + (t0 + t) * x.ld + c);
-                    for (int i = 0; i < R; ++i) dl[i][t] = _mm512_dpbf16_ps(dl[i][t], wv[i], xl);
+                    for (int i = 0; i < R; ++i) {
+                        if constexpr (kLoChain) dl[i][t] = _mm512_dpbf16_ps(dl[i][t], wv[i], xl);
+                        else d[i][t] = _mm512_dpbf16_ps(d[i][t], wv[i], xl);
+                    }
                 }
             }
         }
         for (int i = 0; i < R; ++i) {
             const __m512 s = _mm512_set1_ps(scale_buf[i * sld + g]);
             for (int t = 0; t < T; ++t)
-                acc[i][t] = _mm512_fmadd_ps(LO ? _mm512_add_ps(d[i][t], dl[i][t]) : d[i][t], s, acc[i][t]);
+                acc[i][t] = _mm512_fmadd_ps(kLoChain ? _mm512_add_ps(d[i][t], dl[i][t]) : d[i][t], s, acc[i][t]);
         }
     }
     for (int i = 0; i < R; ++i)
@@ -390,15 +400,14 @@ MAXIMUS_BF16_TARGET void dots_block(const WeightView& w, int64_t r0, const Split
     }
 }
 
-// dots[i * tokens + t] = w[r0 + i] . x[t] for i < R and every token, in token blocks of 4 (2 when x has a lo half:
-// twice the accumulators), 2 and 1: the accumulators stay in the 32 vector registers
+// dots[i * tokens + t] = w[r0 + i] . x[t] for i < R and every token, in token blocks of 4, 2 and 1: the
+// accumulators stay in the 32 vector registers
 template <int R, bool LO>
 MAXIMUS_BF16_TARGET void rows_dots_t(const WeightView& w, int64_t r0, const SplitX& x, int64_t tokens,
                                      float* scale_buf, float* dots) {
     int64_t t = 0;
-    if constexpr (!LO)
-        for (; t + 4 <= tokens; t += 4) dots_block<R, 4, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
-    for (; t + 2 <= tokens; t += 2) dots_block<R, 2, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+    for (; t + 4 <= tokens; t += 4) dots_block<R, 4, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+    if (t + 2 <= tokens) dots_block<R, 2, LO>(w, r0, x, t, scale_buf, dots + t, tokens), t += 2;
     if (t < tokens) dots_block<R, 1, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
 }
 
