@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_expert_kernels                 # the H200: GPU and host kernels
     python -m benchmarks.bench_expert_kernels --small         # CPU smoke run (a scaled-down expert)
+    MAXIMUS_EXPERT_CPU_FP32=1 python -m benchmarks.bench_expert_kernels   # the host rows on the fp32 path
 
 Rows, each at 1 and 8 tokens:
 
@@ -11,7 +12,8 @@ Rows, each at 1 and 8 tokens:
   them all) and with the loop kernel, per width (8, 4, 3, 2 bits, group 64). GB/s = the weight's bytes (packed,
   with scales and offsets) over the time: the HBM bound is ~4.8 TB/s.
 - Host, one whole SwiGLU expert (the three matrices): ours, ``ds_maximus.ops.expert_cpu.swiglu`` (bf16 and each
-  width), beside torch's own bf16 ``linear`` (oneDNN) on the same cores. GB/s against the host bandwidth measured
+  width; x exactly bf16, as a bf16 model's hidden state), beside torch's own bf16 ``linear`` (oneDNN) on the same
+  cores. GB/s against the host bandwidth measured
   in the same run (``sum()`` of a 2 GB fp32 tensor).
 
 What a decode step of ``moe.cpu_compute`` costs per missed expert is the host row; what ``moe.quant`` costs per
@@ -61,6 +63,7 @@ def main(argv=None):
     hbw = host_bandwidth_gbps(int(0.2e9 if a.small else 2e9))
     bench = Bench("expert_kernels", dtype="bfloat16 weights, fp32 accumulation",
                   sizes={"H": H, "F": F, "group": 64, "host threads": expert_cpu.max_threads(),
+                         "host path": expert_cpu.kernel_isa(),
                          "host GB/s": round(hbw, 1)},
                   notes="GPU rows: one projection (gate_up [2F, H], down [H, F]); host rows: the whole SwiGLU expert. "
                         "GB/s = the weight's bytes (packed + fp16 scales and offsets) / time")
@@ -91,12 +94,13 @@ def main(argv=None):
         del dense
     exact_bytes = (w13.numel() + w2.numel()) * 2
     for T in tokens_list:
-        x = torch.randn(T, H, generator=g)
+        # a bf16 model's hidden state: x exactly bf16 (as torch's rows get it); the intermediate fed to w2 is fp32
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).float()
         r = bench.measure(f"host expert bf16 ours, {T} tok",
                           lambda: expert_cpu.swiglu(x, w13[:F], w13[F:], w2), warmup=1, repeat=a.host_repeat)
         if r.ms:
             r.extra["GB/s"] = round(exact_bytes / r.ms / 1e6, 1)
-        xb = x.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)  # exact
 
         def torch_expert():
             h = torch.nn.functional.linear(xb, w13)

@@ -109,5 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "w1"_a, "w3"_a, "w2"_a);
     m.def("swiglu_quant", &swiglu_quant, "the SwiGLU expert from quantized weights, each (packed, scales, zeros)",
           "x"_a, "w1"_a, "w3"_a, "w2"_a, "bits"_a, "group_size"_a, "ffn"_a);
+    m.def("kernel_isa", [] { return std::string(ec::kernel_isa()); },
+          "the path this host runs: avx512_bf16 (bf16 dot products) or fp32");
     m.def("omp_max_threads", [] { return omp_get_max_threads(); }, "OpenMP threads a call uses");
 }

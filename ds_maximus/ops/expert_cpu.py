@@ -1,11 +1,14 @@
 """Python face of the ``maximus_expert_cpu`` op: a SwiGLU expert computed on the host for a few tokens.
 
-The op (``csrc/expert_cpu``) reads each weight row once, decodes it a chunk at a time to fp32 in L1 (bf16, fp32, or
-the quantized tier's packed codes with fp16 scales and offsets, :mod:`ds_maximus.experts.quant`), and takes its dot
-products with every token in fp32 with 64 independent partial sums a token, added in a fixed order (a result does
-not depend on the thread count); OpenMP splits the rows over the host's cores and the calls run without the GIL.
-One token through an expert reads the expert once from host memory, which is what lets a missed expert be computed
-where it lives instead of being copied to the GPU.
+The op (``csrc/expert_cpu``) reads each weight row once and takes its dot products with every token with fp32
+sums in a fixed order (a result does not depend on the thread count); OpenMP splits the rows over the host's cores
+and the calls run without the GIL. Where the host has AVX512-BF16 (checked at run time; :func:`kernel_isa`), bf16
+and quantized weights (:mod:`ds_maximus.experts.quant`: codes are integers, exact in bf16) take ``vdpbf16ps`` dot
+products, whose products are exact, against x split into bf16 ``hi + lo`` (one product a weight when x is exactly
+bf16, as a bf16 model's hidden state is; two otherwise, ~16 bits of x), a quantized group adding
+``scale * dot(codes, x) + zero * sum(x)``. Elsewhere, and for fp32 weights, rows are decoded a chunk at a time to
+fp32 in L1. One token through an expert reads the expert once from host memory, which is what lets a missed expert
+be computed where it lives instead of being copied to the GPU.
 
 The op is built (JIT, cached) and loaded once per process. There is no fallback: where it cannot be built,
 every call raises :class:`ds_maximus.errors.OpBuildError` with the compiler's log and the fix. The plain-PyTorch
@@ -72,6 +75,12 @@ def swiglu(x: Tensor, w1: Weight, w3: Weight, w2: Weight) -> Tensor:
     if len({w1.dtype, w3.dtype, w2.dtype}) != 1:
         raise TypeError(f"w1, w3 and w2 must share a dtype; got {w1.dtype}, {w3.dtype}, {w2.dtype}")
     return op.swiglu_dense(_x(x), *(w.detach().contiguous() for w in (w1, w3, w2)))
+
+
+def kernel_isa() -> str:
+    """The path this host runs: ``"avx512_bf16"`` (bf16 dot products) or ``"fp32"`` (a host without AVX512-BF16,
+    or ``MAXIMUS_EXPERT_CPU_FP32=1`` in the environment when the op first loads)."""
+    return load_op().kernel_isa()
 
 
 def max_threads() -> int:

@@ -42,6 +42,25 @@ def test_swiglu_quant_equals_reference(bits, tokens, hidden, ffn, group_size):
     _close(y, swiglu_reference(x, q1, q3, q2))
 
 
+@pytest.mark.parametrize("bits", [None, *SUPPORTED_BITS])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("x_exact", [True, False], ids=["x-bf16-exact", "x-fp32"])
+def test_bf16_dot_products_equal_reference(bits, tokens, x_exact):
+    """The bf16 dot-product path (vdpbf16ps where the host has it): x exactly bf16 (one product a weight) and general
+    fp32 x (split into bf16 hi + lo, two products); odd sizes (rows not a multiple of the row blocks, columns not of
+    the 32-lane vector, groups of 40 codes: a full vector and a masked one); token counts across the token blocks."""
+    hidden, ffn = (120, 200) if bits else (67, 45)
+    w1, w3, w2 = _expert(hidden, ffn, torch.bfloat16, seed=11 + (bits or 0))
+    if bits:
+        w1, w3, w2 = (quantize(w, bits, 40) for w in (w1, w3, w2))
+    x = 3 * torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+    if x_exact:
+        x = x.to(torch.bfloat16).float()
+    _close(expert_cpu.swiglu(x, w1, w3, w2), swiglu_reference(x, w1, w3, w2))
+    w = w1 if bits else w1.float()
+    _close(expert_cpu.linear(x, w1), x @ (dequantize(w) if bits else w).t())
+
+
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_quantized_rows_decode_exactly(bits):
     """One token of a one-hot x reads one column of W: the op's decode equals the reference's bits."""
@@ -76,7 +95,7 @@ def test_bad_inputs_raise_clear_errors():
 
 @pytest.mark.parametrize("bits", [None, 4, 3])
 def test_result_does_not_depend_on_the_thread_count(bits):
-    """Each output is one row's fixed-order sum (64 partial sums a token), whichever thread computes it."""
+    """Each output is one row's fixed-order sum, whichever thread computes it (rows in blocks fixed by the shape)."""
     w1, w3, w2 = _expert(256, 320, torch.bfloat16, seed=5)
     if bits:
         w1, w3, w2 = (quantize(w, bits, 64) for w in (w1, w3, w2))
@@ -88,6 +107,31 @@ def test_result_does_not_depend_on_the_thread_count(bits):
         assert expert_cpu.max_threads() == 2
         two = expert_cpu.swiglu(x, w1, w3, w2)
     assert torch.equal(one, two)
+
+
+def test_fp32_fallback_equals_reference():
+    """MAXIMUS_EXPERT_CPU_FP32=1 runs the fp32 path (a host without AVX512-BF16) on any host: it matches too."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch\nfrom ds_maximus.experts.quant import quantize, swiglu_reference\n"
+            "from ds_maximus.ops import expert_cpu\nassert expert_cpu.kernel_isa() == 'fp32'\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "w1, w3, w2 = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g), "
+            "torch.randn(24, 40, generator=g)\nx = torch.randn(3, 24, generator=g)\n"
+            "ws3 = (w1, w3, w2)\n"
+            "for ws in [ws3, [w.bfloat16() for w in ws3], [quantize(w, 4, 8) for w in ws3]]:\n"
+            "    want = swiglu_reference(x, *ws)\n"
+            "    tol = 2e-5 * want.abs().max().item()\n"
+            "    torch.testing.assert_close(expert_cpu.swiglu(x, *ws), want, rtol=2e-5, atol=tol)\n"
+            "print('ok')\n")
+    env = dict(os.environ, MAXIMUS_EXPERT_CPU_FP32="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_kernel_isa_names_a_path():
+    assert expert_cpu.kernel_isa() in ("avx512_bf16", "fp32")
 
 
 def test_threads_are_openmp_threads():

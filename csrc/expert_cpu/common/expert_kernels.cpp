@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
 #include <omp.h>
 
 namespace maximus {
@@ -12,6 +14,7 @@ namespace expert_cpu {
 
 namespace {
 
+// The fp32 path (fp32 weights, and every weight on a host without AVX512-BF16; the bf16 path is further down).
 // A row is decoded kChunk columns at a time into an L1 buffer and used there by every token, so its bytes are read
 // from memory once and its fp32 form never leaves L1. Each token keeps kLanes partial sums (four 16-float vectors):
 // their adds are independent, which is what lets a core run at memory speed (one accumulator vector is bound by
@@ -147,7 +150,331 @@ inline void row_dots(const float* x, int64_t tokens, const WeightView& w, int64_
 
 inline float silu(float a) { return a / (1.f + std::exp(-a)); }
 
+// ---------------------------------------------------------------------------------------------------------------
+// AVX512-BF16 path. vdpbf16ps multiplies bf16 pairs and adds them to fp32 lanes; a product of two bf16 values is
+// exact in fp32, so only the fp32 sums round. Weights are bf16 already, and quantized codes (integers < 256) are
+// exact in bf16. x is split once a call into x = hi + lo (both bf16, hi = rne(x), lo = rne(x - hi)): one dot product
+// per weight vector when x is exactly bf16 (lo == 0 everywhere, as in a bf16 model's decode), two otherwise, which
+// keeps ~16 of fp32 x's mantissa bits. A quantized row is, group by group, scale_g * dot(codes_g, x_g) + zero_g *
+// sum(x_g), the group sums of x taken once a call. Each output is one row's sums in a fixed order, done by one
+// thread, so the result does not depend on the thread count. Rows go in sub-blocks of 4 (bf16) or 2 (quantized) and
+// tokens in blocks of 4: each weight vector is decoded once and used by every token of the
+// block, and each x vector by every row of it, from registers. (Column chunks with the accumulators in L1 between
+// them, to keep x in L1 at many tokens, measured slower.)
+// ---------------------------------------------------------------------------------------------------------------
+
+#define MAXIMUS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")))
+
+constexpr int kVec = 32;           // bf16 lanes of a vector: the x rows are padded to a multiple of it
+constexpr int64_t kPrefetch = 1024;  // bytes ahead of the weight stream a thread asks for
+
+// whether the host runs the bf16 path: its ISA, unless MAXIMUS_EXPERT_CPU_FP32=1 asks for the fp32 path (to test
+// or compare the fallback on a host that has the ISA); read once a process
+bool bf16_isa() {
+    static const bool ok = [] {
+        const char* force = std::getenv("MAXIMUS_EXPERT_CPU_FP32");
+        if (force && std::strcmp(force, "1") == 0) return false;
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+    }();
+    return ok;
+}
+
+inline uint16_t float_to_bf16_rne(float f) {  // x is finite here; a nan keeps its sign and stays a nan
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x [tokens, cols] as bf16 hi and lo rows of ld (cols padded with zeros), and for quantized weights the sum of
+// x over each group (fp32, in order)
+struct SplitX {
+    std::vector<uint16_t> hi, lo;
+    std::vector<float> group_sum;  // [tokens, groups]
+    int64_t ld = 0, groups = 0;
+    bool exact = true;  // lo == 0: x is exactly bf16
+};
+
+SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
+    SplitX s;
+    // a group's last vector may start less than kVec before the row's end: one vector of zeros past it, so its
+    // loads stay in the row (0 * anything finite, where the masked-off codes and weights read as 0)
+    s.ld = (w.cols + kVec - 1) / kVec * kVec + kVec;
+    s.hi.assign(tokens * s.ld, 0);
+    s.lo.assign(tokens * s.ld, 0);
+    const int64_t n = tokens * w.cols;
+    int inexact = 0;
+#pragma omp parallel for schedule(static) reduction(| : inexact) if (n > 16384)
+    for (int64_t i = 0; i < n; ++i) {  // element by element: the same split at any thread count
+        const int64_t t = i / w.cols, k = i % w.cols;
+        const float v = x[i];
+        const uint16_t h = float_to_bf16_rne(v);
+        const uint16_t l = float_to_bf16_rne(v - bf16_to_float(h));
+        s.hi[t * s.ld + k] = h;
+        s.lo[t * s.ld + k] = l;
+        inexact |= (l & 0x7fff) != 0;
+    }
+    s.exact = !inexact;
+    if (w.kind == WeightKind::kQuant) {
+        s.groups = w.cols / w.group_size;
+        s.group_sum.assign(tokens * s.groups, 0.f);
+#pragma omp parallel for collapse(2) schedule(static) if (n > 16384)
+        for (int64_t t = 0; t < tokens; ++t)
+            for (int64_t g = 0; g < s.groups; ++g) {
+                float sum = 0.f;
+                for (int64_t k = g * w.group_size; k < (g + 1) * w.group_size; ++k) sum += x[t * w.cols + k];
+                s.group_sum[t * s.groups + g] = sum;
+            }
+    }
+    return s;
+}
+
+MAXIMUS_BF16_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+MAXIMUS_BF16_TARGET inline __m512bh load_bh(const uint16_t* p) { return as_bh(_mm512_loadu_si512(p)); }
+
+// acc += w . x_t over one vector (and the lo half of x when LO)
+template <bool LO>
+MAXIMUS_BF16_TARGET inline __m512 dot_step(__m512 acc, __m512bh w, const SplitX& x, int64_t t, int64_t k) {
+    acc = _mm512_dpbf16_ps(acc, w, load_bh(x.hi.data() + t * x.ld + k));
+    if constexpr (LO) acc = _mm512_dpbf16_ps(acc, w, load_bh(x.lo.data() + t * x.ld + k));
+    return acc;
+}
+
+// out[i * ld + j] = w[r0 + i] . x[t0 + j] for i < R, j < T, bf16 rows: each x vector loaded serves R rows and
+// each weight vector T tokens (from registers); one accumulator per row and token, its adds in a fixed order
+template <int R, int T, bool LO>
+MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* out,
+                                   int64_t ld) {
+    const uint16_t* row[R];
+    for (int i = 0; i < R; ++i) row[i] = static_cast<const uint16_t*>(w.data) + (r0 + i) * w.cols;
+    // one token: x's lo half in a chain of its own (half the latency); more: the token chains are independent and
+    // the lo products join the hi chain, which keeps the registers for more tokens
+    constexpr bool kLoChain = LO && T == 1;
+    __m512 acc[R][T], lo[R][T];
+    for (int i = 0; i < R; ++i)
+        for (int t = 0; t < T; ++t) acc[i][t] = lo[i][t] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < w.cols; k += kVec) {
+        const int64_t n = std::min<int64_t>(kVec, w.cols - k);
+        const __mmask32 m = n == kVec ? ~0u : (1u << n) - 1;  // the tail: masked loads read zeros past the row
+        __m512bh wv[R];
+        for (int i = 0; i < R; ++i) {
+            _mm_prefetch(reinterpret_cast<const char*>(row[i] + k) + kPrefetch, _MM_HINT_T0);
+            wv[i] = as_bh(_mm512_maskz_loadu_epi16(m, row[i] + k));
+        }
+        for (int t = 0; t < T; ++t) {
+            const __m512bh xh = load_bh(x.hi.data() + (t0 + t) * x.ld + k);
+            for (int i = 0; i < R; ++i) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xh);
+            if constexpr (LO) {
+                const __m512bh xl = load_bh(x.lo.data() + (t0 + t) * x.ld + k);
+                for (int i = 0; i < R; ++i) {
+                    if constexpr (kLoChain) lo[i][t] = _mm512_dpbf16_ps(lo[i][t], wv[i], xl);
+                    else acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xl);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int t = 0; t < T; ++t)
+            out[i * ld + t] = _mm512_reduce_add_ps(kLoChain ? _mm512_add_ps(acc[i][t], lo[i][t]) : acc[i][t]);
+}
+
+// How 32 codes of BITS < 8 become bf16: vpermb puts bytes b and b + 1 (b the byte of the code's first bit) in each
+// 16-bit lane, vpsrlvw shifts the code down, and vpermw looks it up in a table of the bf16 value of every 5-bit
+// index, periodic in 2^BITS (vpermw reads an index's low 5 bits, so the bits above the code need no mask).
+template <int BITS>
+struct CodeLayout {
+    alignas(64) uint8_t bytes[64];
+    alignas(64) uint16_t shifts[32];
+    alignas(64) uint16_t table[32];
+    CodeLayout() {
+        for (int j = 0; j < 32; ++j) {
+            bytes[2 * j] = static_cast<uint8_t>(j * BITS / 8);
+            bytes[2 * j + 1] = static_cast<uint8_t>(j * BITS / 8 + 1);
+            shifts[j] = static_cast<uint16_t>(j * BITS % 8);
+            table[j] = float_to_bf16_rne(static_cast<float>(j % (1 << BITS)));
+        }
+    }
+};
+
+// n <= 32 codes (n a multiple of 8) starting at byte p, as bf16 (zeros past n), in natural order
+template <int BITS>
+MAXIMUS_BF16_TARGET inline __m512bh decode32(const uint8_t* p, int64_t n, __m512i bytes, __m512i shifts,
+                                              __m512i table) {
+    const int64_t nbytes = n * BITS / 8;
+    if constexpr (BITS == 8) {
+        const __mmask32 m = nbytes == 32 ? ~0u : (1u << nbytes) - 1;
+        const __m256i b = _mm256_maskz_loadu_epi8(m, p);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
+        return _mm512_cvtne2ps_pbh(hi, lo);
+    } else {
+        const __mmask16 m = static_cast<__mmask16>((1u << nbytes) - 1);
+        const __m512i b = _mm512_zextsi128_si512(_mm_maskz_loadu_epi8(m, p));
+        const __m512i v = _mm512_srlv_epi16(_mm512_permutexvar_epi8(bytes, b), shifts);
+        return as_bh(_mm512_permutexvar_epi16(v, table));
+    }
+}
+
+// out[i * ld + j] = dequant(w)[r0 + i] . x[t0 + j] for i < R, j < T: per group scale * dot(codes, x) + zero *
+// sum(x) (the zero term over all groups first, then the scaled group dots), in a fixed order
+template <int BITS, int R, int T, bool LO>
+MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
+                                    float* out, int64_t ld) {
+    constexpr bool kLoChain = LO && T == 1;
+    static const CodeLayout<BITS> lay;
+    const __m512i bytes = _mm512_load_si512(lay.bytes), shifts = _mm512_load_si512(lay.shifts),
+                  table = _mm512_load_si512(lay.table);
+    const int64_t gs = w.group_size, groups = x.groups, sld = groups + 16;
+    const uint8_t* row[R];
+    float zsum[R][T];
+    for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        row[i] = static_cast<const uint8_t*>(w.data) + r * (w.cols * BITS / 8);
+        const uint16_t* sc = w.scales + r * groups;
+        const uint16_t* zr = w.zeros + r * groups;
+        __m512 zacc[T];
+        for (int t = 0; t < T; ++t) zacc[t] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g += 16) {
+            const int64_t n = std::min<int64_t>(16, groups - g);
+            const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+            const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zr + g));
+            _mm512_storeu_ps(scale_buf + i * sld + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g)));
+            for (int t = 0; t < T; ++t)
+                zacc[t] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, x.group_sum.data() + (t0 + t) * groups + g),
+                                          zacc[t]);
+        }
+        for (int t = 0; t < T; ++t) zsum[i][t] = _mm512_reduce_add_ps(zacc[t]);
+    }
+    __m512 acc[R][T];
+    for (int i = 0; i < R; ++i)
+        for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512 d[R][T], dl[R][T];  // x's lo half in a chain of its own for one token, as in dots_bf16
+        for (int i = 0; i < R; ++i)
+            for (int t = 0; t < T; ++t) d[i][t] = dl[i][t] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < gs; k += kVec) {
+            const int64_t n = std::min<int64_t>(kVec, gs - k), c = g * gs + k;
+            __m512bh wv[R];
+            for (int i = 0; i < R; ++i) {
+                const uint8_t* p = row[i] + c * BITS / 8;
+                _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0);
+                wv[i] = decode32<BITS>(p, n, bytes, shifts, table);
+            }
+            for (int t = 0; t < T; ++t) {
+                const __m512bh xh = load_bh(x.hi.data() + (t0 + t) * x.ld + c);
+                for (int i = 0; i < R; ++i) d[i][t] = _mm512_dpbf16_ps(d[i][t], wv[i], xh);
+                if constexpr (LO) {
+                    const __m512bh xl = load_bh(x.lo.data() + (t0 + t) * x.ld + c);
+                    for (int i = 0; i < R; ++i) {
+                        if constexpr (kLoChain) dl[i][t] = _mm512_dpbf16_ps(dl[i][t], wv[i], xl);
+                        else d[i][t] = _mm512_dpbf16_ps(d[i][t], wv[i], xl);
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < R; ++i) {
+            const __m512 s = _mm512_set1_ps(scale_buf[i * sld + g]);
+            for (int t = 0; t < T; ++t)
+                acc[i][t] = _mm512_fmadd_ps(kLoChain ? _mm512_add_ps(d[i][t], dl[i][t]) : d[i][t], s, acc[i][t]);
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int t = 0; t < T; ++t) out[i * ld + t] = _mm512_reduce_add_ps(acc[i][t]) + zsum[i][t];
+}
+
+// rows a block: a loaded x vector serves this many rows (bf16 rows need no decode, so more of them fit the registers)
+inline int rows_per_block(const WeightView& w) { return w.kind == WeightKind::kBF16 ? 4 : 2; }
+
+template <int R, int T, bool LO>
+MAXIMUS_BF16_TARGET void dots_block(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
+                                    float* out, int64_t ld) {
+    if (w.kind == WeightKind::kBF16) return dots_bf16<R, T, LO>(w, r0, x, t0, out, ld);
+    switch (w.bits) {
+        case 8: return dots_quant<8, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
+        case 4: return dots_quant<4, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
+        case 3: return dots_quant<3, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
+        case 2: return dots_quant<2, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
+    }
+}
+
+// dots[i * tokens + t] = w[r0 + i] . x[t] for i < R and every token, in token blocks of 4, 2 and 1: the
+// accumulators stay in the 32 vector registers
+template <int R, bool LO>
+MAXIMUS_BF16_TARGET void rows_dots_t(const WeightView& w, int64_t r0, const SplitX& x, int64_t tokens,
+                                     float* scale_buf, float* dots) {
+    int64_t t = 0;
+    for (; t + 4 <= tokens; t += 4) dots_block<R, 4, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+    if (t + 2 <= tokens) dots_block<R, 2, LO>(w, r0, x, t, scale_buf, dots + t, tokens), t += 2;
+    if (t < tokens) dots_block<R, 1, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+}
+
+// dots for rows [r0, r0 + n), n <= rows_per_block(w); a row's sums are the same in a block of any size
+MAXIMUS_BF16_TARGET void rows_dots(const WeightView& w, int64_t r0, int64_t n, const SplitX& x, int64_t tokens,
+                                   float* scale_buf, float* dots) {
+    for (int64_t i = 0; i < n;) {
+        const int64_t left = n - i;
+        float* out = dots + i * tokens;
+        if (left >= 4 && rows_per_block(w) >= 4) {
+            x.exact ? rows_dots_t<4, false>(w, r0 + i, x, tokens, scale_buf, out)
+                    : rows_dots_t<4, true>(w, r0 + i, x, tokens, scale_buf, out);
+            i += 4;
+        } else if (left >= 2) {
+            x.exact ? rows_dots_t<2, false>(w, r0 + i, x, tokens, scale_buf, out)
+                    : rows_dots_t<2, true>(w, r0 + i, x, tokens, scale_buf, out);
+            i += 2;
+        } else {
+            x.exact ? rows_dots_t<1, false>(w, r0 + i, x, tokens, scale_buf, out)
+                    : rows_dots_t<1, true>(w, r0 + i, x, tokens, scale_buf, out);
+            i += 1;
+        }
+    }
+}
+
+// the weights the bf16 path takes: bf16, and quantized codes of any width (fp32 weights keep the fp32 path)
+inline bool bf16_path(const WeightView& w) { return w.kind != WeightKind::kF32 && bf16_isa(); }
+
+inline int64_t scale_buf_len(const WeightView& w) {
+    return w.kind == WeightKind::kQuant ? 4 * (w.cols / w.group_size + 16) : 16;
+}
+
+void linear_bf16(const float* x, int64_t tokens, const WeightView& w, float* y) {
+    const SplitX xs = split_x(x, tokens, w);
+    const int64_t R = rows_per_block(w), blocks = (w.rows + R - 1) / R;
+#pragma omp parallel
+    {
+        std::vector<float> scale_buf(scale_buf_len(w)), dots(R * tokens);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t r0 = b * R, n = std::min(R, w.rows - r0);
+            rows_dots(w, r0, n, xs, tokens, scale_buf.data(), dots.data());
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t t = 0; t < tokens; ++t) y[t * w.rows + r0 + i] = dots[i * tokens + t];
+        }
+    }
+}
+
+void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const WeightView& w3, float* h) {
+    const SplitX xs = split_x(x, tokens, w1);  // w1 and w3 share a width and group size
+    const int64_t ffn = w1.rows, R = rows_per_block(w1), blocks = (ffn + R - 1) / R;
+#pragma omp parallel
+    {
+        std::vector<float> scale_buf(scale_buf_len(w1)), d1(R * tokens), d3(R * tokens);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t f0 = b * R, n = std::min(R, ffn - f0);
+            rows_dots(w1, f0, n, xs, tokens, scale_buf.data(), d1.data());
+            rows_dots(w3, f0, n, xs, tokens, scale_buf.data(), d3.data());
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t t = 0; t < tokens; ++t)
+                    h[t * ffn + f0 + i] = silu(d1[i * tokens + t]) * d3[i * tokens + t];
+        }
+    }
+}
 }  // namespace
+const char* kernel_isa() { return bf16_isa() ? "avx512_bf16" : "fp32"; }
 
 float half_to_float(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
@@ -174,6 +501,7 @@ float half_to_float(uint16_t h) {
 }
 
 void linear(const float* x, int64_t tokens, const WeightView& w, float* y) {
+    if (bf16_path(w)) return linear_bf16(x, tokens, w, y);
     std::vector<float> xp;
     if (is_planar(w)) x = (xp = planar_x(x, tokens, w)).data();
 #pragma omp parallel
@@ -189,6 +517,10 @@ void linear(const float* x, int64_t tokens, const WeightView& w, float* y) {
 
 void swiglu(const float* x, int64_t tokens, const WeightView& w1, const WeightView& w3, const WeightView& w2,
             float* h, float* y) {
+    if (bf16_path(w1)) {
+        gate_up_bf16(x, tokens, w1, w3, h);
+        return linear(h, tokens, w2, y);
+    }
     const int64_t ffn = w1.rows;
     std::vector<float> xp;  // w1 and w3 share a width and group size (checked by the bindings' caller)
     if (is_planar(w1)) x = (xp = planar_x(x, tokens, w1)).data();

@@ -1,7 +1,9 @@
 // SwiGLU experts for a few tokens on the host, from bf16, fp32 or group-wise quantized weights.
-// No torch headers: raw pointers in, fp32 out. fp32 accumulation in a fixed order (64 partial sums a token, whatever
-// the thread count); OpenMP over output rows; each weight row is decoded a chunk at a time into fp32 in L1 and used
-// by every token, so a row's bytes are read from memory once per call.
+// No torch headers: raw pointers in, fp32 out. OpenMP over output rows; each output is one row's fp32 sums in a fixed
+// order, whatever the thread count, and a row's bytes are read from memory once per call. Two paths: where the host
+// has AVX512-BF16 (checked at run time), bf16 and quantized weights take bf16 dot products (vdpbf16ps: exact
+// products, fp32 sums) against x split into bf16 hi + lo, the codes decoded to bf16 in registers; elsewhere, and
+// for fp32 weights, rows are decoded a chunk at a time to fp32 in L1 (64 partial sums a token).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +34,9 @@ void linear(const float* x, int64_t tokens, const WeightView& w, float* y);
 // h scratch [tokens, ffn], y [tokens, hidden].
 void swiglu(const float* x, int64_t tokens, const WeightView& w1, const WeightView& w3, const WeightView& w2,
             float* h, float* y);
+
+// The path this host runs: "avx512_bf16", or "fp32" (no AVX512-BF16, or MAXIMUS_EXPERT_CPU_FP32=1).
+const char* kernel_isa();
 
 // The fp16 bit pattern's value (exact).
 float half_to_float(uint16_t h);
