@@ -83,12 +83,11 @@ def row_copy_op(tier, names: Sequence[str], device: torch.device):
     (a fill or write-back is then one kernel, no host copy), or None where that path does not apply: not
     CUDA, a tier that is not pinned tensors in memory, a table that is not fp32, or the op not built."""
     whole = tier.whole_tables() if torch.device(device).type == "cuda" and tier.pinned else None
-    if whole is None:
-        return None
+    if whole is None or any(whole[n].dtype != torch.float32 for n in names):
+        return None   # decided before the op is loaded: a bf16 or packed tier (experts) never builds it
     from ds_maximus.ops.row_ops import load_op
     op = load_op("cuda")
-    ok = op is not None and hasattr(op, "copy_rows") and all(whole[n].dtype == torch.float32 for n in names)
-    return op if ok else None
+    return op if op is not None and hasattr(op, "copy_rows") else None
 
 
 class StallClock:
