@@ -8,8 +8,7 @@ Rows, each at 1 and 8 tokens:
 
 - GPU, one projection (``gate_up`` ``[2F, H]`` and ``down`` ``[H, F]``): ``torch.nn.functional.linear`` on the
   bf16 weight (the peer: what an exact expert costs once it is on the GPU), and ours, ``quant_matmul`` with the
-  gemv kernel (its tuned configuration in the ``config`` column: ``python -m benchmarks.sweep_quant_gemv`` times
-  them all) and with the loop kernel, per width (8, 4, 3, 2 bits, group 64). GB/s = the weight's bytes (packed,
+  gemv kernel and with the loop kernel, per width (8, 4, 3, 2 bits, group 64). GB/s = the weight's bytes (packed,
   with scales and offsets) over the time: the HBM bound is ~4.8 TB/s.
 - Host, one whole SwiGLU expert (the three matrices): ours, ``ds_maximus.ops.expert_cpu.swiglu`` (bf16 and each
   width; x exactly bf16, as a bf16 model's hidden state), beside torch's own bf16 ``linear`` (oneDNN) on the same
@@ -33,14 +32,6 @@ from ds_maximus.ops import expert_cpu
 
 def qbytes(q) -> int:
     return q.packed.numel() + 2 * (q.scales.numel() + q.zeros.numel())
-
-
-def gemv_config_name(x, q) -> str:
-    """The gemv configuration the tuner kept for this product (``c<i>`` of ``GEMV_CONFIGS``), or ``-``."""
-    from ds_maximus.experts import quant_triton as qt
-    block_t = min(qt.GEMV_MAX_BLOCK_T, qt._next_pow2(x.shape[0]))
-    cfg = qt._TUNED.get((x.device.index, *q.shape, block_t, q.bits, q.group_size))
-    return f"c{qt.GEMV_CONFIGS.index(cfg)}" if cfg in qt.GEMV_CONFIGS else "-"
 
 
 def main(argv=None):
@@ -88,8 +79,6 @@ def main(argv=None):
                                           lambda: quant_matmul(x, q, kernel=kernel), repeat=a.repeat)
                         if r.ms:
                             r.extra["GB/s"] = round(qbytes(q) / r.ms / 1e6, 1)
-                        if kernel == "gemv":
-                            r.extra["config"] = gemv_config_name(x, q)
             progress(f"GPU rows at {T} tokens done")
         del dense
     exact_bytes = (w13.numel() + w2.numel()) * 2
