@@ -14,13 +14,13 @@ set -x
 . "$(dirname "$0")/common.sh"
 T0=$SECONDS
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-build_ops ${OPS:-cuda expert}   # OPS=expert: the bf16 and packed expert tiers never load row_ops
+build_ops cuda expert   # the expert cache's host-side slot map uses row_ops (the CUDA build serves CPU tensors)
 timeout ${TEST_S:-35} python -X faulthandler -m pytest -q -x -p no:cacheprovider tests/ops/test_expert_cpu.py \
   > "$OUT/test_expert_cpu.log" 2>&1
 echo "expert_cpu tests rc=$?"; tail -4 "$OUT/test_expert_cpu.log"
 timeout ${TEST_S:-35} python -m pytest -q -x -p no:cacheprovider -m gpu tests/experts/test_quant.py > "$OUT/test_quant.log" 2>&1
 echo "quant gpu tests rc=$?"; tail -4 "$OUT/test_quant.log"; grep -E "^(FAILED|ERROR)" "$OUT/test_quant.log" | head
-if [ "${SWEEP:-0}" = 1 ]; then   # every gemv configuration's time (the tuner picks per shape in any case)
+if [ "${SWEEP:-0}" = 1 ] && [ -f benchmarks/sweep_quant_gemv.py ]; then   # the tuned gemv's configurations (branch gemv-tune)
   timeout 60 python -u -m benchmarks.sweep_quant_gemv --bits 4,2 --tokens 1,8 --budget-s 50 > "$OUT/sweep.md" 2>&1
   echo "sweep rc=$?"; grep -v -i warn "$OUT/sweep.md" | tail -25
 fi
