@@ -235,12 +235,24 @@ MAXIMUS_BF16_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<_
 
 MAXIMUS_BF16_TARGET inline __m512bh load_bh(const uint16_t* p) { return as_bh(_mm512_loadu_si512(p)); }
 
-// acc += w . x_t over one vector (and the lo half of x when LO)
-template <bool LO>
-MAXIMUS_BF16_TARGET inline __m512 dot_step(__m512 acc, __m512bh w, const SplitX& x, int64_t t, int64_t k) {
-    acc = _mm512_dpbf16_ps(acc, w, load_bh(x.hi.data() + t * x.ld + k));
-    if constexpr (LO) acc = _mm512_dpbf16_ps(acc, w, load_bh(x.lo.data() + t * x.ld + k));
-    return acc;
+// One vector of columns [k, k + 32) of R weight rows (wv, already in registers) against T tokens of x: each x vector
+// loaded once serves the R rows. x's lo half (LO) goes to a chain of its own, lo, for one token (half the latency);
+// with more tokens the token chains are independent and the lo products join acc, which keeps the registers for them.
+template <int R, int T, bool LO>
+MAXIMUS_BF16_TARGET inline void dot_tokens(__m512 (&acc)[R][T], __m512 (&lo)[R][T], const __m512bh (&wv)[R],
+                                           const SplitX& x, int64_t t0, int64_t k) {
+    constexpr bool kLoChain = LO && T == 1;
+    for (int t = 0; t < T; ++t) {
+        const __m512bh xh = load_bh(x.hi.data() + (t0 + t) * x.ld + k);
+        for (int i = 0; i < R; ++i) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xh);
+        if constexpr (LO) {
+            const __m512bh xl = load_bh(x.lo.data() + (t0 + t) * x.ld + k);
+            for (int i = 0; i < R; ++i) {
+                if constexpr (kLoChain) lo[i][t] = _mm512_dpbf16_ps(lo[i][t], wv[i], xl);
+                else acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xl);
+            }
+        }
+    }
 }
 
 // out[i * ld + j] = w[r0 + i] . x[t0 + j] for i < R, j < T, bf16 rows: each x vector loaded serves R rows and
@@ -250,9 +262,7 @@ MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX
                                    int64_t ld) {
     const uint16_t* row[R];
     for (int i = 0; i < R; ++i) row[i] = static_cast<const uint16_t*>(w.data) + (r0 + i) * w.cols;
-    // one token: x's lo half in a chain of its own (half the latency); more: the token chains are independent and
-    // the lo products join the hi chain, which keeps the registers for more tokens
-    constexpr bool kLoChain = LO && T == 1;
+    constexpr bool kLoChain = LO && T == 1;  // see dot_tokens
     __m512 acc[R][T], lo[R][T];
     for (int i = 0; i < R; ++i)
         for (int t = 0; t < T; ++t) acc[i][t] = lo[i][t] = _mm512_setzero_ps();
@@ -264,17 +274,7 @@ MAXIMUS_BF16_TARGET void dots_bf16(const WeightView& w, int64_t r0, const SplitX
             _mm_prefetch(reinterpret_cast<const char*>(row[i] + k) + kPrefetch, _MM_HINT_T0);
             wv[i] = as_bh(_mm512_maskz_loadu_epi16(m, row[i] + k));
         }
-        for (int t = 0; t < T; ++t) {
-            const __m512bh xh = load_bh(x.hi.data() + (t0 + t) * x.ld + k);
-            for (int i = 0; i < R; ++i) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xh);
-            if constexpr (LO) {
-                const __m512bh xl = load_bh(x.lo.data() + (t0 + t) * x.ld + k);
-                for (int i = 0; i < R; ++i) {
-                    if constexpr (kLoChain) lo[i][t] = _mm512_dpbf16_ps(lo[i][t], wv[i], xl);
-                    else acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xl);
-                }
-            }
-        }
+        dot_tokens<R, T, LO>(acc, lo, wv, x, t0, k);
     }
     for (int i = 0; i < R; ++i)
         for (int t = 0; t < T; ++t)
@@ -363,17 +363,7 @@ MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const Split
                 _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0);
                 wv[i] = decode32<BITS>(p, n, bytes, shifts, table);
             }
-            for (int t = 0; t < T; ++t) {
-                const __m512bh xh = load_bh(x.hi.data() + (t0 + t) * x.ld + c);
-                for (int i = 0; i < R; ++i) d[i][t] = _mm512_dpbf16_ps(d[i][t], wv[i], xh);
-                if constexpr (LO) {
-                    const __m512bh xl = load_bh(x.lo.data() + (t0 + t) * x.ld + c);
-                    for (int i = 0; i < R; ++i) {
-                        if constexpr (kLoChain) dl[i][t] = _mm512_dpbf16_ps(dl[i][t], wv[i], xl);
-                        else d[i][t] = _mm512_dpbf16_ps(d[i][t], wv[i], xl);
-                    }
-                }
-            }
+            dot_tokens<R, T, LO>(d, dl, wv, x, t0, c);
         }
         for (int i = 0; i < R; ++i) {
             const __m512 s = _mm512_set1_ps(scale_buf[i * sld + g]);
