@@ -222,4 +222,5 @@ def main():
 if __name__ == "__main__":
     main()
     if torch.distributed.is_initialized():  # an exit with a live gloo group can abort in teardown (rc -6)
+        torch.distributed.barrier()  # no rank tears the group down while another (rank 0 saving) still uses it
         torch.distributed.destroy_process_group()
