@@ -46,12 +46,51 @@ def _x(x: Tensor) -> Tensor:
     return x.detach().to("cpu", torch.float32).contiguous()
 
 
+# The op checks its arguments too, but a bad argument is refused here first, with the same message: on some
+# toolchains (a compiler other than torch's) the C++ exception that the op would raise aborts the process while
+# torch captures its backtrace through the op's frames, where it should become a Python error.
+def _check_weight(w: Weight, name: str):
+    """``(rows, cols)`` of a weight the op can read; a RuntimeError naming what is wrong otherwise."""
+    if isinstance(w, QuantizedTensor):
+        rows, cols = (int(n) for n in w.shape)
+        if w.bits not in (8, 4, 3, 2):
+            raise RuntimeError(f"{name}: bits must be 8, 4, 3 or 2, got {w.bits}")
+        if not (w.group_size > 0 and w.group_size % 8 == 0 and cols % w.group_size == 0):
+            raise RuntimeError(f"{name}: group_size {w.group_size} must be a positive multiple of 8 dividing cols "
+                               f"{cols}")
+        parts = (w.packed, w.scales, w.zeros)
+        if any(t.device.type != "cpu" or t.dim() != 2 for t in parts):
+            raise RuntimeError(f"{name}: packed, scales and zeros must be contiguous 2-D CPU tensors")
+        if w.packed.dtype != torch.uint8 or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16:
+            raise RuntimeError(f"{name}: packed codes must be uint8, scales and zeros float16")
+        if tuple(w.packed.shape) != (rows, cols * w.bits // 8):
+            raise RuntimeError(f"{name}: packed has shape {tuple(w.packed.shape)}, expected "
+                               f"({rows}, {cols * w.bits // 8})")
+        if tuple(w.scales.shape) != (rows, cols // w.group_size) or w.zeros.shape != w.scales.shape:
+            raise RuntimeError(f"{name}: scales and zeros must be [rows, cols / group_size]")
+        return rows, cols
+    if not isinstance(w, Tensor) or w.device.type != "cpu" or w.dim() != 2:
+        got = f"{tuple(w.shape)} on {w.device}" if isinstance(w, Tensor) else type(w).__name__
+        raise RuntimeError(f"{name} must be a contiguous 2-D CPU tensor, got {got}")
+    if w.dtype not in (torch.bfloat16, torch.float32):
+        raise RuntimeError(f"{name} must be bfloat16 or float32, got {w.dtype}")
+    return int(w.shape[0]), int(w.shape[1])
+
+
+def _check_x(x: Tensor, cols: int) -> None:
+    if x.dim() != 2:
+        raise RuntimeError(f"x must be 2-D [tokens, features], got shape {tuple(x.shape)}")
+    if x.shape[1] != cols:
+        raise RuntimeError(f"x has {x.shape[1]} features, the weight {cols}")
+
+
 def _parts(w: QuantizedTensor):
     return [w.packed.contiguous(), w.scales.contiguous(), w.zeros.contiguous()]
 
 
 def linear(x: Tensor, w: Weight) -> Tensor:
     """``x @ w^T`` in fp32 (``x [tokens, cols]``; ``w [rows, cols]``: bf16, fp32 or quantized), on the host."""
+    _check_x(x, _check_weight(w, "w")[1])
     op = load_op()
     if isinstance(w, QuantizedTensor):
         return op.linear_quant(_x(x), *_parts(w), w.bits, w.group_size)
@@ -66,14 +105,20 @@ def swiglu(x: Tensor, w1: Weight, w3: Weight, w2: Weight) -> Tensor:
     three :class:`~ds_maximus.experts.quant.QuantizedTensor` of one width and group size. Returns fp32
     ``[tokens, hidden]`` on the host.
     """
-    op = load_op()
     quant = [isinstance(w, QuantizedTensor) for w in (w1, w3, w2)]
     if any(quant):
         if not all(quant) or len({(w.bits, w.group_size) for w in (w1, w3, w2)}) != 1:
             raise TypeError("swiglu takes three plain weights or three quantized weights of one bits and group_size")
-        return op.swiglu_quant(_x(x), _parts(w1), _parts(w3), _parts(w2), w1.bits, w1.group_size, w1.shape[0])
-    if len({w1.dtype, w3.dtype, w2.dtype}) != 1:
+    elif len({w1.dtype, w3.dtype, w2.dtype}) != 1:
         raise TypeError(f"w1, w3 and w2 must share a dtype; got {w1.dtype}, {w3.dtype}, {w2.dtype}")
+    (r1, c1), (r3, c3), (r2, c2) = (_check_weight(w, n) for w, n in ((w1, "w1"), (w3, "w3"), (w2, "w2")))
+    if not (r1 == r3 and c1 == c3 and r2 == c1 and c2 == r1):
+        raise RuntimeError(f"expert shapes disagree: w1 [{r1}, {c1}], w3 [{r3}, {c3}], w2 [{r2}, {c2}]; expected "
+                           "w1, w3 [ffn, hidden] and w2 [hidden, ffn]")
+    _check_x(x, c1)
+    op = load_op()
+    if any(quant):
+        return op.swiglu_quant(_x(x), _parts(w1), _parts(w3), _parts(w2), w1.bits, w1.group_size, w1.shape[0])
     return op.swiglu_dense(_x(x), *(w.detach().contiguous() for w in (w1, w3, w2)))
 
 

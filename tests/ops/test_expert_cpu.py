@@ -93,6 +93,26 @@ def test_bad_inputs_raise_clear_errors():
         expert_cpu.linear(x, w1.half())
 
 
+def test_bad_inputs_are_refused_before_the_op_runs(monkeypatch):
+    """A C++ exception from the op aborted the process on a host whose compiler differs from torch's (the backtrace
+    capture through the op's frames): argument errors are raised in Python, without calling into the op."""
+    def no_op():
+        raise AssertionError("the op was called with a bad argument")
+    monkeypatch.setattr(expert_cpu, "load_op", no_op)
+    w1, w3, w2 = _expert(16, 24, torch.bfloat16, 0)
+    q1, q3, q2 = (quantize(w, 4, 8) for w in (w1, w3, w2))
+    x = torch.randn(2, 16)
+    for call, match in ((lambda: expert_cpu.swiglu(x, w1, w3, w1), "expert shapes disagree"),
+                        (lambda: expert_cpu.swiglu(x, q1, q3, q1), "expert shapes disagree"),
+                        (lambda: expert_cpu.swiglu(torch.randn(2, 8), w1, w3, w2), "features"),
+                        (lambda: expert_cpu.swiglu(torch.randn(16), w1, w3, w2), "2-D"),
+                        (lambda: expert_cpu.linear(x, w1.half()), "bfloat16 or float32"),
+                        (lambda: expert_cpu.linear(torch.randn(2, 24), q1), "features"),
+                        (lambda: expert_cpu.linear(x, w1[None]), "2-D CPU tensor")):
+        with pytest.raises(RuntimeError, match=match):
+            call()
+
+
 @pytest.mark.parametrize("bits", [None, 4, 3])
 def test_result_does_not_depend_on_the_thread_count(bits):
     """Each output is one row's fixed-order sum, whichever thread computes it (rows in blocks fixed by the shape)."""
