@@ -482,7 +482,11 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
                     "host experts/token": round(st.get("cpu_experts", 0) / max(st["tokens"], 1), 2)})
         if handle.host_compute is not None:
             row.update({"host GB/token": round(host_tok / 1e9, 3),
-                        "host bound tok/s": round(host_gbps * 1e9 / host_tok, 2) if host_tok and host_gbps else "-"})
+                        "host bound tok/s": round(host_gbps * 1e9 / host_tok, 2) if host_tok and host_gbps else "-",
+                        # auto's two cost estimates (what split it made): host ms an expert (running mean of the
+                        # experts it computed), link ms an expert (one timed copy)
+                        "host ms/expert": round(st["cpu_ms_per_expert"], 2),
+                        "link ms/expert": round(st["link_ms_per_expert"], 2) if st.get("link_ms_per_expert") else "-"})
         row["experts/layer"] = round(st["experts_per_layer"], 2)
     row.update(pre)
     row.update(quality)
@@ -636,7 +640,9 @@ def main(argv=None):
                         f"tokens/s; experts/layer = distinct experts a MoE layer call hit; PCIe bound at "
                         f"{H2D_GBPS:.0f} GB/s pinned H2D from the measured bytes moved per token; host bound "
                         f"(+cpu rows) at the measured {host_gbps:.0f} GB/s host bandwidth from the expert bytes the "
-                        f"host read per token; token agree / rel err: teacher-forced over the bf16 model's "
+                        f"host read per token; host / link ms/expert (+cpu rows) = cpu_compute's cost estimates "
+                        f"(its running mean of a host expert, one timed copy); token agree / rel err: "
+                        f"teacher-forced over the bf16 model's "
                         f"{args.agree_tokens}-token greedy continuation, each position's argmax / the logits "
                         f"against the bf16 model's in the same forward (+cpu rows: that forward under "
                         f"cpu_compute=auto)")
