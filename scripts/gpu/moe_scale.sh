@@ -11,7 +11,8 @@
 #      rest as "skipped" rows: full (the reference), int4, int4+cpu, ours bf16 (the default cache only),
 #      bf16+cpu, int8, int3, int2, then the bnb row and CPU-only inference (last; a row when it does not fit
 #      or time is out). FAMILY=qwen3 runs the Qwen3-30B-A3B shape instead (48 layers, 128 experts of ffn 768,
-#      top-8: 58 GB of bf16 experts).
+#      top-8: 58 GB of bf16 experts). $PEERS replaces the peer list; $EXTRA adds arguments (e.g. "--batch 8
+#      --prefill-len 2048" for batched decode and a prefill, "--agree-tokens 64" for a shorter agreement forward).
 # Writes $OUT/moe_scale_$FAMILY.md (the table, rewritten after every peer), the log and the build logs.
 #
 # Time estimate for the 32-layer Mixtral, scaled from the 8- and 16-layer figures in docs/bench/: imports and
@@ -40,7 +41,8 @@ else
 fi
 timeout "$LEFT" python -u -m benchmarks.bench_moe_offload $SHAPE --cap-gib 16 --slots auto --tokens 32 \
   --agree-tokens 256 --expert-source gpu --ours-variants default \
-  --peers full,int4,int4+auto,int4+cpu,ours,bf16+auto,bf16+cpu,int8,int3,int2,bnb,cpu --budget-s "$BUDGET" \
+  --peers ${PEERS:-full,int4,int4+auto,int4+cpu,ours,bf16+auto,bf16+cpu,int8,int3,int2,bnb,cpu} ${EXTRA:-} \
+  --budget-s "$BUDGET" \
   --out "$OUT/moe_scale_$FAMILY.md" > "$OUT/moe_scale_$FAMILY.log" 2>&1
 rc=$?
 grep -v -i warning "$OUT/moe_scale_$FAMILY.log" | grep -E "^\[" | tail -40
