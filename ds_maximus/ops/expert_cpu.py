@@ -30,7 +30,11 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from ds_maximus.experts.quant import QuantizedTensor, swiglu_reference  # noqa: F401  (the reference, re-exported)
+from ds_maximus.experts.quant import (
+    QuantizedTensor,
+    check_layout,
+    swiglu_reference,  # noqa: F401  (the reference, re-exported)
+)
 
 Weight = Union[Tensor, QuantizedTensor]
 
@@ -52,22 +56,15 @@ def _x(x: Tensor) -> Tensor:
 def _check_weight(w: Weight, name: str):
     """``(rows, cols)`` of a weight the op can read; a RuntimeError naming what is wrong otherwise."""
     if isinstance(w, QuantizedTensor):
+        check_layout(w.shape, w.bits, w.group_size)  # what quantize() accepted (ValueError otherwise)
         rows, cols = (int(n) for n in w.shape)
-        if w.bits not in (8, 4, 3, 2):
-            raise RuntimeError(f"{name}: bits must be 8, 4, 3 or 2, got {w.bits}")
-        if not (w.group_size > 0 and w.group_size % 8 == 0 and cols % w.group_size == 0):
-            raise RuntimeError(f"{name}: group_size {w.group_size} must be a positive multiple of 8 dividing cols "
-                               f"{cols}")
-        parts = (w.packed, w.scales, w.zeros)
-        if any(t.device.type != "cpu" or t.dim() != 2 for t in parts):
-            raise RuntimeError(f"{name}: packed, scales and zeros must be contiguous 2-D CPU tensors")
-        if w.packed.dtype != torch.uint8 or w.scales.dtype != torch.float16 or w.zeros.dtype != torch.float16:
-            raise RuntimeError(f"{name}: packed codes must be uint8, scales and zeros float16")
-        if tuple(w.packed.shape) != (rows, cols * w.bits // 8):
-            raise RuntimeError(f"{name}: packed has shape {tuple(w.packed.shape)}, expected "
-                               f"({rows}, {cols * w.bits // 8})")
-        if tuple(w.scales.shape) != (rows, cols // w.group_size) or w.zeros.shape != w.scales.shape:
-            raise RuntimeError(f"{name}: scales and zeros must be [rows, cols / group_size]")
+        groups = (rows, cols // w.group_size)
+        for part, shape, dtype in (("packed", (rows, cols * w.bits // 8), torch.uint8),
+                                   ("scales", groups, torch.float16), ("zeros", groups, torch.float16)):
+            t = getattr(w, part)
+            if t.device.type != "cpu" or t.dim() != 2 or tuple(t.shape) != shape or t.dtype != dtype:
+                raise RuntimeError(f"{name}: {part} must be a 2-D {dtype} CPU tensor of shape {shape}, got "
+                                   f"{tuple(t.shape)} {t.dtype} on {t.device}")
         return rows, cols
     if not isinstance(w, Tensor) or w.device.type != "cpu" or w.dim() != 2:
         got = f"{tuple(w.shape)} on {w.device}" if isinstance(w, Tensor) else type(w).__name__

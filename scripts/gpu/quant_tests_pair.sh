@@ -3,8 +3,9 @@
 #   1. ops built (row_ops cuda and cpu, $OLD's own op, DeepSpeed's Adams)
 #   2. the Triton quant GEMMs' GPU tests (every gemv configuration and both kernels against the plain-PyTorch
 #      reference), in $SHARDS parallel pytest processes (they spend their time compiling, on the host's cores)
-#   3. bench_moe_training at a fixed CPU share, this tree first and then $OLD (the tree before the partition-core
-#      redesign): the reverse of before_after.sh's order, so that an order effect shows against its pairs
+#   3. bench_moe_training at a fixed CPU share through before_after.sh with ORDER="new old": this tree first, then
+#      $OLD (the tree before the partition-core redesign), the reverse of its default order, so that an order effect
+#      shows against the earlier pairs
 # Writes $OUT/*.log, *.md, packed into $OUT/results.tgz (pack_out). Keeps to $TOTAL_S seconds (default 560) itself:
 # run it under a longer outer limit, or the archive is never made and the shards' logs (one a shard) do not come back.
 set -x
@@ -16,14 +17,10 @@ build_ops cuda cpu old ds
 timeout ${QUANT_S:-170} bash "$(dirname "$0")/pytest_shards.sh" ${SHARDS:-6} "$OUT/test_quant.log" -m gpu \
   tests/experts/test_quant.py
 echo "quant gpu tests rc=$?"
-ARGS="--layers 3 --warmup 2 --steps 4 --peers ours_split --cpu-share ${SHARE:-0.55} --budget-s 100 --slot-s 100"
+ARGS="--layers+3+--warmup+2+--steps+4+--peers+ours_split+--cpu-share+${SHARE:-0.55}+--budget-s+100+--slot-s+100"
 per=$(( (${TOTAL_S:-560} - (SECONDS - T0) - 20) / 2 ))
 echo "each moe_training run: $per s"
-timeout $per python -u -m benchmarks.bench_moe_training $ARGS --out "$OUT/pair_new.md" > "$OUT/pair_new.log" 2>&1
-echo "new rc=$?"
-(cd "$OLD" && MAXIMUS_BENCH_OUT="$OUT/old" PYTHONPATH="$OLD:/tmp/site" TORCH_EXTENSIONS_DIR=$OLD_EXT \
-  timeout $per python -u -m benchmarks.bench_moe_training $ARGS --out "$OUT/pair_old.md") > "$OUT/pair_old.log" 2>&1
-echo "old rc=$?"
-grep -i "unavailable\|reference" "$OUT/pair_old.log" | head -3   # the older tree must have used its own op
-for k in new old; do echo "--- $k"; cat "$OUT/pair_$k.md" 2>/dev/null; grep RESULT "$OUT/pair_$k.log"; done
+PER_S=$per ORDER="new old" BENCHES="bench_moe_training:$ARGS" bash "$(dirname "$0")/before_after.sh"
+grep -i "unavailable\|reference" "$OUT"/ba_*_old.log | head -3   # the older tree must have used its own op
+grep RESULT "$OUT"/ba_*.log
 pack_out
