@@ -132,7 +132,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         if isinstance(optimizer, torch.optim.Optimizer):
             optimizer.add_param_group({**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
                                        "params": [carrier]})
-    ds_config = _unsynchronized_throughput_timer({k: v for k, v in ds_config.items() if k != SECTION}, cfg)
+    from deepspeed.accelerator import get_accelerator
+    rows_on_gpu = bool(plan.swapped) and get_accelerator().device_name() == "cuda"
+    ds_config = _unsynchronized_throughput_timer({k: v for k, v in ds_config.items() if k != SECTION}, cfg,
+                                                 rows_on_gpu)
     engine, opt, loader, sched = _DEEPSPEED_INITIALIZE(args=_without_config_args(args), model=model,
                                                        optimizer=optimizer, model_parameters=model_parameters,
                                                        config=ds_config, **kwargs)
@@ -152,12 +155,15 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     return engine, opt, loader, sched
 
 
-def _unsynchronized_throughput_timer(ds_config: dict, cfg: MaximusConfig) -> dict:
+def _unsynchronized_throughput_timer(ds_config: dict, cfg: MaximusConfig, rows_on_gpu: bool = False) -> dict:
     """DeepSpeed's throughput timer synchronizes the device at every forward's start (``timers.throughput.
     synchronized``, default true, when ``initialize`` gets no training data). That would wait for an expert
-    step meant to overlap the forward (``moe.overlap_step``), so it is turned off then, unless set."""
+    step meant to overlap the forward (``moe.overlap_step``), and for the step of vocabulary rows outside the
+    cache (``rows_on_gpu``: swapped tables on a GPU; a tied head's gradient reaches every row), which runs on
+    side streams into the next forward; so it is turned off then, unless set."""
     m = cfg.moe
-    if not (m.enabled and m.train and m.overlap_step and m.optimizer_device == ExpertOptimizerDevice.SPLIT):
+    experts = m.enabled and m.train and m.overlap_step and m.optimizer_device == ExpertOptimizerDevice.SPLIT
+    if not (experts or rows_on_gpu):
         return ds_config
     timers = dict(ds_config.get("timers") or {})
     tp = dict(timers.get("throughput") or {})
@@ -165,7 +171,7 @@ def _unsynchronized_throughput_timer(ds_config: dict, cfg: MaximusConfig) -> dic
         return ds_config
     tp["synchronized"] = False
     logger.info("ds_maximus: timers.throughput.synchronized set false (a device sync at every forward would wait "
-                "for the expert step that moe.overlap_step runs on into it)")
+                "for the %s step that runs on into it)", "expert" if experts else "vocabulary rows'")
     return {**ds_config, "timers": {**timers, "throughput": tp}}
 
 

@@ -182,6 +182,7 @@ class PartitionCache(CacheCore):
         self._slot_seq = torch.zeros(self.num_slots, dtype=torch.long)
         self._waited_seq = 0
         self._wb_event = None
+        self._tier_event = None   # copies on other streams write the tier until this event (tier_written_until)
         self._uva_pending: List[Tuple[Tensor, object]] = []   # (ids, event) of UVA write-backs in flight
         self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
@@ -236,6 +237,7 @@ class PartitionCache(CacheCore):
     def write_direct(self, ids: Tensor, src: Dict[str, Tensor]) -> None:
         """Store ``src[name][i]`` (host tensors) as entry ``ids[i]`` of the tier, bypassing the slots; the
         entries must not be resident (their slots would hold a stale copy)."""
+        self.tier_sync()
         self.tier.write(ids.to("cpu", torch.long), src)
 
     def wait_fills(self, slots: Optional[Tensor] = None) -> None:
@@ -279,6 +281,30 @@ class PartitionCache(CacheCore):
         self._fill_seq += 1
         self._fill_events[self._fill_seq] = ev
         self._seq[index_array(slots)] = self._fill_seq
+
+    def tier_written_until(self, event) -> None:
+        """Copies queued on other streams (a staged optimizer step of the rows outside the cache) write the tier
+        until ``event`` (a CUDA event; ``None``: nothing in flight). Until it has passed, fills and write-backs
+        queue after it on their streams, and every host read or write of the tier (:meth:`tier_sync`) waits for it
+        on the host: the compute stream goes on meanwhile."""
+        self._tier_event = event
+
+    def tier_sync(self) -> None:
+        """Wait on the host for the copies of :meth:`tier_written_until` (the tier is read or written on the host
+        next)."""
+        ev, self._tier_event = self._tier_event, None
+        if ev is not None and not ev.query():
+            t0 = time.perf_counter()
+            ev.synchronize()
+            self._host_stall(t0)
+
+    def _tier_stream_wait(self, stream) -> None:
+        """Order ``stream`` (a fill or write-back stream) after the tier's copies in flight."""
+        if self._tier_event is not None:
+            if self._tier_event.query():
+                self._tier_event = None
+            else:
+                stream.wait_event(self._tier_event)
 
     def unpin(self, slots: Tensor) -> None:
         self.map.unpin(slots.to("cpu", torch.long))
@@ -349,6 +375,7 @@ class PartitionCache(CacheCore):
         self._pending_np[index_array(ids)] = True
 
     def _uva_write_back(self, ids: Tensor, slots: Tensor, stage: bool) -> None:
+        self._tier_stream_wait(self.wb_stream)
         ev = self.transfer.write_back_rows_uva(self._uva, self.storage, slots, ids, self.tier.tensors, self.copy_blocks,
                                                stage, iota=self._iota, stage_blocks=self._sms)
         self._wb_event = ev
@@ -356,7 +383,10 @@ class PartitionCache(CacheCore):
         self._pending_np[index_array(ids)] = True
 
     def _finish_write_backs(self, block: bool) -> None:
-        """Retire write-backs whose copies have landed (``block``: wait for all, fills included)."""
+        """Retire write-backs whose copies have landed (``block``: wait for all, fills and the tier's copies in
+        flight included)."""
+        if block:
+            self.tier_sync()
         if self._uva_pending:
             keep = []
             for i, (ids, ev) in enumerate(self._uva_pending):
@@ -382,6 +412,7 @@ class PartitionCache(CacheCore):
                     t0 = time.perf_counter()
                     ev.synchronize()
                     self._host_stall(t0)
+                self.tier_sync()
                 self.tier.write(ids, staging)
                 self._pending_np[index_array(ids)] = False
             else:
@@ -397,6 +428,7 @@ class PartitionCache(CacheCore):
             self._finish_write_backs(block=False)
             back = bool(self._pending_np[index_array(ids)].any())
             # after an id's write-back not yet landed (it comes back before the tier holds it)
+            self._tier_stream_wait(self.stream)
             ev = self.transfer.fill_rows_uva(self._uva, self.tier.tensors, ids, self.storage, slots, self.copy_blocks,
                                              after=self._wb_event if back else None)
             self._register_fill(ev, slots)
@@ -405,6 +437,7 @@ class PartitionCache(CacheCore):
         if self._pending and bool(self._pending_np[index_array(ids)].any()):
             self._finish_write_backs(block=True)  # an id coming back before its write-back landed
         staging = self._staging(n)
+        self.tier_sync()
         self.tier.read(ids, staging)
         if not self.cuda:
             dslots = slots.to(self.device)

@@ -129,9 +129,16 @@ class StagedUpdate:
         if self.store is not None:
             self.store.synchronize()
 
-    def release(self) -> None:
-        """Free the staging buffers (they come back on the next step)."""
-        self.synchronize()
+    def release(self, wait: bool = True) -> None:
+        """Free the staging buffers (they come back on the next step). ``wait``: on the host, until the copies out
+        have landed; else the allocator reuses their memory only once the pipeline's streams are past them."""
+        if wait:
+            self.synchronize()
+        elif self.cuda:
+            for s in self.sets:
+                for b in s.values():
+                    for st in (self.load, self.update, self.store):
+                        b.record_stream(st)
         for s in self.sets:
             s.clear()
         self.freed = [None, None]

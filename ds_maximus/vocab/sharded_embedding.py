@@ -400,7 +400,11 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self._step_pins.clear()
 
     def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
-        """Apply the sparse optimizer to the accumulated gradient, advance the step, clear the gradient."""
+        """Apply the sparse optimizer to the accumulated gradient, advance the step, clear the gradient.
+
+        On a GPU the rows outside the cache are stepped by copies and kernels on side streams that run on into the
+        next forward (the last step's, if still in flight, is waited for here first)."""
+        self.cache.tier_sync()
         self.optimizer.begin_step(lr, weight_decay)
         touched = 0
         if self.grad:
@@ -499,26 +503,36 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         if self._tier_pipeline is None or self._tier_pipeline.device != device_with_index(dev):
             self._tier_pipeline = StagedUpdate(dev)
         pl = self._tier_pipeline
+        # the updates run on the pipeline's own stream, not the current one: the next forward queues on the current
+        # stream while the table's state crosses (the lookup's rows are in the cache; a tied head's first read of
+        # the tier waits for the step's end on the host, see PartitionCache.tier_written_until)
+        upd = pl.update if pl.cuda else None
         where_d = where.to(dev, non_blocking=True)
+        if upd is not None:  # read on the update stream after the caller drops them
+            rows.record_stream(upd)
+            where_d.record_stream(upd)
         width = step * self.embedding_dim
         for s, (host, a, b, first) in pl.pieces(windows, after=torch.cuda.current_stream(dev) if pl.cuda else None):
             n = host["weight"].shape[0]
             bufs = {nm: pl.buffer(s, nm, width, host[nm].dtype)[:n * self.embedding_dim].view(n, -1) for nm in names}
             with pl.loading(s):  # the index pair first: the update then needs no copy of its own
                 index = self.optimizer.device_index(ids[a:b] - first, ids[a:b], dev)
-                if pl.cuda:  # made on the load stream, read by the update: its memory waits for that
-                    index[0].record_stream(torch.cuda.current_stream(dev))
+                if upd is not None:  # made on the load stream, read by the update: its memory waits for that
+                    for t in index:
+                        t.record_stream(upd)
                 for nm in names:
                     bufs[nm].copy_(host[nm], non_blocking=True)
-            with pl.updating():
+            with pl.updating(upd):
                 grad = rows.index_select(0, where_d[a:b])
                 self.optimizer.update(bufs["weight"], [bufs[nm] for nm in names[1:]], ids[a:b] - first, grad,
                                       ids[a:b], index=index)
             with pl.storing(s):
                 for nm in names:
                     host[nm].copy_(bufs[nm], non_blocking=True)
-        pl.release()  # waits on the host for the last copy out (the tier is read on the host next) and gives the
-        # staging sets back to the allocator for the forward
+        # no host wait: the tier is written until the end event; the staging sets go back to the allocator once
+        # the pipeline's streams are past them
+        self.cache.tier_written_until(pl.end())
+        pl.release(wait=False)
         return True
 
     def _resident_catch_up(self, ids: Tensor) -> None:

@@ -116,3 +116,42 @@ def test_gpu_staged_tier_update_equals_the_one_stream_path():
     assert torch.equal(a.full_weight(), b.full_weight())
     sa, sb = a.maximus_state_dict()["tensors"], b.maximus_state_dict()["tensors"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["lookup-fills", "prefetched"])
+def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch):
+    """The step of the rows outside the cache runs on side streams into the next forward (no host wait in
+    ``sparse_step``): the next lookup's fills, a prefetch's fills and evictions, and the tied head's reads of the
+    tier are ordered after it. A table large enough that its copies are still in flight when the next forward is
+    queued, every row stepped each step (a tied head's gradient), against ``nn.Embedding`` + ``torch.optim.AdamW``."""
+    _cuda_op_built()
+    g = torch.Generator().manual_seed(5)
+    vocab, dim, steps = 65536, 256, 5
+    ref = nn.Embedding(vocab, dim).cuda()
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=4096)).to("cuda")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    batches = [zipf_batch(g, vocab, 2048).cuda() for _ in range(steps + 1)]
+    heads = [torch.randn(16, dim, generator=g).cuda() for _ in range(steps)]
+    chunk = 16384
+    if prefetch:
+        emb.prefetch(batches[0])
+    for k in range(steps):
+        ids, h = batches[k], heads[k]
+        (emb(ids).float().pow(2).sum() * 1e-3).backward()
+        (ref(ids).pow(2).sum() * 1e-3).backward()
+        if prefetch:
+            emb.prefetch(batches[k + 1])
+        logits_ref = h @ ref.weight.t()
+        for lo in range(0, vocab, chunk):   # the tied head: every row read and given a gradient
+            w = emb.rows_for_compute(lo, lo + chunk, "cuda", torch.float32).requires_grad_(True)
+            torch.testing.assert_close(w, ref.weight[lo:lo + chunk].detach(), rtol=1e-5, atol=1e-6)
+            (h @ w.t()).tanh().sum().backward()
+            emb.add_dense_row_grad_(lo, lo + chunk, w.grad)
+        logits_ref.tanh().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        emb.sparse_step(lr=1e-2, weight_decay=0.1)
+        assert emb.cache._tier_event is not None  # the step's copies were left in flight
+        with torch.no_grad():  # the next forward, queued at once
+            torch.testing.assert_close(emb(batches[k + 1]).float(), ref(batches[k + 1]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
