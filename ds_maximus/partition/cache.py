@@ -298,6 +298,17 @@ class PartitionCache(CacheCore):
             ev.synchronize()
             self._host_stall(t0)
 
+    def order_tier_read(self, stream) -> bool:
+        """Order ``stream`` after every write of the tier in flight (the copies of :meth:`tier_written_until`, UVA
+        write-backs), so that a copy queued on it next may read the tier's host memory; False where a write is
+        still to be made on the host (the staged write-backs of a cache without UVA)."""
+        if self._pending:
+            return False
+        self._tier_stream_wait(stream)
+        if self._uva_pending and self._wb_event is not None:
+            stream.wait_event(self._wb_event)
+        return True
+
     def _tier_stream_wait(self, stream) -> None:
         """Order ``stream`` (a fill or write-back stream) after the tier's copies in flight."""
         if self._tier_event is not None:

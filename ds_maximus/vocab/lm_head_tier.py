@@ -322,7 +322,7 @@ class TiedSource:
         return self.emb.rows_for_compute(lo, hi, device, dtype)
 
     def prefetch(self, lo, hi, device, dtype):
-        return None
+        self.emb.stage_rows_for_compute(lo, hi, device)
 
     def add_grad_(self, lo, hi, grad):
         """Every row's gradient, the padding row's included: ``padding_idx`` stops only the lookup's gradient,

@@ -19,6 +19,7 @@ from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_wit
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
 from ds_maximus.partition import PartitionCache, TensorTier
 from ds_maximus.partition.staged_update import StagedUpdate, device_with_index
+from ds_maximus.partition.transfer import CudaTransfer
 from ds_maximus.vocab.function import BatchPlan, BatchPlanner, ids_on_host
 from ds_maximus.vocab.sharded_state import ShardedStateMixin
 from ds_maximus.vocab.stats import EmbeddingStats, format_line
@@ -83,6 +84,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self.stats_tracker = EmbeddingStats(self.num_embeddings)
         self._step_pins: list = []
         self._tier_pipeline: Optional[StagedUpdate] = None  # the GPU pipeline of out-of-cache row steps
+        self._span_transfer: Optional[CudaTransfer] = None  # a tied head's chunk copies (stage_rows_for_compute)
+        self._staged_spans: dict = {}  # (lo, hi, device) -> (device copy, its event, resident mask, optimizer step)
         self.staged_tier_update: Optional[bool] = None  # those steps through it: None = on a CUDA device
         self._prefetched: collections.deque = collections.deque()
         self._planner = BatchPlanner(self.num_embeddings)
@@ -405,6 +408,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         On a GPU the rows outside the cache are stepped by copies and kernels on side streams that run on into the
         next forward (the last step's, if still in flight, is waited for here first)."""
         self.cache.tier_sync()
+        self._staged_spans.clear()
         self.optimizer.begin_step(lr, weight_decay)
         touched = 0
         if self.grad:
@@ -546,6 +550,41 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         if changed.numpy().any():
             self.cache.mark_dirty(_masked(slots, changed))
 
+    def stage_rows_for_compute(self, lo: int, hi: int, device=None) -> None:
+        """A hint from a tied head: :meth:`rows_for_compute` of ``[lo, hi)`` comes next. Where it would copy the
+        range's span of the tier's host memory (a GPU device, no row with steps to replay, one piece holding the
+        range), that copy starts now on a side stream, after the tier's writes in flight, so the compute stream
+        waits for no copy of its own and the host for none of the tier's writes."""
+        device = torch.device(device) if device is not None else self.compute_device
+        key = (lo, hi, device_with_index(device)) if device.type == "cuda" else None
+        if key is None or key in self._staged_spans:
+            return
+        ids = torch.arange(lo, hi)
+        res = self.cache.slots_of(ids) >= 0
+        if bool(res.all()) or bool(self.optimizer.lagging(ids[~res]).any()):
+            return
+        span = self._host_weight_span(lo, hi)
+        if span is None or not span.is_pinned():
+            return
+        if self._span_transfer is None or self._span_transfer.device != key[2]:
+            self._span_transfer = CudaTransfer(key[2], timing=False)
+        if not self.cache.order_tier_read(self._span_transfer.stream):
+            return
+        t, ev = self._span_transfer.load_chunk(span)
+        self._staged_spans[key] = (t, ev, res, self.optimizer.step)
+
+    def _take_staged_span(self, lo: int, hi: int, device: torch.device, res: Tensor) -> Optional[Tensor]:
+        """The span :meth:`stage_rows_for_compute` copied for ``[lo, hi)``, if still current: no step since, and no
+        row that was resident then (its tier entry stale) has left the cache."""
+        key = (lo, hi, device_with_index(device)) if device.type == "cuda" else None
+        staged = self._staged_spans.pop(key, None) if self._staged_spans else None
+        if staged is None:
+            return None
+        t, ev, res_then, step = staged
+        if step != self.optimizer.step or bool((res_then & ~res).any()):
+            return None
+        return self._span_transfer.take(t, ev)
+
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
         """Rows ``[lo, hi)`` as they are now (catch-up applied), on ``device`` in ``dtype`` (tied heads)."""
         device = torch.device(device) if device is not None else self.compute_device
@@ -554,7 +593,10 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         slots = self.cache.slots_of(ids)
         res = slots >= 0
         out = torch.empty(hi - lo, self.embedding_dim, dtype=dtype, device=device)
-        if not bool(res.all()):
+        staged = self._take_staged_span(lo, hi, device, res)
+        if staged is not None:  # the tier's span, copied ahead on a side stream
+            out.copy_(staged)
+        elif not bool(res.all()):
             cold = ids[~res]
             self.cache._finish_write_backs(block=True)
             lag = self.optimizer.lagging(cold)

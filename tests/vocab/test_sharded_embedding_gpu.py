@@ -123,7 +123,8 @@ def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch)
     """The step of the rows outside the cache runs on side streams into the next forward (no host wait in
     ``sparse_step``): the next lookup's fills, a prefetch's fills and evictions, and the tied head's reads of the
     tier are ordered after it. A table large enough that its copies are still in flight when the next forward is
-    queued, every row stepped each step (a tied head's gradient), against ``nn.Embedding`` + ``torch.optim.AdamW``."""
+    queued, every row stepped each step (a tied head's gradient), its chunks' tier spans copied ahead on a side
+    stream (``stage_rows_for_compute``), against ``nn.Embedding`` + ``torch.optim.AdamW``."""
     _cuda_op_built()
     g = torch.Generator().manual_seed(5)
     vocab, dim, steps = 65536, 256, 5
@@ -143,6 +144,9 @@ def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch)
             emb.prefetch(batches[k + 1])
         logits_ref = h @ ref.weight.t()
         for lo in range(0, vocab, chunk):   # the tied head: every row read and given a gradient
+            if lo + chunk < vocab:   # the next chunk's span copied ahead, as the streamed head asks for it
+                emb.stage_rows_for_compute(lo + chunk, lo + 2 * chunk, "cuda")
+                assert len(emb._staged_spans) == 1
             w = emb.rows_for_compute(lo, lo + chunk, "cuda", torch.float32).requires_grad_(True)
             torch.testing.assert_close(w, ref.weight[lo:lo + chunk].detach(), rtol=1e-5, atol=1e-6)
             (h @ w.t()).tanh().sum().backward()
