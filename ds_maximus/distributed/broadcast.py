@@ -170,6 +170,9 @@ class BroadcastEmbedding(PartitionedEmbedding):
         w = self.local.full_weight() if self.is_master else torch.empty(self.num_embeddings, self.embedding_dim)
         return self.comm.broadcast("whole table", w, self.master)
 
+    def stage_rows_for_compute(self, lo: int, hi: int, device=None) -> None:
+        """Nothing to stage: the rows come from the master through a collective on the host."""
+
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
         """Rows ``[lo, hi)`` as they are now (a tied head's chunk), on every rank (collective: from the master)."""
         if self.is_master:

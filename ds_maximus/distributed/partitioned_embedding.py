@@ -427,6 +427,12 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         local = self.partition.to_local(ids[mine])
         return mine, int(local[0]), int(local[-1]) + 1
 
+    def stage_rows_for_compute(self, lo: int, hi: int, device=None) -> None:
+        """A tied head's hint that :meth:`rows_for_compute` of ``[lo, hi)`` comes next: on one rank the local table
+        copies the span ahead; across ranks the rows come through a collective on the host, with nothing to stage."""
+        if self.comm.single:
+            self.local.stage_rows_for_compute(lo, hi, device)
+
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
         """Rows ``[lo, hi)`` as they are now (a tied head's chunk), on every rank (collective): each owner
         contributes its rows, the others zeros, summed (exact: one non-zero term per element)."""
