@@ -103,3 +103,43 @@ def test_gpu_cache_uva_fill_and_write_back():
         cache.mark_dirty(slots)
     cache.flush()
     assert torch.equal(tier.tensors["w"], model)
+
+
+class _InFlight:
+    """Stands for the event of tier writes queued on other streams: it 'lands' ``value`` in the tier's row 0
+    when the host waits for it, and records that wait."""
+
+    def __init__(self, tier, value):
+        self.tier, self.value, self.waits = tier, value, 0
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        self.waits += 1
+        self.tier.tensors["w"][0] = self.value
+
+
+@pytest.mark.parametrize("access", ["fill", "read_direct", "write_direct", "flush", "finish_write_backs"])
+def test_host_access_to_the_tier_waits_for_its_writes_in_flight(access):
+    """tier_written_until: every host read or write of the tier comes after the writes in flight (a staged
+    step's copies, which on a GPU run on into the next forward), once; a fill reads what they wrote."""
+    tier = _tier()
+    cache = PartitionCache(4, tier)
+    ev = _InFlight(tier, torch.tensor([-1.0, -2.0, -3.0]))
+    cache.tier_written_until(ev)
+    if access == "fill":
+        slots = cache.acquire(torch.tensor([0]))
+        assert torch.equal(cache.storage["w"][slots[0]], torch.tensor([-1.0, -2.0, -3.0]))
+    elif access == "read_direct":
+        assert torch.equal(cache.read_direct(torch.tensor([0]))["w"][0], torch.tensor([-1.0, -2.0, -3.0]))
+    elif access == "write_direct":
+        cache.write_direct(torch.tensor([0]), {"w": torch.full((1, 3), 7.0), "s": torch.zeros(1, 3)})
+        assert torch.equal(tier.tensors["w"][0], torch.full((3,), 7.0))  # written after the copies landed
+    elif access == "flush":
+        cache.flush()
+    else:
+        cache._finish_write_backs(block=True)
+    assert ev.waits == 1
+    cache.tier_sync()  # nothing in flight any more
+    assert ev.waits == 1
