@@ -473,6 +473,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         head's gradient reaches every row: every step moves the whole table's weights and moments both ways).
         Otherwise (``staged=False``) the windows run one after another on the current stream; on a CPU device
         that updates the host views in place."""
+        from ds_maximus.ops import to_device
         names = ("weight", *self.optimizer.state_names)
         pieces = {n: self.tier.pieces(n) for n in names}
         ranges = [(lo, hi) for lo, hi, _ in pieces["weight"]]
@@ -511,7 +512,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         # stream while the table's state crosses (the lookup's rows are in the cache; a tied head's first read of
         # the tier waits for the step's end on the host, see PartitionCache.tier_written_until)
         upd = pl.update if pl.cuda else None
-        where_d = where.to(dev, non_blocking=True)
+        where_d = to_device(where, dev)  # from pinned memory: a pageable upload may wait for the stream
         if upd is not None:  # read on the update stream after the caller drops them
             rows.record_stream(upd)
             where_d.record_stream(upd)
@@ -587,6 +588,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
 
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
         """Rows ``[lo, hi)`` as they are now (catch-up applied), on ``device`` in ``dtype`` (tied heads)."""
+        from ds_maximus.ops import to_device
         device = torch.device(device) if device is not None else self.compute_device
         dtype = dtype or self.out_dtype
         ids = torch.arange(lo, hi)
@@ -617,12 +619,17 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                     self.tier.write(cold, buf)
                 rows = buf["weight"]
             if rows is not None:
-                out[(~res).to(device)] = rows.to(device, dtype)
+                cold_pos = torch.from_numpy(np.flatnonzero(~res.numpy()))
+                out.index_copy_(0, to_device(cold_pos, device), to_device(rows, device).to(dtype))
         if bool(res.any()):
             self._resident_catch_up(ids[res])
             w, _ = self._tables()
             self.cache.wait_fills()
-            out[res.to(device)] = w.index_select(0, slots[res].to(w.device)).to(device, dtype)
+            # index copies with indices uploaded from pinned memory: a boolean mask on the device, or a pageable
+            # upload, would make the host wait for the compute stream at every chunk of a tied head
+            pos = torch.from_numpy(np.flatnonzero(res.numpy()))
+            rows_res = w.index_select(0, to_device(slots[res], w.device)).to(device, dtype)
+            out.index_copy_(0, to_device(pos, device), rows_res)
         return out
 
     def _host_weight_span(self, lo: int, hi: int) -> Optional[Tensor]:
