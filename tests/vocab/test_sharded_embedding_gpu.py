@@ -5,6 +5,7 @@ from torch import nn
 
 from ds_maximus.vocab import ShardedEmbedding
 from emb_helpers import make_config, zipf_batch
+from tests.helpers.models import assert_weights_close
 
 pytestmark = pytest.mark.gpu
 
@@ -124,7 +125,9 @@ def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch)
     ``sparse_step``): the next lookup's fills, a prefetch's fills and evictions, and the tied head's reads of the
     tier are ordered after it. A table large enough that its copies are still in flight when the next forward is
     queued, every row stepped each step (a tied head's gradient), its chunks' tier spans copied ahead on a side
-    stream (``stage_rows_for_compute``), against ``nn.Embedding`` + ``torch.optim.AdamW``."""
+    stream (``stage_rows_for_compute``), against ``nn.Embedding`` + ``torch.optim.AdamW``: summation-order noise
+    (99.5% of elements within 1e-5), but no element a tenth of an lr step off, as a row read before or after the
+    wrong step would be."""
     _cuda_op_built()
     g = torch.Generator().manual_seed(5)
     vocab, dim, steps = 65536, 256, 5
@@ -148,7 +151,7 @@ def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch)
                 emb.stage_rows_for_compute(lo + chunk, lo + 2 * chunk, "cuda")
                 assert any(key[:2] == (lo + chunk, lo + 2 * chunk) for key in emb._staged_spans)
             w = emb.rows_for_compute(lo, lo + chunk, "cuda", torch.float32).requires_grad_(True)
-            torch.testing.assert_close(w, ref.weight[lo:lo + chunk].detach(), rtol=1e-5, atol=1e-6)
+            assert_weights_close(w.detach(), ref.weight[lo:lo + chunk].detach(), lr=1e-3)
             (h @ w.t()).tanh().sum().backward()
             emb.add_dense_row_grad_(lo, lo + chunk, w.grad)
         logits_ref.tanh().sum().backward()
@@ -157,5 +160,5 @@ def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch)
         emb.sparse_step(lr=1e-2, weight_decay=0.1)
         assert emb.cache._tier_event is not None  # the step's copies were left in flight
         with torch.no_grad():  # the next forward, queued at once
-            torch.testing.assert_close(emb(batches[k + 1]).float(), ref(batches[k + 1]), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+            assert_weights_close(emb(batches[k + 1]).float(), ref(batches[k + 1]), lr=1e-3)
+    assert_weights_close(emb.full_weight(), ref.weight.detach().cpu(), lr=1e-3)
