@@ -1,4 +1,5 @@
 """With ``training_data=``, the engine's loader runs one batch ahead and prefetches the next rows."""
+import pytest
 import torch
 
 import ds_maximus
@@ -29,3 +30,16 @@ def test_training_data_loader_prefetches_next_batch():
     # batch t+1 was prefetched before batch t was handed out: every batch but the first
     assert calls == seen[1:]
     assert engine.maximus.steps == 4
+
+
+@pytest.mark.parametrize("rows_on_gpu,user,want", [(True, None, False), (False, None, None), (True, True, True)])
+def test_throughput_timer_does_not_wait_for_the_rows_step_on_a_gpu(rows_on_gpu, user, want):
+    """On a GPU the step of the rows outside the cache runs on into the next forward; DeepSpeed's throughput timer
+    would sync the device at every forward, so initialize turns its sync off there, unless the config sets it."""
+    from ds_maximus.config import MaximusConfig
+    from ds_maximus.engine.initialize import _unsynchronized_throughput_timer
+    cfg = {"train_batch_size": 2}
+    if user is not None:
+        cfg["timers"] = {"throughput": {"synchronized": user}}
+    out = _unsynchronized_throughput_timer(cfg, MaximusConfig(), rows_on_gpu)
+    assert out.get("timers", {}).get("throughput", {}).get("synchronized") is want
