@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# #38's peers not yet measured on the H200, one call (~6 min), results in $OUT (pack_out): our row ops built, then
-# bench_peft_vocab at the Gemma-3-4B shape with plain PEFT uncapped (the reference), PEFT modules_to_save capped
+# #38's peers that docs/bench/peft_vocab.md has no figures for, one call (~6 min), results in $OUT (pack_out): our
+# row ops built, then bench_peft_vocab at the Gemma-3-4B shape with plain PEFT uncapped (the reference), PEFT modules_to_save capped
 # (expected OOM), PEFT modules_to_save + Liger's fused linear cross-entropy capped, PEFT trainable_token_indices
 # capped (only the new rows trained) and ours capped; then ours and plain PEFT at 4 layers under torch.profiler
 # (one extra step each: profile_<peer>.txt), where the step's remaining gap goes.
