@@ -95,8 +95,8 @@ REFERENCE = "peft_mts"
 CURVE_REFERENCE = {"curve_ours": "curve_ref", **{p: REFERENCE for p, v in PEERS.items()
                                                  if v[0] == "gemma3" and not p.startswith("curve_")}}
 # the options a peer's process gets from the driver
-FORWARDED = ("batch", "seq", "steps", "warmup", "profile", "layers", "cap_gib", "new_rows", "cache_rows", "chunk_rows",
-             "bucket_elems", "lr",
+FORWARDED = ("batch", "seq", "steps", "warmup", "profile", "trace", "layers", "cap_gib", "new_rows", "cache_rows",
+             "chunk_rows", "bucket_elems", "lr",
              "curve_steps", "curve_layers", "curve_vocab", "curve_batch", "curve_seq")
 
 
@@ -298,6 +298,8 @@ def run_peer(a) -> dict:
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
         if a.profile:
             _profile_step(engine, data[-1], a.peer, cuda)
+        if a.trace and cuda:
+            _trace_steps(engine, data[-a.trace:], a.peer, ours)
         return {"ms": ms, "tokens_per_s": batch * seq / (ms / 1e3), "peak_gib": peak, "losses": losses,
                 "trainable_m": trainable / 1e6}
     except torch.cuda.OutOfMemoryError:
@@ -337,6 +339,31 @@ def _profile_step(engine, ids, peer: str, cuda: bool) -> None:
                    + table.table(sort_by=by_self, row_limit=40)
                    + "\n# by cpu_time_total (the phases bench.forward / bench.backward / bench.step among them)\n"
                    + table.table(sort_by="cpu_time_total", row_limit=40))
+
+
+def _trace_steps(engine, data, peer: str, ours: bool) -> None:
+    """``--trace N``: N more steps, run as the timed ones are (back to back, ours one batch ahead), under
+    ``torch.profiler``; the chrome trace goes to ``$MAXIMUS_BENCH_OUT/trace_<peer>.json.gz`` and its per-stream
+    timeline and the compute stream's idle gaps (``benchmarks.trace_timeline``) to ``timeline_<peer>.txt``: what the
+    GPU waits for in a steady-state step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import trace_timeline
+    from ds_maximus.integrations.hf import lookahead
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for ids in (lookahead(data, engine.module) if ours else data):
+            _train_step(engine, ids)
+        torch.cuda.synchronize()
+    out = Path(os.environ.get("MAXIMUS_BENCH_OUT", ROOT / "bench_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = str(out / f"trace_{peer}.json.gz")
+    prof.export_chrome_trace(path)
+    ev = trace_timeline.load(path)
+    (out / f"timeline_{peer}.txt").write_text(f"# {peer}: {len(data)} steps under torch.profiler\n"
+                                              + trace_timeline.gaps(ev, min_ms=0.5, top=40) + "\n\n"
+                                              + trace_timeline.timeline(ev, bucket_ms=20.0) + "\n")
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------------
@@ -412,6 +439,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=None,
                     help="1: each peer runs one more step under torch.profiler, its table in "
                          "$MAXIMUS_BENCH_OUT/profile_<peer>.txt")
+    ap.add_argument("--trace", type=int, default=None,
+                    help="N: each peer runs N more steps (as the timed ones run) under torch.profiler; the trace "
+                         "and its timeline and compute-stream gaps in $MAXIMUS_BENCH_OUT/{trace,timeline}_<peer>.*")
     ap.add_argument("--cap-gib", type=float, default=16.0)
     ap.add_argument("--new-rows", type=int, default=2048, help="rows trainable_token_indices trains (the newest)")
     ap.add_argument("--cache-rows", type=int, default=16384,

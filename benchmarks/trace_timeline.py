@@ -2,6 +2,7 @@
 
     python -m benchmarks.trace_timeline trace_rank0.json.gz --bucket-ms 20
     python -m benchmarks.trace_timeline trace.json --window 500 660 --min-ms 0.3   # host ops in a window
+    python -m benchmarks.trace_timeline trace.json --gaps --min-ms 0.5               # the compute stream's gaps
 
 The first form prints, for each CUDA stream, its busy milliseconds split by kind (kernels, each memcpy
 direction, memsets), then one line per bucket with each stream's occupancy: where the compute stream
@@ -104,6 +105,41 @@ def timeline(events: List[dict], bucket_ms: float = 20.0, streams: int = 6) -> s
     return "\n".join(lines)
 
 
+def gaps(events: List[dict], min_ms: float = 0.5, top: int = 25) -> str:
+    """The compute stream's (the stream with the most kernel time) idle gaps longer than ``min_ms``: their total, and
+    the ``top`` longest with the kernels either side and what the other streams did meanwhile, i.e. what the compute
+    stream waited for."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    if not gpu:
+        return "no GPU events in the trace"
+    t0 = min(e["ts"] for e in gpu)
+    by = collections.defaultdict(list)
+    for e in gpu:
+        by[e["tid"]].append(e)
+    compute = max(by, key=lambda t: sum(e["dur"] for e in by[t] if e["cat"] == "kernel"))
+    ops = sorted(by[compute], key=lambda e: e["ts"])
+    spans = {t: _merged(by[t]) for t in by if t != compute}
+    found, end, last = [], None, None
+    for e in ops:
+        if end is not None and e["ts"] - end > min_ms * 1e3:
+            found.append((end, e["ts"], last, e))
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e
+    idle = sum(f - s for s, f, _, _ in found) / 1e3
+    span = (max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]) / 1e3
+    lines = [f"compute stream {compute}: {span:.1f} ms from its first to its last op, {len(found)} gaps over "
+             f"{min_ms} ms, {idle:.1f} ms idle in them"]
+    for s, f, before, after in sorted(found, key=lambda g: g[0] - g[1])[:top]:
+        other = []
+        for t, sp in spans.items():
+            busy = sum(max(0, min(f, b) - max(s, a)) for a, b in sp) / 1e3
+            if busy > 0.05:
+                other.append(f"{t}:{busy:.1f}")
+        lines.append(f"{(s - t0) / 1e3:8.1f} +{(f - s) / 1e3:6.1f} ms  after {before['name'][:45]!r} before "
+                     f"{after['name'][:45]!r}  others busy ms {' '.join(other) or '-'}")
+    return "\n".join(lines)
+
+
 def window(events: List[dict], lo: float, hi: float, min_ms: float = 0.3) -> str:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     t0 = min(e["ts"] for e in gpu)
@@ -121,9 +157,13 @@ def main(argv=None) -> None:
     ap.add_argument("--streams", type=int, default=6)
     ap.add_argument("--window", type=float, nargs=2, metavar=("FROM_MS", "TO_MS"))
     ap.add_argument("--min-ms", type=float, default=0.3)
+    ap.add_argument("--gaps", action="store_true", help="the compute stream's idle gaps longer than --min-ms")
     a = ap.parse_args(argv)
     ev = load(a.trace)
-    print(window(ev, *a.window, a.min_ms) if a.window else timeline(ev, a.bucket_ms, a.streams))
+    if a.gaps:
+        print(gaps(ev, a.min_ms))
+    else:
+        print(window(ev, *a.window, a.min_ms) if a.window else timeline(ev, a.bucket_ms, a.streams))
 
 
 if __name__ == "__main__":

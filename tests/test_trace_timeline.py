@@ -1,6 +1,6 @@
 """benchmarks.trace_timeline on a synthetic chrome trace: busy time, bytes and rate per copy direction, and the time
 two copying streams overlapped (how session 16 found the MoE step's link directions taking turns)."""
-from benchmarks.trace_timeline import timeline
+from benchmarks.trace_timeline import gaps, timeline
 
 
 def _copy(name, ts, dur, tid, nbytes):
@@ -17,3 +17,14 @@ def test_copy_rates_and_overlap_of_two_streams():
     assert "0.10 GB at 50.0 GB/s" in text and "0.10 GB at 33.3 GB/s" in text
     assert "streams 8 and 7: both busy 1.0 ms" in text  # 0.5 + 0.5 ms of the two pairs' overlap
     assert "stream 9: busy 0.4 ms (kernel 0.4)" in text and "streams 9" not in text  # no copies: not paired
+
+
+def test_gaps_of_the_compute_stream_and_what_ran_meanwhile():
+    def k(name, ts, dur, tid=9):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid}
+    events = [k("a", 0, 1000), k("b", 1000, 500), k("c", 4500, 1000), k("d", 5700, 300),  # gaps 3.0 and 0.2 ms
+              k("side", 9000, 5, tid=3),  # less kernel time: not the compute stream
+              _copy("Memcpy HtoD (Pinned -> Device)", 2000, 2000, 7, 1)]            # 2 ms inside the 3 ms gap
+    text = gaps(events, min_ms=0.5)
+    assert "compute stream 9: 6.0 ms from its first to its last op, 1 gaps over 0.5 ms, 3.0 ms idle" in text
+    assert "1.5 +   3.0 ms  after 'b' before 'c'  others busy ms 7:2.0" in text
