@@ -96,7 +96,7 @@ CURVE_REFERENCE = {"curve_ours": "curve_ref", **{p: REFERENCE for p, v in PEERS.
                                                  if v[0] == "gemma3" and not p.startswith("curve_")}}
 # the options a peer's process gets from the driver
 FORWARDED = ("batch", "seq", "steps", "warmup", "profile", "trace", "layers", "cap_gib", "new_rows", "cache_rows",
-             "chunk_rows", "bucket_elems", "lr",
+             "chunk_rows", "reuse_rows", "bucket_elems", "lr",
              "curve_steps", "curve_layers", "curve_vocab", "curve_batch", "curve_seq")
 
 
@@ -227,7 +227,8 @@ def _ds_config(a, shape: dict, ours: bool, bf16: bool, batch: int) -> dict:
         cfg["maximus"] = {"embedding": {"min_rows": shape["vocab"], "gpu_cache_rows": a.cache_rows,
                                         "optimizer": {"mode": "exact"}},
                           "lm_head": {"enabled": True, "chunk_rows": min(a.chunk_rows, shape["vocab"]),
-                                      "placement": "gpu" if shape["tied"] else "cpu"},
+                                      "placement": "gpu" if shape["tied"] else "cpu",
+                                      "reuse_rows": a.reuse_rows or "auto"},
                           "logging": {"interval_steps": 10**6}}
     return cfg
 
@@ -447,6 +448,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-rows", type=int, default=16384,
                     help="maximus GPU row cache (rows; a step of 8x2048 tokens touches fewer distinct rows)")
     ap.add_argument("--chunk-rows", type=int, default=8192, help="vocabulary rows a chunk of our streamed loss")
+    ap.add_argument("--reuse-rows", choices=("auto", "on", "off"), default=None,
+                    help="ours: maximus.lm_head.reuse_rows (default auto)")
     ap.add_argument("--bucket-elems", type=int, default=50_000_000,
                     help="ZeRO-2 reduce/allgather bucket (elements), every bf16 peer alike")
     ap.add_argument("--lr", type=float, default=1e-4)

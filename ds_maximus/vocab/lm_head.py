@@ -156,7 +156,8 @@ class ShardedLMHead(MaximusModule, nn.Module):
                           None if logit_softcap is None else float(logit_softcap), self.chunk_rows, None,
                           self.block_bytes)
         anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
-        return streamed_linear_cross_entropy(hidden, self.source, labels, opts, anchor)
+        return streamed_linear_cross_entropy(hidden, self.source, labels, opts, anchor,
+                                             reuse=self.config.reuse_rows.value)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ W.T`` (no bias); streamed heads run it chunk by chunk, differentiable under grad mode."""

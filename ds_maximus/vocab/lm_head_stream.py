@@ -12,8 +12,11 @@ Each chunk of ``chunk_rows`` rows is fetched once per pass, so the order is voca
   ``source.add_grad_(lo, hi, grad_W_c)`` when the chunk is done.
 
 4 GEMMs in all (the resident path needs 3) and the weight travels twice; the copies overlap the
-GEMMs. Memory: the tile ``T * chunk_rows`` (``T`` from ``block_bytes``), ``grad_h`` in fp32, one
-fp32 ``grad_W_c`` chunk in flight plus the source's staging buffers (two chunks).
+GEMMs. With ``reuse`` (``lm_head.reuse_rows``) the forward keeps each chunk it fetched, in the compute dtype, and
+the backward takes it instead of fetching it again (and frees it): the weight travels once, as in plain PyTorch,
+whose backward uses the weight its forward saved. Memory: the tile ``T * chunk_rows`` (``T`` from
+``block_bytes``), ``grad_h`` in fp32, one fp32 ``grad_W_c`` chunk in flight plus the source's staging buffers (two
+chunks), and with ``reuse`` the kept chunks, freed one by one as the backward goes.
 
 :func:`streamed_logits` is the same walk for a caller that wants the logits themselves (a model computing its
 own loss): differentiable, its backward hands each chunk's weight gradient to ``source.add_grad_``.
@@ -55,23 +58,35 @@ class ChunkSource(Protocol):
     def add_grad_(self, lo: int, hi: int, grad: torch.Tensor) -> None:
         """Accumulate ``grad`` (fp32, on the compute device) into rows ``[lo, hi)``'s gradient."""
 
+    def version(self) -> int:
+        """A number that changes whenever the rows change (the optimizer's step count): rows a forward kept are
+        used by its backward only while it is unchanged."""
+
 
 def _chunks(vocab: int, rows: int):
     return [(lo, min(vocab, lo + rows)) for lo in range(0, vocab, rows)]
 
 
-def _walk(h, source: ChunkSource, opts: LCEOptions, cdtype, fn):
-    """Call ``fn(lo, hi, w_c, b0, b1, tile)`` for every (chunk, token block), prefetching the next chunk."""
+def _walk(h, source: ChunkSource, opts: LCEOptions, cdtype, fn, kept: Optional[dict] = None, keep: bool = False):
+    """Call ``fn(lo, hi, w_c, b0, b1, tile)`` for every (chunk, token block), prefetching the next chunk.
+
+    ``keep``: each fetched chunk is also stored in ``kept`` (the forward). Otherwise a chunk found in ``kept`` is
+    taken from it (and dropped from it) instead of fetched (the backward)."""
     n = h.shape[0]
     vocab = source.vocab_size
     rows = min(opts.chunk_rows, vocab)
     tb = token_block_for(n, rows, h.element_size(), opts)
     flat = torch.empty(tb * rows, dtype=cdtype, device=h.device)
     chunks = _chunks(vocab, rows)
+    take = kept if kept is not None and not keep else {}
     for i, (lo, hi) in enumerate(chunks):
-        if i + 1 < len(chunks):
+        if i + 1 < len(chunks) and chunks[i + 1] not in take:
             source.prefetch(*chunks[i + 1], h.device, cdtype)
-        w_c = source.fetch(lo, hi, h.device, cdtype)
+        w_c = take.pop((lo, hi), None)
+        if w_c is None:
+            w_c = source.fetch(lo, hi, h.device, cdtype)
+            if keep:
+                kept[(lo, hi)] = w_c
         for b0 in range(0, n, tb):
             b1 = min(n, b0 + tb)
             tile = flat[: (b1 - b0) * (hi - lo)].view(b1 - b0, hi - lo)
@@ -80,8 +95,9 @@ def _walk(h, source: ChunkSource, opts: LCEOptions, cdtype, fn):
         yield lo, hi
 
 
-def streamed_stats(h, y, source: ChunkSource, opts: LCEOptions, cdtype):
-    """Forward pass: per-token ``(loss [n], lse [n])`` with one fetch of every chunk."""
+def streamed_stats(h, y, source: ChunkSource, opts: LCEOptions, cdtype, kept: Optional[dict] = None):
+    """Forward pass: per-token ``(loss [n], lse [n])`` with one fetch of every chunk (kept in ``kept``, if given,
+    for :func:`streamed_grads`)."""
     n = h.shape[0]
     acc = stat_dtype(cdtype)
     m = torch.full((n,), -math.inf, dtype=acc, device=h.device)
@@ -94,13 +110,15 @@ def streamed_stats(h, y, source: ChunkSource, opts: LCEOptions, cdtype):
         KERNELS.stats_(tile, y[b0:b1] - lo, opts.logit_softcap, m[b0:b1], l[b0:b1], tgt[b0:b1],
                        None if ssum is None else ssum[b0:b1])
 
-    for _ in _walk(h, source, opts, cdtype, stats):
+    for _ in _walk(h, source, opts, cdtype, stats, kept, keep=kept is not None):
         pass
     return token_losses(m, l, tgt, ssum, source.vocab_size, opts)
 
 
-def streamed_grads(h, y, lse, row_w, source: ChunkSource, opts: LCEOptions, cdtype, need_gh: bool):
-    """Backward pass: returns ``grad_h [n, d]`` (fp32, or None) and feeds ``source.add_grad_`` per chunk."""
+def streamed_grads(h, y, lse, row_w, source: ChunkSource, opts: LCEOptions, cdtype, need_gh: bool,
+                   kept: Optional[dict] = None):
+    """Backward pass: returns ``grad_h [n, d]`` (fp32, or None) and feeds ``source.add_grad_`` per chunk; chunks
+    in ``kept`` (the forward's) are used, and freed, instead of fetched again."""
     n, d = h.shape
     vocab = source.vocab_size
     rows = min(opts.chunk_rows, vocab)
@@ -119,16 +137,42 @@ def streamed_grads(h, y, lse, row_w, source: ChunkSource, opts: LCEOptions, cdty
         _acc_mm_(state["gw"], tile.t(), h[b0:b1], first=state["first"], chunk_rows=rows)
         state["first"] = False
 
-    for lo, hi in _walk(h, source, opts, cdtype, grads):
+    for lo, hi in _walk(h, source, opts, cdtype, grads, kept):
         if state["gw"] is not None:
             source.add_grad_(lo, hi, state["gw"])
         state["gw"] = None
     return gh
 
 
+def keeps_rows(reuse: str, source: ChunkSource, n: int, d: int, device: torch.device, cdtype,
+               opts: LCEOptions) -> bool:
+    """Whether a forward keeps its chunks for the backward (``reuse``: ``on``, ``off`` or ``auto``). ``auto``: on a
+    CUDA device whose free memory under the process's cap holds the weight in ``cdtype`` beside the backward's
+    buffers (the hidden gradient, a logits tile, a chunk's weight gradient, a chunk in flight) and a margin.
+    The backward frees a kept chunk as it adds that chunk's gradient, so keeping never raises the peak the
+    backward reaches by itself when the gradient accumulates on the device."""
+    reuse = getattr(reuse, "value", reuse)
+    if reuse in ("on", "off"):
+        return reuse == "on"
+    if device.type != "cuda":
+        return False
+    esz = torch.empty((), dtype=cdtype).element_size()
+    rows = min(opts.chunk_rows, source.vocab_size)
+    need = source.vocab_size * d * esz
+    reserve = n * d * 4 + min(opts.block_bytes, n * rows * esz) + rows * d * (8 + esz) + 256 * 2 ** 20
+    free, total = torch.cuda.mem_get_info(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    avail = free + reserved - allocated
+    frac = torch.cuda.get_per_process_memory_fraction(device)
+    if frac < 1.0:
+        avail = min(avail, int(frac * total) - allocated)
+    return need + reserve <= avail
+
+
 class _StreamedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, anchor, labels, source, opts: LCEOptions, cdtype):
+    def forward(ctx, hidden, anchor, labels, source, opts: LCEOptions, cdtype, reuse="off"):
+        kept = None
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, valid_idx, y, n = prepare(hidden, labels, source.vocab_size, opts)
             h = (h_all if valid_idx is None else h_all.index_select(0, valid_idx)).to(cdtype)
@@ -136,7 +180,11 @@ class _StreamedLinearCrossEntropy(torch.autograd.Function):
                 loss_tok = torch.zeros(0, dtype=stat_dtype(cdtype), device=hidden.device)
                 lse = None
             else:
-                loss_tok, lse = streamed_stats(h, y, source, opts, cdtype)
+                if any(ctx.needs_input_grad[:2]) and keeps_rows(reuse, source, n, h.shape[1], h.device, cdtype,
+                                                                opts):
+                    kept = {}
+                loss_tok, lse = streamed_stats(h, y, source, opts, cdtype, kept)
+        ctx.kept = None if kept is None else (kept, source.version())
         ctx.source, ctx.opts, ctx.cdtype, ctx.anchor = source, opts, cdtype, (anchor.device, anchor.dtype)
         ctx.meta = (hidden.shape, hidden.dtype, h_all.shape[0], n)
         ctx.y, ctx.valid_idx, ctx.lse = y, valid_idx, lse
@@ -151,9 +199,12 @@ class _StreamedLinearCrossEntropy(torch.autograd.Function):
         need_gh = ctx.needs_input_grad[0]
         adev, adtype = ctx.anchor
         anchor_grad = torch.zeros((), dtype=adtype, device=adev) if ctx.needs_input_grad[1] else None
+        kept, ctx.kept = ctx.kept, None
+        if kept is not None:   # the forward's rows, while no step has changed the source since
+            kept = kept[0] if kept[1] == ctx.source.version() else None
         if n == 0:
             grad_h = torch.zeros(hshape, dtype=hdtype, device=hidden.device) if need_gh else None
-            return grad_h, anchor_grad, None, None, None, None
+            return grad_h, anchor_grad, None, None, None, None, None
         acc = stat_dtype(cdtype)
         with torch.autocast(grad_out.device.type, enabled=False):
             h_all = hidden.reshape(-1, hshape[-1])
@@ -163,19 +214,20 @@ class _StreamedLinearCrossEntropy(torch.autograd.Function):
                 row_w = (go if ctx.valid_idx is None else go.index_select(0, ctx.valid_idx)).contiguous()
             else:
                 row_w = row_weights(n, opts, h.device, acc) * grad_out.to(acc)
-            gh = streamed_grads(h, ctx.y, ctx.lse, row_w, ctx.source, opts, cdtype, need_gh)
+            gh = streamed_grads(h, ctx.y, ctx.lse, row_w, ctx.source, opts, cdtype, need_gh, kept)
         ctx.lse = None
         grad_h = scatter_rows(gh, ctx.valid_idx, n_total).view(hshape).to(hdtype) if need_gh else None
-        return grad_h, anchor_grad, None, None, None, None
+        return grad_h, anchor_grad, None, None, None, None, None
 
 
 def streamed_linear_cross_entropy(hidden: torch.Tensor, source: ChunkSource, labels: torch.Tensor,
                                   opts: LCEOptions, anchor: Optional[torch.Tensor] = None,
-                                  cdtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                                  cdtype: Optional[torch.dtype] = None, reuse: str = "off") -> torch.Tensor:
     """The loss of ``linear_cross_entropy`` with the weight streamed from ``source``.
 
     ``anchor`` is a requires-grad scalar that makes backward run (and hence the weight gradients
-    reach the source) even when ``hidden`` needs no gradient.
+    reach the source) even when ``hidden`` needs no gradient. ``reuse`` (``on``/``off``/``auto``, see
+    :func:`keeps_rows`): the backward uses the chunks the forward fetched instead of fetching them again.
     """
     if hidden.shape[-1] != source.dim:
         raise ValueError(f"hidden size {hidden.shape[-1]} does not match the head's dim {source.dim}")
@@ -184,7 +236,7 @@ def streamed_linear_cross_entropy(hidden: torch.Tensor, source: ChunkSource, lab
     if cdtype is None:
         dev = hidden.device.type
         cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
-    return _StreamedLinearCrossEntropy.apply(hidden, anchor, labels, source, opts.validate(), cdtype)
+    return _StreamedLinearCrossEntropy.apply(hidden, anchor, labels, source, opts.validate(), cdtype, reuse)
 
 
 class _StreamedLogits(torch.autograd.Function):

@@ -180,6 +180,10 @@ class HeadTier(HeadGradients):
         self.counters["rows_fetched"] += hi - lo
         self.counters["bytes_h2d"] += host.numel() * host.element_size()
 
+    def version(self) -> int:
+        """The step count: the rows change only in a step."""
+        return int(self.step)
+
     def fetch(self, lo: int, hi: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         device = torch.device(device)
         if self._ensure_master(device):
@@ -323,6 +327,10 @@ class TiedSource:
 
     def prefetch(self, lo, hi, device, dtype):
         self.emb.stage_rows_for_compute(lo, hi, device)
+
+    def version(self) -> int:
+        """The table's optimizer step count: its rows change only in a step."""
+        return int(self.emb.optimizer.step)
 
     def add_grad_(self, lo, hi, grad):
         """Every row's gradient, the padding row's included: ``padding_idx`` stops only the lookup's gradient,

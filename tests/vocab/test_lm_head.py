@@ -214,6 +214,75 @@ def test_tied_to_sharded_embedding_receives_both_gradients():
     assert not head.owns_weights and head.placement == "tied"
 
 
+def _counting_fetches(head):
+    """Count ``head.source.fetch`` calls (patched on the instance)."""
+    calls = []
+    real = head.source.fetch
+
+    def fetch(lo, hi, device, dtype):
+        calls.append((lo, hi))
+        return real(lo, hi, device, dtype)
+    head.source.fetch = fetch
+    return calls
+
+
+def _tied_pair(reuse, v=200, d=16, chunk_rows=48):
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.vocab import ShardedEmbedding
+    w0 = torch.randn(v, d, generator=torch.Generator().manual_seed(3)) * 0.5
+    emb = ShardedEmbedding(v, d, config=EmbeddingConfig(gpu_cache_rows=64), _weight=w0)
+    return emb, ShardedLMHead(tied_to=emb, config={"chunk_rows": chunk_rows, "reuse_rows": reuse})
+
+
+@pytest.mark.parametrize("placement", ["tied", "cpu"])
+def test_reused_rows_give_the_same_loss_and_gradients_with_one_fetch_per_chunk(placement):
+    """``reuse_rows: on``: the backward takes the forward's chunks (no second fetch) and everything it computes is
+    bit-identical to ``off``, for a tied head and a CPU-tier head."""
+    v, d, n_chunks = 200, 16, 5                      # 48-row chunks: 4 full and one of 8 rows
+    ids = torch.randint(0, v, (3, 7), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, v, (3, 7), generator=torch.Generator().manual_seed(2))
+    y[0, :2] = IGN
+    out = {}
+    for reuse in ("off", "on"):
+        if placement == "tied":
+            emb, head = _tied_pair(reuse)
+            x = torch.tanh(emb(ids))
+        else:
+            w = torch.randn(v, d, generator=torch.Generator().manual_seed(3))
+            head = ShardedLMHead(config={"chunk_rows": 48, "placement": "cpu", "reuse_rows": reuse}, weight=w)
+            x = torch.randn(3, 7, d, generator=torch.Generator().manual_seed(4)).requires_grad_()
+        calls = _counting_fetches(head)
+        loss = head(x, y)
+        assert len(calls) == n_chunks
+        loss.backward()
+        assert len(calls) == (n_chunks if reuse == "on" else 2 * n_chunks)
+        g = emb.sparse_grads() if placement == "tied" else head.sparse_grads()
+        out[reuse] = (loss.detach(), g[0], g[1].detach(), None if placement == "tied" else x.grad)
+    for a, b in zip(out["off"], out["on"]):
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+def test_reused_rows_are_dropped_when_the_rows_changed_before_the_backward():
+    """A backward after a step (the source's version moved) fetches the rows again, as ``off`` would."""
+    emb, head = _tied_pair("on")
+    calls = _counting_fetches(head)
+    loss = head(torch.tanh(emb(torch.arange(10).view(2, 5))), torch.arange(10, 20).view(2, 5))
+    head.source.version = lambda: -1
+    loss.backward()
+    assert len(calls) == 10
+
+
+def test_reuse_rows_auto_keeps_nothing_on_the_cpu_and_a_bad_value_is_refused():
+    from ds_maximus.errors import ConfigError
+    emb, head = _tied_pair("auto")
+    calls = _counting_fetches(head)
+    head(torch.tanh(emb(torch.arange(10).view(2, 5))), torch.arange(10, 20).view(2, 5)).backward()
+    assert len(calls) == 10
+    with pytest.raises((ConfigError, ValueError), match="reuse_rows"):
+        ShardedLMHead(tied_to=emb, config={"reuse_rows": "always"})
+
+
 # -- GPU variants ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -280,3 +349,21 @@ def test_gpu_streamed_from_cpu_tier_equals_resident_bf16():
     assert (rows - g).abs().max() <= 2e-2 * g.abs().max()
     cpu.sparse_step(lr=1e-3)
     assert torch.isfinite(cpu.full_weight()).all()
+
+
+@pytest.mark.gpu
+def test_gpu_reuse_rows_auto_keeps_the_chunks_when_they_fit_and_not_under_a_tight_cap():
+    from ds_maximus.vocab.linear_cross_entropy import LCEOptions
+    from ds_maximus.vocab.lm_head_stream import keeps_rows
+    emb, head = _tied_pair("auto", v=20000, d=128, chunk_rows=4096)
+    dev = torch.device("cuda")
+    opts = LCEOptions(chunk_rows=4096)
+    assert keeps_rows("auto", head.source, 512, 128, dev, torch.bfloat16, opts)
+    assert not keeps_rows("auto", head.source, 512, 128, torch.device("cpu"), torch.bfloat16, opts)
+    free, total = torch.cuda.mem_get_info(dev)
+    frac = torch.cuda.get_per_process_memory_fraction(dev)
+    try:   # a cap just above what is allocated now: no room for the weight's 5 MB beside a 256 MiB margin
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated(dev) + 2 ** 20) / total, dev)
+        assert not keeps_rows("auto", head.source, 512, 128, dev, torch.bfloat16, opts)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(frac, dev)
