@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #39's last figure, one call (~9 min): bench_moe_training at a fixed CPU share, this tree against $OLD (the tree
-# before the partition-core redesign), two pairs in alternating order (old new, then new old) so that neither tree
-# always runs first, $STEPS timed steps each (default 6), and the host's AnonHugePages before every run.
+# before the partition-core redesign), two pairs in alternating order (old new, then new old; ORDERS="old new" runs
+# one) so that neither tree always runs first, $STEPS timed steps each (default 6), and the host's AnonHugePages
+# before every run.
 # Writes $OUT/ba_*_{old,new}.{md,log} and pairs.md, packed into $OUT/results.tgz (pack_out).
 set -x
 . "$(dirname "$0")/common.sh"
@@ -10,9 +11,10 @@ T0=$SECONDS
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 build_ops cuda cpu old ds
 ARGS="--layers+3+--warmup+2+--steps+${STEPS:-6}+--peers+ours_split+--cpu-share+${SHARE:-0.55}+--budget-s+${RUN_S:-100}+--slot-s+${RUN_S:-100}"
-per=$(( (${TOTAL_S:-560} - (SECONDS - T0) - 20) / 4 ))
+IFS=, read -ra ORDERS <<< "${ORDERS:-old new,new old}"   # ORDERS="old new": one pair
+per=$(( (${TOTAL_S:-560} - (SECONDS - T0) - 20) / (2 * ${#ORDERS[@]}) ))
 echo "each run: $per s"
-for order in "old new" "new old"; do
+for order in "${ORDERS[@]}"; do
   for k in $order; do
     grep AnonHugePages /proc/meminfo
     PER_S=$per ORDER=$k BENCHES="bench_moe_training:$ARGS" bash "$(dirname "$0")/before_after.sh" > /dev/null 2>&1
