@@ -170,6 +170,12 @@ class BroadcastEmbedding(PartitionedEmbedding):
         w = self.local.full_weight() if self.is_master else torch.empty(self.num_embeddings, self.embedding_dim)
         return self.comm.broadcast("whole table", w, self.master)
 
+    def keep_step_rows(self, mode: str) -> None:
+        """Nothing to keep: the head's rows come from the master through a collective on the host."""
+
+    def release_step_rows(self) -> None:
+        """Nothing kept."""
+
     def stage_rows_for_compute(self, lo: int, hi: int, device=None) -> None:
         """Nothing to stage: the rows come from the master through a collective on the host."""
 

@@ -427,6 +427,14 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         local = self.partition.to_local(ids[mine])
         return mine, int(local[0]), int(local[-1]) + 1
 
+    def keep_step_rows(self, mode: str) -> None:
+        """A tied head's ``reuse_rows``: on one rank the local table leaves its stepped rows on the device for the
+        head (``ShardedEmbedding.keep_step_rows``); across ranks the head's rows come through a collective."""
+        self.local.keep_step_rows(mode if self.comm.single else "off")
+
+    def release_step_rows(self) -> None:
+        self.local.release_step_rows()
+
     def stage_rows_for_compute(self, lo: int, hi: int, device=None) -> None:
         """A tied head's hint that :meth:`rows_for_compute` of ``[lo, hi)`` comes next: on one rank the local table
         copies the span ahead; across ranks the rows come through a collective on the host, with nothing to stage."""

@@ -56,6 +56,18 @@ from ds_maximus.partition.host_memory import pinned_empty
 from ds_maximus.partition.speculation import PrefetchJob, cancel
 
 
+def device_bytes_free(device) -> int:
+    """Bytes this process can still allocate on CUDA ``device``: the device's free memory plus the free blocks the
+    caching allocator holds, bounded by a per-process cap (``torch.cuda.set_per_process_memory_fraction``)."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    avail = free + torch.cuda.memory_reserved(device) - allocated
+    frac = torch.cuda.get_per_process_memory_fraction(device)
+    if frac < 1.0:
+        avail = min(avail, int(frac * total) - allocated)
+    return max(0, avail)
+
+
 def host_staging(like: Dict[str, torch.Tensor], n: int, pin: bool) -> Dict[str, torch.Tensor]:
     """Host buffers for ``n`` entries shaped like the tables ``like`` (``[slots, ...]`` each), pinned when
     ``pin`` (so a copy to or from the device is asynchronous)."""

@@ -91,7 +91,7 @@ class ShardedLMHead(MaximusModule, nn.Module):
         self._last: dict = {}
         if tied_to is not None:
             self.placement = "tied"
-            self.source = TiedSource(tied_to)
+            self.source = TiedSource(tied_to, cfg.reuse_rows.value)
             self.vocab_size, self.hidden_size = self.source.vocab_size, self.source.dim
             self.tied_to = [tied_to]  # a list: not registered as a submodule (the model owns it)
             return

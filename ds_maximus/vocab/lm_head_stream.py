@@ -28,6 +28,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from ds_maximus.partition.transfer import device_bytes_free
 from ds_maximus.vocab.linear_cross_entropy import (
     LCEOptions,
     _acc_mm_,
@@ -61,6 +62,9 @@ class ChunkSource(Protocol):
     def version(self) -> int:
         """A number that changes whenever the rows change (the optimizer's step count): rows a forward kept are
         used by its backward only while it is unchanged."""
+
+    def release_rows(self) -> None:
+        """The backward has read every row: what the source keeps on the device for the head's passes can go."""
 
 
 def _chunks(vocab: int, rows: int):
@@ -141,6 +145,7 @@ def streamed_grads(h, y, lse, row_w, source: ChunkSource, opts: LCEOptions, cdty
         if state["gw"] is not None:
             source.add_grad_(lo, hi, state["gw"])
         state["gw"] = None
+    source.release_rows()
     return gh
 
 
@@ -160,13 +165,7 @@ def keeps_rows(reuse: str, source: ChunkSource, n: int, d: int, device: torch.de
     rows = min(opts.chunk_rows, source.vocab_size)
     need = source.vocab_size * d * esz
     reserve = n * d * 4 + min(opts.block_bytes, n * rows * esz) + rows * d * (8 + esz) + 256 * 2 ** 20
-    free, total = torch.cuda.mem_get_info(device)
-    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-    avail = free + reserved - allocated
-    frac = torch.cuda.get_per_process_memory_fraction(device)
-    if frac < 1.0:
-        avail = min(avail, int(frac * total) - allocated)
-    return need + reserve <= avail
+    return need + reserve <= device_bytes_free(device)
 
 
 class _StreamedLinearCrossEntropy(torch.autograd.Function):

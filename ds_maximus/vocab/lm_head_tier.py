@@ -184,6 +184,9 @@ class HeadTier(HeadGradients):
         """The step count: the rows change only in a step."""
         return int(self.step)
 
+    def release_rows(self) -> None:
+        """Nothing is kept for the head's passes: each chunk is copied when fetched."""
+
     def fetch(self, lo: int, hi: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         device = torch.device(device)
         if self._ensure_master(device):
@@ -315,12 +318,16 @@ class HeadTier(HeadGradients):
 
 
 class TiedSource:
-    """Rows of a ``ShardedEmbedding`` as a ChunkSource (``rows_for_compute`` in, its sparse gradient out)."""
+    """Rows of a ``ShardedEmbedding`` as a ChunkSource (``rows_for_compute`` in, its sparse gradient out).
 
-    def __init__(self, emb):
+    ``reuse`` (``lm_head.reuse_rows``): the table's step leaves the new weights of the rows it steps outside its
+    cache on the device for the head's next forward and backward (``ShardedEmbedding.keep_step_rows``)."""
+
+    def __init__(self, emb, reuse: str = "off"):
         self.emb = emb
         self.vocab_size = int(emb.num_embeddings)
         self.dim = int(emb.embedding_dim)
+        emb.keep_step_rows(reuse)
 
     def fetch(self, lo, hi, device, dtype):
         return self.emb.rows_for_compute(lo, hi, device, dtype)
@@ -331,6 +338,9 @@ class TiedSource:
     def version(self) -> int:
         """The table's optimizer step count: its rows change only in a step."""
         return int(self.emb.optimizer.step)
+
+    def release_rows(self) -> None:
+        self.emb.release_step_rows()
 
     def add_grad_(self, lo, hi, grad):
         """Every row's gradient, the padding row's included: ``padding_idx`` stops only the lookup's gradient,

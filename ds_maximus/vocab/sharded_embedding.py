@@ -19,7 +19,7 @@ from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_wit
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
 from ds_maximus.partition import PartitionCache, TensorTier
 from ds_maximus.partition.staged_update import StagedUpdate, device_with_index
-from ds_maximus.partition.transfer import CudaTransfer
+from ds_maximus.partition.transfer import CudaTransfer, device_bytes_free
 from ds_maximus.vocab.function import BatchPlan, BatchPlanner, ids_on_host
 from ds_maximus.vocab.sharded_state import ShardedStateMixin
 from ds_maximus.vocab.stats import EmbeddingStats, format_line
@@ -86,6 +86,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self._tier_pipeline: Optional[StagedUpdate] = None  # the GPU pipeline of out-of-cache row steps
         self._span_transfer: Optional[CudaTransfer] = None  # a tied head's chunk copies (stage_rows_for_compute)
         self._staged_spans: dict = {}  # (lo, hi, device) -> (device copy, its event, resident mask, optimizer step)
+        self._step_rows_mode = "off"   # keep_step_rows: a tied head's lm_head.reuse_rows
+        self._step_rows: Optional[tuple] = None  # (rows [V, d] in out_dtype, stepped there [V] bool, ready event)
         self.staged_tier_update: Optional[bool] = None  # those steps through it: None = on a CUDA device
         self._prefetched: collections.deque = collections.deque()
         self._planner = BatchPlanner(self.num_embeddings)
@@ -408,7 +410,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         On a GPU the rows outside the cache are stepped by copies and kernels on side streams that run on into the
         next forward (the last step's, if still in flight, is waited for here first)."""
         self.cache.tier_sync()
-        self._staged_spans.clear()
+        self._rows_changed()
         self.optimizer.begin_step(lr, weight_decay)
         touched = 0
         if self.grad:
@@ -483,6 +485,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         ids_np = ids.numpy()
         if ids_np.size > 1 and not bool((ids_np[1:] > ids_np[:-1]).all()):
             return False
+        table = self._step_rows_table(dev)   # the new weights for a tied head's next passes, or None
         windows = []  # (host slices of every table, a, b, first id): the window's ids are ids[a:b]
         for k, (plo, phi) in enumerate(ranges):
             tables = {n: pieces[n][k][2].view(phi - plo, -1) for n in names}
@@ -499,11 +502,14 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 grad = rows.index_select(0, where[a:b].to(dev))
                 self.optimizer.update(work["weight"], [work[n] for n in names[1:]], (ids[a:b] - first).to(dev),
                                       grad, ids[a:b])
+                if table is not None:
+                    table[first:first + work["weight"].shape[0]].copy_(work["weight"])
                 for n, v in host.items():
                     if work[n] is not v:
                         v.copy_(work[n], non_blocking=True)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()  # the tier is read on the host next
+            self._keep_step_rows(table, ids, None)
             return True
         if self._tier_pipeline is None or self._tier_pipeline.device != device_with_index(dev):
             self._tier_pipeline = StagedUpdate(dev)
@@ -531,14 +537,78 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 grad = rows.index_select(0, where_d[a:b])
                 self.optimizer.update(bufs["weight"], [bufs[nm] for nm in names[1:]], ids[a:b] - first, grad,
                                       ids[a:b], index=index)
+                if table is not None:
+                    table[first:first + n].copy_(bufs["weight"])
             with pl.storing(s):
                 for nm in names:
                     host[nm].copy_(bufs[nm], non_blocking=True)
         # no host wait: the tier is written until the end event; the staging sets go back to the allocator once
         # the pipeline's streams are past them
         self.cache.tier_written_until(pl.end())
+        ready = None
+        if table is not None and upd is not None:   # the table is complete once the last update has run
+            ready = torch.cuda.Event()
+            ready.record(upd)
+            table.record_stream(upd)
+        self._keep_step_rows(table, ids, ready)
         pl.release(wait=False)
         return True
+
+    def _keep_step_rows(self, table: Optional[Tensor], ids: Tensor, ready) -> None:
+        if table is None:
+            return
+        stepped = torch.zeros(self.num_embeddings, dtype=torch.bool)
+        stepped[ids] = True
+        self._step_rows = (table, stepped, ready)
+
+    # -- the rows a step leaves on the device for a tied head ------------------------------------------------------
+    #: what ``auto`` leaves free on the device beside the table the step leaves there
+    STEP_ROWS_MARGIN = 512 * 2 ** 20
+
+    def keep_step_rows(self, mode: str) -> None:
+        """A tied head reads every row in its forward and again in its backward, and on a GPU those reads cross the
+        link from the tier. With ``mode`` ``on`` (or ``auto``: on a CUDA device where the table in ``out_dtype``
+        fits the free memory under the process's cap with :attr:`STEP_ROWS_MARGIN` to spare) the step of the rows
+        outside the cache also casts their new weights into a ``[V, d]`` table on the compute device, which
+        :meth:`rows_for_compute` reads instead, until the head's backward is done (:meth:`release_step_rows`)."""
+        mode = getattr(mode, "value", mode)
+        if mode not in ("on", "off", "auto"):
+            raise ValueError(f"reuse_rows={mode!r}: use 'auto', 'on' or 'off'")
+        self._step_rows_mode = mode
+
+    def release_step_rows(self) -> None:
+        """Free the rows the last step left on the device (the head's backward has read them all): later reads
+        until the next step copy from the tier again."""
+        self._step_rows = None
+
+    def _rows_changed(self) -> None:
+        """The tier's rows change outside a step (a load): nothing copied or kept from them before is current."""
+        self._staged_spans.clear()
+        self._step_rows = None
+
+    def _step_rows_table(self, dev: torch.device) -> Optional[Tensor]:
+        """The ``[V, d]`` table a step writes its rows' new weights into, or ``None`` (:meth:`keep_step_rows`)."""
+        mode = self._step_rows_mode
+        if mode == "off" or (mode == "auto" and dev.type != "cuda"):
+            return None
+        nbytes = self.num_embeddings * self.embedding_dim * torch.empty((), dtype=self.out_dtype).element_size()
+        if mode == "auto" and device_bytes_free(dev) < nbytes + self.STEP_ROWS_MARGIN:
+            return None
+        return torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.out_dtype, device=dev)
+
+    def _step_rows_for(self, lo: int, hi: int, device: torch.device, dtype, wait: bool = True):
+        """``(rows, stepped)``: rows ``[lo, hi)`` of the table the last step left on ``device`` (a view, which the
+        caller completes: cached rows and rows not stepped into it, e.g. a row cached during the step and evicted
+        since) and which of them the step wrote; ``None`` without such a table. ``wait``: the current stream waits
+        for the step's updates first."""
+        if self._step_rows is None:
+            return None
+        table, stepped, ready = self._step_rows
+        if table.device != device_with_index(device) or table.dtype != dtype:
+            return None
+        if wait and ready is not None:
+            torch.cuda.current_stream(table.device).wait_event(ready)
+        return table[lo:hi], stepped[lo:hi]
 
     def _resident_catch_up(self, ids: Tensor) -> None:
         self.cache.wait_fills()  # rows in flight (a prefetch) are replayed where they land, not before
@@ -564,6 +634,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         res = self.cache.slots_of(ids) >= 0
         if bool(res.all()) or bool(self.optimizer.lagging(ids[~res]).any()):
             return
+        if self._step_rows_for(lo, hi, device, self.out_dtype, wait=False) is not None:
+            return   # the last step left them on the device
         span = self._host_weight_span(lo, hi)
         if span is None or not span.is_pinned():
             return
@@ -594,33 +666,16 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         ids = torch.arange(lo, hi)
         slots = self.cache.slots_of(ids)
         res = slots >= 0
-        out = torch.empty(hi - lo, self.embedding_dim, dtype=dtype, device=device)
-        staged = self._take_staged_span(lo, hi, device, res)
-        if staged is not None:  # the tier's span, copied ahead on a side stream
-            out.copy_(staged)
-        elif not bool(res.all()):
-            cold = ids[~res]
-            self.cache._finish_write_backs(block=True)
-            lag = self.optimizer.lagging(cold)
-            # rows with no step to replay need only their weights (a tied head reads every row, twice a step): the
-            # range in one copy from the tier's host memory, the cached rows among it written over below
-            lagging = bool(lag.any())
-            span = None if lagging else self._host_weight_span(lo, hi)
-            rows = None if span is not None or lagging else self._host_weight_rows(cold)
-            if span is not None:
-                out.copy_(span, non_blocking=True)
-            elif rows is None:
-                names = ("weight", *self.optimizer.state_names)
-                buf = {n: torch.empty(cold.numel(), self.embedding_dim) for n in names}
-                self.tier.read(cold, buf)
-                changed = self.optimizer.catch_up(buf["weight"], [buf[n] for n in names[1:]],
-                                                  torch.arange(cold.numel()), cold, lag=lag)
-                if bool(changed.any()):
-                    self.tier.write(cold, buf)
-                rows = buf["weight"]
-            if rows is not None:
-                cold_pos = torch.from_numpy(np.flatnonzero(~res.numpy()))
-                out.index_copy_(0, to_device(cold_pos, device), to_device(rows, device).to(dtype))
+        kept = self._step_rows_for(lo, hi, device, dtype)
+        if kept is None:
+            out = torch.empty(hi - lo, self.embedding_dim, dtype=dtype, device=device)
+            self._copy_tier_rows(out, lo, hi, ids, res, device, dtype)
+        else:   # the rows the last step left on the device; the cached ones are written over them below
+            out, stepped = kept
+            missing = ~(stepped | res)
+            if bool(missing.any()):   # rows the step did not write (cached then, evicted since): from the tier
+                self._copy_tier_rows(out, lo, hi, ids, ~missing, device, dtype, span=False)
+                stepped |= missing     # the table holds them now (a view: the next read of the chunk finds them)
         if bool(res.any()):
             self._resident_catch_up(ids[res])
             w, _ = self._tables()
@@ -631,6 +686,40 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             rows_res = w.index_select(0, to_device(slots[res], w.device)).to(device, dtype)
             out.index_copy_(0, to_device(pos, device), rows_res)
         return out
+
+    def _copy_tier_rows(self, out: Tensor, lo: int, hi: int, ids: Tensor, res: Tensor, device, dtype,
+                        span: bool = True) -> None:
+        """Write rows ``ids[~res]`` of ``[lo, hi)`` into ``out`` from the tier, current (``span``: where that is
+        cheaper, by copying the whole span of ``[lo, hi)``, the cached rows among it to be written over)."""
+        from ds_maximus.ops import to_device
+        staged = self._take_staged_span(lo, hi, device, res) if span else None
+        if staged is not None:  # the tier's span, copied ahead on a side stream
+            out.copy_(staged)
+            return
+        if bool(res.all()):
+            return
+        cold = ids[~res]
+        self.cache._finish_write_backs(block=True)
+        lag = self.optimizer.lagging(cold)
+        # rows with no step to replay need only their weights (a tied head reads every row, twice a step): the
+        # range in one copy from the tier's host memory, the cached rows among it written over below
+        lagging = bool(lag.any())
+        span = None if lagging or not span else self._host_weight_span(lo, hi)
+        rows = None if span is not None or lagging else self._host_weight_rows(cold)
+        if span is not None:
+            out.copy_(span, non_blocking=True)
+        elif rows is None:
+            names = ("weight", *self.optimizer.state_names)
+            buf = {n: torch.empty(cold.numel(), self.embedding_dim) for n in names}
+            self.tier.read(cold, buf)
+            changed = self.optimizer.catch_up(buf["weight"], [buf[n] for n in names[1:]],
+                                              torch.arange(cold.numel()), cold, lag=lag)
+            if bool(changed.any()):
+                self.tier.write(cold, buf)
+            rows = buf["weight"]
+        if rows is not None:
+            cold_pos = torch.from_numpy(np.flatnonzero(~res.numpy()))
+            out.index_copy_(0, to_device(cold_pos, device), to_device(rows, device).to(dtype))
 
     def _host_weight_span(self, lo: int, hi: int) -> Optional[Tensor]:
         """Weights of rows ``[lo, hi)`` as a view of the tier's host memory (one piece holds them), else ``None``."""

@@ -66,6 +66,7 @@ class ShardedStateMixin:
         if missing:
             raise ConfigError(f"checkpoint lacks optimizer tensors {missing} (it holds {sorted(d['tensors'])}); "
                               "was it saved with another optimizer type?")
+        self._rows_changed()
         self.cache.clear()
         self._step_pins.clear()
         self._prefetched.clear()
@@ -84,6 +85,7 @@ class ShardedStateMixin:
             w = whole_table(state_dict, key, (self.num_embeddings, self.embedding_dim), error_msgs)
             if w is not None:
                 self._catch_up_all()
+                self._rows_changed()
                 self.cache.clear()
                 self.tier.load({"weight": w.detach().to("cpu", torch.float32)})
                 self.optimizer.last_step.fill_(self.optimizer.step)

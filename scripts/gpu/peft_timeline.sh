@@ -10,7 +10,8 @@ set -x
 T0=$SECONDS
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 build_ops cuda cpu
-timeout "${TEST_S:-60}" python -m pytest -q -p no:cacheprovider -m gpu tests/vocab/test_lm_head.py > "$OUT/test_gpu.log" 2>&1
+timeout "${TEST_S:-100}" python -m pytest -q -p no:cacheprovider -m gpu tests/vocab/test_lm_head.py \
+  tests/vocab/test_sharded_embedding_gpu.py > "$OUT/test_gpu.log" 2>&1
 echo "gpu tests rc=$?"; tail -n 3 "$OUT/test_gpu.log"; grep -E "^(FAILED|ERROR|E  )" "$OUT/test_gpu.log" | head -20
 ARGS="--batch 4 --steps 6 --warmup 2"
 left() { echo $(( ${TOTAL_S:-560} - (SECONDS - T0) - ${1:-10} )); }

@@ -263,6 +263,55 @@ def test_reused_rows_give_the_same_loss_and_gradients_with_one_fetch_per_chunk(p
             assert torch.equal(a, b)
 
 
+def test_tied_head_reads_the_rows_its_table_step_left_and_trains_the_same():
+    """``reuse_rows: on`` with a tied table: each step leaves the new weights of the rows it stepped outside the
+    cache in a table the head's next forward and backward read (no copy of a chunk from the tier), freed after
+    the backward; losses and weights are bit-identical to ``off`` over several steps."""
+    v = 200
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, v, (3, 7), generator=g), torch.randint(0, v, (3, 7), generator=g)) for _ in range(4)]
+    out = {}
+    for reuse in ("off", "on"):
+        emb, head = _tied_pair(reuse)
+        copies = []
+        real = emb._copy_tier_rows
+        emb._copy_tier_rows = lambda *a, **k: (copies.append(k.get("span", True)), real(*a, **k))
+        losses = []
+        for i, (ids, y) in enumerate(data):
+            copies.clear()
+            loss = head(torch.tanh(emb(ids)), y)
+            loss.backward()
+            losses.append(loss.detach())
+            if reuse == "on":
+                # the forward of step 0 copies every chunk; later ones read the table, patching the rows the step
+                # did not write (cached during it, evicted by the next lookups) row by row
+                assert copies.count(True) == (5 if i == 0 else 0)
+                assert emb._step_rows is None                 # freed once the backward has read it
+            emb.sparse_step(lr=1e-2)
+            if reuse == "on":
+                assert emb._step_rows is not None and bool(emb._step_rows[1].any())
+        out[reuse] = (torch.stack(losses), emb.full_weight())
+    assert torch.equal(out["on"][0], out["off"][0]) and torch.equal(out["on"][1], out["off"][1])
+
+
+def test_step_rows_are_not_read_where_a_row_left_the_cache_after_the_step():
+    """A row cached during the step (so not stepped into the step's table) and evicted after it is read from the
+    tier, where its eviction wrote it, into the table."""
+    emb, head = _tied_pair("on")
+    ids = torch.arange(0, 21).view(3, 7)
+    head(torch.tanh(emb(ids)), ids).backward()
+    emb.sparse_step(lr=1e-2)
+    table, stepped, _ = emb._step_rows
+    res = emb.cache.slots_of(torch.arange(200)) >= 0
+    assert bool(res[:21].all()) and not bool(stepped[:21].any()) and bool(stepped[~res].all())
+    emb.cache.clear()   # every cached row leaves the cache (written back to the tier)
+    want = emb.full_weight()[:48]
+    got = emb.rows_for_compute(0, 48, torch.device("cpu"), torch.float32)
+    assert torch.equal(got, want)
+    assert bool(emb._step_rows[1][:48].all())   # the 21 rows patched from the tier are in the table now
+    assert torch.equal(emb._step_rows[0][:48], want)
+
+
 def test_reused_rows_are_dropped_when_the_rows_changed_before_the_backward():
     """A backward after a step (the source's version moved) fetches the rows again, as ``off`` would."""
     emb, head = _tied_pair("on")
@@ -367,3 +416,31 @@ def test_gpu_reuse_rows_auto_keeps_the_chunks_when_they_fit_and_not_under_a_tigh
         assert not keeps_rows("auto", head.source, 512, 128, dev, torch.bfloat16, opts)
     finally:
         torch.cuda.set_per_process_memory_fraction(frac, dev)
+
+
+@pytest.mark.gpu
+def test_gpu_tied_head_reading_its_step_rows_trains_bit_identically():
+    """A tied bf16 head over a CUDA table with ``reuse_rows`` on (the step's rows on the device, the forward's chunks
+    kept for the backward) and off: the same losses and final weights, bit for bit, over steps whose lookups evict
+    rows the step left out of its table."""
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.vocab import ShardedEmbedding
+    v, d, steps = 40000, 128, 4
+    g = torch.Generator().manual_seed(7)
+    w0 = torch.randn(v, d, generator=g) * 0.05
+    data = [(torch.randint(0, v, (4, 256), generator=g).cuda(), torch.randint(0, v, (4, 256), generator=g).cuda())
+            for _ in range(steps)]
+    out = {}
+    for reuse in ("off", "on"):
+        emb = ShardedEmbedding(v, d, config=EmbeddingConfig(gpu_cache_rows=2048), _weight=w0, device="cuda",
+                               dtype=torch.bfloat16)
+        head = ShardedLMHead(tied_to=emb, config={"chunk_rows": 8192, "reuse_rows": reuse})
+        losses = []
+        for ids, y in data:
+            loss = head(torch.tanh(emb(ids)), y)
+            loss.backward()
+            losses.append(loss.detach())
+            emb.sparse_step(lr=1e-2)
+            assert (emb._step_rows is not None) == (reuse == "on")
+        out[reuse] = (torch.stack(losses).cpu(), emb.full_weight())
+    assert torch.equal(out["on"][0], out["off"][0]) and torch.equal(out["on"][1], out["off"][1])

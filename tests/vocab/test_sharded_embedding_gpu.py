@@ -119,20 +119,23 @@ def test_gpu_staged_tier_update_equals_the_one_stream_path():
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.parametrize("keep", ["off", "on"], ids=["copied", "step-rows"])
 @pytest.mark.parametrize("prefetch", [False, True], ids=["lookup-fills", "prefetched"])
-def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch):
+def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch, keep):
     """The step of the rows outside the cache runs on side streams into the next forward (no host wait in
     ``sparse_step``): the next lookup's fills, a prefetch's fills and evictions, and the tied head's reads of the
     tier are ordered after it. A table large enough that its copies are still in flight when the next forward is
     queued, every row stepped each step (a tied head's gradient), its chunks' tier spans copied ahead on a side
     stream (``stage_rows_for_compute``), against ``nn.Embedding`` + ``torch.optim.AdamW``: summation-order noise
     (99.5% of elements within 1e-5), but no element a tenth of an lr step off, as a row read before or after the
-    wrong step would be."""
+    wrong step would be. ``keep: on`` (a tied head's ``lm_head.reuse_rows``): the step also leaves its rows' new
+    weights in a table on the GPU, which the head's reads take instead of copies of the tier's spans."""
     _cuda_op_built()
     g = torch.Generator().manual_seed(5)
     vocab, dim, steps = 65536, 256, 5
     ref = nn.Embedding(vocab, dim).cuda()
     emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=4096)).to("cuda")
+    emb.keep_step_rows(keep)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     batches = [zipf_batch(g, vocab, 2048).cuda() for _ in range(steps + 1)]
     heads = [torch.randn(16, dim, generator=g).cuda() for _ in range(steps)]
@@ -149,7 +152,8 @@ def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch)
         for lo in range(0, vocab, chunk):   # the tied head: every row read and given a gradient
             if lo + chunk < vocab:   # the next chunk's span copied ahead, as the streamed head asks for it
                 emb.stage_rows_for_compute(lo + chunk, lo + 2 * chunk, "cuda")
-                assert any(key[:2] == (lo + chunk, lo + 2 * chunk) for key in emb._staged_spans)
+                staged = any(key[:2] == (lo + chunk, lo + 2 * chunk) for key in emb._staged_spans)
+                assert staged == (emb._step_rows is None)   # nothing to copy where the step left the rows
             w = emb.rows_for_compute(lo, lo + chunk, "cuda", torch.float32).requires_grad_(True)
             assert_weights_close(w.detach(), ref.weight[lo:lo + chunk].detach(), lr=1e-3)
             (h @ w.t()).tanh().sum().backward()
@@ -159,6 +163,7 @@ def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch)
         opt.zero_grad()
         emb.sparse_step(lr=1e-2, weight_decay=0.1)
         assert emb.cache._tier_event is not None  # the step's copies were left in flight
+        assert (emb._step_rows is not None) == (keep == "on")
         with torch.no_grad():  # the next forward, queued at once
             assert_weights_close(emb(batches[k + 1]).float(), ref(batches[k + 1]), lr=1e-3)
     assert_weights_close(emb.full_weight(), ref.weight.detach().cpu(), lr=1e-3)
