@@ -59,6 +59,9 @@ from ds_maximus.partition.speculation import PrefetchJob, cancel
 def device_bytes_free(device) -> int:
     """Bytes this process can still allocate on CUDA ``device``: the device's free memory plus the free blocks the
     caching allocator holds, bounded by a per-process cap (``torch.cuda.set_per_process_memory_fraction``)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     avail = free + torch.cuda.memory_reserved(device) - allocated

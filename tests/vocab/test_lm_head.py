@@ -405,7 +405,7 @@ def test_gpu_reuse_rows_auto_keeps_the_chunks_when_they_fit_and_not_under_a_tigh
     from ds_maximus.vocab.linear_cross_entropy import LCEOptions
     from ds_maximus.vocab.lm_head_stream import keeps_rows
     emb, head = _tied_pair("auto", v=20000, d=128, chunk_rows=4096)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     opts = LCEOptions(chunk_rows=4096)
     assert keeps_rows("auto", head.source, 512, 128, dev, torch.bfloat16, opts)
     assert not keeps_rows("auto", head.source, 512, 128, torch.device("cpu"), torch.bfloat16, opts)

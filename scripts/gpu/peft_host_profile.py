@@ -1,0 +1,40 @@
+"""#38: where the host's time goes in a step of ours at the Gemma-3-4B shape (capped at 16 GiB): cProfile of the
+last ``--profiled`` steps of bench_peft_vocab's ours_capped peer, run in this process, sorted by cumulative and by
+own time. On the GPU machine, after ``. .device/env.sh`` and ``. scripts/gpu/common.sh``:
+``python scripts/gpu/peft_host_profile.py --steps 4 --profiled 2``."""
+import argparse
+import cProfile
+import pstats
+import sys
+
+import benchmarks.bench_peft_vocab as bench
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--profiled", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=45, help="functions printed per table")
+    a, rest = ap.parse_known_args()
+    prof, calls = cProfile.Profile(), [0]
+    step = bench._train_step
+
+    def profiled(engine, ids):
+        calls[0] += 1
+        if calls[0] <= a.steps - a.profiled:
+            return step(engine, ids)
+        prof.enable()
+        try:
+            return step(engine, ids)
+        finally:
+            prof.disable()
+    bench._train_step = profiled
+    bench.main(["--peer", "ours_capped", "--steps", str(a.steps), "--warmup", "1", "--batch", "4",
+                "--json-out", "/dev/null", *rest])
+    st = pstats.Stats(prof, stream=sys.stdout)
+    st.sort_stats("cumulative").print_stats(a.rows)
+    st.sort_stats("tottime").print_stats(a.rows)
+
+
+if __name__ == "__main__":
+    main()
