@@ -33,6 +33,7 @@ from ds_maximus.distributed.collectives import Collectives
 from ds_maximus.distributed.partition import RowPartition, default_block_rows
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_with_engine
 from ds_maximus.errors import DistributedError
+from ds_maximus.ops import rows_where
 from ds_maximus.vocab.sharded_state import whole_table
 
 
@@ -304,7 +305,7 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         pad = self.local.padding_idx
         if pad is not None:
             keep = uniq != pad
-            uniq, rows = uniq[keep], rows[keep.to(rows.device)]
+            uniq, rows = uniq[keep], rows_where(rows, keep)
         self.local._accumulate(uniq, rows)
 
     # -- the maximus module protocol (local: each rank's owned rows) ------------------------------------------

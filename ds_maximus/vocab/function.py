@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ds_maximus.ops import index_array, to_device
+from ds_maximus.ops import index_array, rows_where, to_device
 
 
 def check_range(uniq_sorted_cpu: Tensor, vocab_size: int) -> None:
@@ -182,9 +182,8 @@ class ShardedEmbeddingFunction(torch.autograd.Function):
         rows = ops.segment_reduce(grad, inverse, uniq.numel(), order=order, offsets=offsets)
         if module.padding_idx is not None:
             keep = uniq != module.padding_idx
-            if not bool(keep.all()):  # an index copy with pinned indices: a device mask would make the host wait
-                pos = torch.from_numpy(np.flatnonzero(keep.numpy()))
-                uniq, rows = uniq[keep], rows.index_select(0, to_device(pos, rows.device))
+            if not bool(keep.all()):
+                uniq, rows = uniq[keep], rows_where(rows, keep)
         module._accumulate(uniq, rows)
         # a zero (not None) anchor gradient, so an anchor's own backward (the norm carrier) still runs; on
         # the anchor's device: a GPU zero for the standalone module's CPU anchor would cost a device-to-host

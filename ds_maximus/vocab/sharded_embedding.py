@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ds_maximus.config import EmbeddingConfig, MaximusConfig, OffloadDevice
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_with_engine
+from ds_maximus.ops import rows_where
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
 from ds_maximus.partition import PartitionCache, TensorTier
 from ds_maximus.partition.staged_update import StagedUpdate, device_with_index
@@ -423,8 +424,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 self.optimizer.update(w, states, slots, rows, ids)
                 self.cache.mark_dirty(slots)
             else:
-                res_d = res.to(rows.device)
-                self.optimizer.update(w, states, slots[res], rows[res_d], ids[res])
+                self.optimizer.update(w, states, slots[res], rows_where(rows, res), ids[res])
                 self.cache.mark_dirty(slots[res])
                 self._tier_update(ids[~res], rows, torch.from_numpy(np.flatnonzero(~res.numpy())))
         self.grad.clear()
@@ -750,7 +750,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         ids = torch.arange(lo, hi)
         if self.padding_idx is not None and lo <= self.padding_idx < hi:
             keep = ids != self.padding_idx
-            ids, grad = ids[keep], grad[keep.to(grad.device)]
+            ids, grad = ids[keep], rows_where(grad, keep)
         self.grad.add(ids, grad.detach().to(self.compute_device, torch.float32))
 
     def stats(self) -> dict:
