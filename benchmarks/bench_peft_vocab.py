@@ -378,7 +378,8 @@ def _trace_steps(engine, data, peer: str, ours: bool) -> None:
     ev = trace_timeline.load(path)
     (out / f"timeline_{peer}.txt").write_text(f"# {peer}: {len(data)} steps under torch.profiler\n"
                                               + trace_timeline.gaps(ev, min_ms=0.5, top=40) + "\n\n"
-                                              + trace_timeline.timeline(ev, bucket_ms=20.0) + "\n")
+                                              + trace_timeline.timeline(ev, bucket_ms=20.0) + "\n\n"
+                                              + trace_timeline.phases(ev, min_ms=1.0) + "\n")
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------------

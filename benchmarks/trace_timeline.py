@@ -3,6 +3,7 @@
     python -m benchmarks.trace_timeline trace_rank0.json.gz --bucket-ms 20
     python -m benchmarks.trace_timeline trace.json --window 500 660 --min-ms 0.3   # host ops in a window
     python -m benchmarks.trace_timeline trace.json --gaps --min-ms 0.5               # the compute stream's gaps
+    python -m benchmarks.trace_timeline trace.json --phases --min-ms 1               # host ranges and waits
 
 The first form prints, for each CUDA stream, its busy milliseconds split by kind (kernels, each memcpy
 direction, memsets), then one line per bucket with each stream's occupancy: where the compute stream
@@ -140,6 +141,33 @@ def gaps(events: List[dict], min_ms: float = 0.5, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def phases(events: List[dict], min_ms: float = 1.0, top: int = 400) -> str:
+    """The host's ranges (``record_function`` annotations: the bench's ``bench.*`` phases and ours' ``maximus.*``)
+    and the CUDA runtime calls longer than ``min_ms`` (host waits: ``cudaStreamSynchronize``,
+    ``cudaEventSynchronize``, ...), in time order, each with how busy the compute stream was meanwhile: where the
+    host held the GPU back."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    if not gpu:
+        return "no GPU events in the trace"
+    t0 = min(e["ts"] for e in gpu)
+    by = collections.defaultdict(list)
+    for e in gpu:
+        by[e["tid"]].append(e)
+    compute = max(by, key=lambda t: sum(e["dur"] for e in by[t] if e["cat"] == "kernel"))
+    busy = _merged(by[compute])
+    sel = [e for e in events if e.get("ph") == "X" and e.get("dur", 0) > 0
+           and (e.get("cat") == "user_annotation" or (e.get("cat") in ("cuda_runtime", "cuda_driver")
+                                                      and e["dur"] > min_ms * 1e3))]
+    sel.sort(key=lambda e: e["ts"])
+    lines = [f"host ranges and runtime calls over {min_ms} ms; 'gpu' = compute stream {compute} busy meanwhile"]
+    for e in sel[:top]:
+        s, f = e["ts"], e["ts"] + e["dur"]
+        on = sum(max(0, min(f, b) - max(s, a)) for a, b in busy)
+        lines.append(f"{(s - t0) / 1e3:8.1f} {e['dur'] / 1e3:8.1f} ms  gpu {100 * on / e['dur']:3.0f}%  "
+                     f"{e['cat'][:12]:12} {e['name'][:80]}")
+    return "\n".join(lines)
+
+
 def window(events: List[dict], lo: float, hi: float, min_ms: float = 0.3) -> str:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     t0 = min(e["ts"] for e in gpu)
@@ -158,10 +186,14 @@ def main(argv=None) -> None:
     ap.add_argument("--window", type=float, nargs=2, metavar=("FROM_MS", "TO_MS"))
     ap.add_argument("--min-ms", type=float, default=0.3)
     ap.add_argument("--gaps", action="store_true", help="the compute stream's idle gaps longer than --min-ms")
+    ap.add_argument("--phases", action="store_true",
+                    help="the host's annotated ranges and runtime calls over --min-ms, with the compute stream's use")
     a = ap.parse_args(argv)
     ev = load(a.trace)
     if a.gaps:
         print(gaps(ev, a.min_ms))
+    elif a.phases:
+        print(phases(ev, a.min_ms))
     else:
         print(window(ev, *a.window, a.min_ms) if a.window else timeline(ev, a.bucket_ms, a.streams))
 

@@ -1,6 +1,6 @@
 """benchmarks.trace_timeline on a synthetic chrome trace: busy time, bytes and rate per copy direction, and the time
 two copying streams overlapped (how session 16 found the MoE step's link directions taking turns)."""
-from benchmarks.trace_timeline import gaps, timeline
+from benchmarks.trace_timeline import gaps, phases, timeline
 
 
 def _copy(name, ts, dur, tid, nbytes):
@@ -28,3 +28,16 @@ def test_gaps_of_the_compute_stream_and_what_ran_meanwhile():
     text = gaps(events, min_ms=0.5)
     assert "compute stream 9: 6.0 ms from its first to its last op, 1 gaps over 0.5 ms, 3.0 ms idle" in text
     assert "1.5 +   3.0 ms  after 'b' before 'c'  others busy ms 7:2.0" in text
+
+
+def test_phases_list_host_ranges_and_long_waits_with_the_compute_streams_use():
+    def k(ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur, "tid": 9}
+    events = [k(0, 1000), k(3000, 1000),
+              {"ph": "X", "cat": "user_annotation", "name": "bench.step", "ts": 0, "dur": 4000, "tid": 1},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1000, "dur": 2000, "tid": 1},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 3000, "dur": 10, "tid": 1}]
+    text = phases(events, min_ms=1.0)
+    assert "     0.0      4.0 ms  gpu  50%  user_annotat bench.step" in text
+    assert "     1.0      2.0 ms  gpu   0%  cuda_runtime cudaStreamSynchronize" in text
+    assert "cudaLaunchKernel" not in text  # shorter than min_ms

@@ -45,10 +45,11 @@ def lookahead(loader: Iterable, modules: Iterable[MaximusModule]) -> Iterable:
             nxt = next(it)
         except StopIteration:
             break
-        ids = unique_ids(nxt)
-        if ids is not None:
-            for m in modules:
-                m.prefetch(ids)
+        with torch.profiler.record_function("maximus.prefetch"):
+            ids = unique_ids(nxt)
+            if ids is not None:
+                for m in modules:
+                    m.prefetch(ids)
         yield cur
         cur = nxt
     yield cur

@@ -124,6 +124,10 @@ class MaximusRuntime:
     # -- the carrier's callback ----------------------------------------------------------------
     def on_sparse_backward_done(self) -> float:
         """Called at the end of the sharded modules' backward; returns the carrier increment."""
+        with torch.profiler.record_function("maximus.sparse_grad_norm"):
+            return self._sparse_backward_done()
+
+    def _sparse_backward_done(self) -> float:
         owned = [m for m in self.modules.values() if m.owns_partition]  # partitioned: grads at owners
         shared = [m for m in self.modules.values() if not m.owns_partition]
         if self._boundary and shared:
@@ -164,7 +168,8 @@ class MaximusRuntime:
         wd = group.get("weight_decay")
         scale = self._loss_scale()
         stage0_norm = self._dense_norm_stage0_fp32() if e.gradient_clipping() > 0 else None
-        out = self._orig["step"](lr_kwargs)
+        with torch.profiler.record_function("maximus.deepspeed_step"):  # a range in the user's profiler traces
+            out = self._orig["step"](lr_kwargs)
         t0 = time.perf_counter()
         if not e.was_step_applied():
             for m in self.modules.values():
@@ -177,10 +182,11 @@ class MaximusRuntime:
             if clip > 0 and total is not None and math.isfinite(float(total)):
                 coef = min(1.0, clip / (float(total) + 1e-6))
             self.last_clip_coef = coef
-            for m in self.modules.values():
-                if coef / scale != 1.0:
-                    m.scale_sparse_grads_(coef / scale)
-                m.sparse_step(lr, wd)
+            with torch.profiler.record_function("maximus.sparse_step"):
+                for m in self.modules.values():
+                    if coef / scale != 1.0:
+                        m.scale_sparse_grads_(coef / scale)
+                    m.sparse_step(lr, wd)
             self.steps += 1
         self._carrier_sent = 0.0
         self.last_step_ms = (time.perf_counter() - t0) * 1e3

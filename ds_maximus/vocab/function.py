@@ -174,6 +174,11 @@ class ShardedEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.profiler.record_function("maximus.rows.backward"):
+            return ShardedEmbeddingFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         from ds_maximus.ops import row_ops as ops
         saved = ctx.saved_tensors
         inverse, order, offsets = (saved + (None, None))[:3]

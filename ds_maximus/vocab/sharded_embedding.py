@@ -178,7 +178,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         if input.dtype not in (torch.long, torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"ShardedEmbedding expects integer token ids, got {input.dtype}")
         track = torch.is_grad_enabled()
-        out, uniq_cpu, plan = lookup(self, input, pin=track)
+        with torch.profiler.record_function("maximus.rows.lookup"):
+            out, uniq_cpu, plan = lookup(self, input, pin=track)
         if track:
             anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
             out = ShardedEmbeddingFunction.apply(anchor, out, self, uniq_cpu, plan)
@@ -426,7 +427,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             else:
                 self.optimizer.update(w, states, slots[res], rows_where(rows, res), ids[res])
                 self.cache.mark_dirty(slots[res])
-                self._tier_update(ids[~res], rows, torch.from_numpy(np.flatnonzero(~res.numpy())))
+                with torch.profiler.record_function("maximus.rows.tier_step"):
+                    self._tier_update(ids[~res], rows, torch.from_numpy(np.flatnonzero(~res.numpy())))
         self.grad.clear()
         self._unpin_step()
         self.stats_tracker.end_step(self.cache, touched)
