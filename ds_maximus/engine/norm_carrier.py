@@ -44,8 +44,9 @@ class _Carrier(torch.autograd.Function):
     def backward(ctx, grad):
         inc = ctx.runtime.on_sparse_backward_done()
         value = inc / math.sqrt(ctx.shape.numel())
-        g = torch.full(ctx.shape, value, dtype=ctx.dtype, device=grad.device)
-        return g, None
+        if torch.is_tensor(value):  # a device scalar: spread without reading it on the host
+            return value.to(grad.device, ctx.dtype).expand(ctx.shape).contiguous(), None
+        return torch.full(ctx.shape, value, dtype=ctx.dtype, device=grad.device), None
 
 
 def attach_carrier(module: nn.Module, runtime) -> nn.Parameter:

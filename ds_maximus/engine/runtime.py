@@ -122,24 +122,33 @@ class MaximusRuntime:
         return groups[0]
 
     # -- the carrier's callback ----------------------------------------------------------------
-    def on_sparse_backward_done(self) -> float:
-        """Called at the end of the sharded modules' backward; returns the carrier increment."""
+    def on_sparse_backward_done(self):
+        """Called at the end of the sharded modules' backward; returns the carrier increment: the sparse norm's
+        growth since the last micro-batch, a float or (where a module's gradient is on a GPU) a device scalar."""
         with torch.profiler.record_function("maximus.sparse_grad_norm"):
             return self._sparse_backward_done()
 
-    def _sparse_backward_done(self) -> float:
+    def _sparse_backward_done(self):
         owned = [m for m in self.modules.values() if m.owns_partition]  # partitioned: grads at owners
         shared = [m for m in self.modules.values() if not m.owns_partition]
         if self._boundary and shared:
             group = self._dp_group()
             for m in shared:
                 m.reduce_grads(group)
-        sq = sum(float(m.sparse_grad_norm_sq()) for m in shared)
+        parts = [m.sparse_grad_norm_sq() for m in shared]
+        sq = sum(float(p) for p in parts if p.device.type == "cpu")  # host values: no wait
         if owned:
             local = torch.stack([m.sparse_grad_norm_sq().float().cpu() for m in owned]).sum().reshape(1)
             # each rank holds the grads of its own rows: the global norm sums every rank's share
             sq += float(owned[0].reduce_norm_sq(local)) if self._boundary else float(local)
-        norm = math.sqrt(sq) if math.isfinite(sq) else sq
+        on_device = [p for p in parts if p.device.type != "cpu"]
+        if on_device:
+            # the norm stays a device scalar: reading it here would make the host wait for the whole backward, and
+            # DeepSpeed's step (host-bound at LoRA's hundreds of small parameters) would no longer overlap its end
+            dev = on_device[0].device
+            norm = (torch.stack([p.to(dev, torch.float64) for p in on_device]).sum() + sq).sqrt()
+        else:
+            norm = math.sqrt(sq) if math.isfinite(sq) else sq
         inc = norm - self._carrier_sent
         self._carrier_sent = norm
         return inc

@@ -35,6 +35,15 @@ class _Prefetched(NamedTuple):
     plan: BatchPlan    # its index tensors already on the compute device
 
 
+def _copy_in_pieces(dst: Tensor, src: Tensor, rows: Optional[int]) -> None:
+    """``dst.copy_(src, non_blocking=True)``, as copies of at most ``rows`` rows each (one copy where None)."""
+    if rows is None or src.shape[0] <= rows:
+        dst.copy_(src, non_blocking=True)
+        return
+    for lo in range(0, src.shape[0], rows):
+        dst[lo:lo + rows].copy_(src[lo:lo + rows], non_blocking=True)
+
+
 def _masked(t: Tensor, mask: Tensor) -> Tensor:
     """``t[mask]`` for CPU tensors, in numpy (torch's CPU boolean indexing costs milliseconds here)."""
     return torch.from_numpy(t.numpy()[mask.numpy()])
@@ -525,6 +534,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             rows.record_stream(upd)
             where_d.record_stream(upd)
         width = step * self.embedding_dim
+        piece = None if not self.COPY_PIECE_BYTES else max(1, self.COPY_PIECE_BYTES // (4 * self.embedding_dim))
         for s, (host, a, b, first) in pl.pieces(windows, after=torch.cuda.current_stream(dev) if pl.cuda else None):
             n = host["weight"].shape[0]
             bufs = {nm: pl.buffer(s, nm, width, host[nm].dtype)[:n * self.embedding_dim].view(n, -1) for nm in names}
@@ -534,7 +544,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                     for t in index:
                         t.record_stream(upd)
                 for nm in names:
-                    bufs[nm].copy_(host[nm], non_blocking=True)
+                    _copy_in_pieces(bufs[nm], host[nm], piece)
             with pl.updating(upd):
                 grad = rows.index_select(0, where_d[a:b])
                 self.optimizer.update(bufs["weight"], [bufs[nm] for nm in names[1:]], ids[a:b] - first, grad,
@@ -543,7 +553,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                     table[first:first + n].copy_(bufs["weight"])
             with pl.storing(s):
                 for nm in names:
-                    host[nm].copy_(bufs[nm], non_blocking=True)
+                    _copy_in_pieces(host[nm], bufs[nm], piece)
         # no host wait: the tier is written until the end event; the staging sets go back to the allocator once
         # the pipeline's streams are past them
         self.cache.tier_written_until(pl.end())
@@ -566,6 +576,10 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     # -- the rows a step leaves on the device for a tied head ------------------------------------------------------
     #: what ``auto`` leaves free on the device beside the table the step leaves there
     STEP_ROWS_MARGIN = 512 * 2 ** 20
+    #: the tier step's copies of a window's table slice, in pieces of at most this many bytes (None: one copy a
+    #: slice). A small device-to-host read on the compute stream (a lookup's ids, a loss read) queues for the copy
+    #: engine behind the copies in flight (``scripts/gpu/probe_copy_latency.py``)
+    COPY_PIECE_BYTES = None
 
     def keep_step_rows(self, mode: str) -> None:
         """A tied head reads every row in its forward and again in its backward, and on a GPU those reads cross the

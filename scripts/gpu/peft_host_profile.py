@@ -15,6 +15,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--profiled", type=int, default=2)
     ap.add_argument("--rows", type=int, default=45, help="functions printed per table")
+    ap.add_argument("--callers", default="torch.empty|ynchronize|method 'item'|method 'tolist'|pin_memory",
+                    help="regex: who calls the functions it matches (host waits and allocations)")
     a, rest = ap.parse_known_args()
     prof, calls = cProfile.Profile(), [0]
     step = bench._train_step
@@ -34,6 +36,7 @@ def main() -> None:
     st = pstats.Stats(prof, stream=sys.stdout)
     st.sort_stats("cumulative").print_stats(a.rows)
     st.sort_stats("tottime").print_stats(a.rows)
+    st.print_callers(a.callers)
 
 
 if __name__ == "__main__":

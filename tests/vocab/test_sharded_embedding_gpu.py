@@ -91,9 +91,13 @@ def test_gpu_backward_segment_reduce_equals_dense_grad():
     torch.testing.assert_close(emb.grad.rows, ref.weight.grad[emb.grad.ids.cuda()], rtol=1e-5, atol=1e-5)
 
 
-def test_gpu_staged_tier_update_equals_the_one_stream_path():
+@pytest.mark.parametrize("piece", [None, 7 * 48 * 4], ids=["whole-slices", "copies-in-pieces"])
+def test_gpu_staged_tier_update_equals_the_one_stream_path(piece, monkeypatch):
     """A tied head's gradient reaches every row: the rows outside the cache step through the staged-update pipeline
-    (three streams, two staging sets) and give the same bits as the windows one after another on one stream."""
+    (three streams, two staging sets) and give the same bits as the windows one after another on one stream
+    (``piece``: the pipeline's copies in pieces of 7 rows)."""
+    monkeypatch.setattr(ShardedEmbedding, "COPY_PIECE_BYTES", piece)
+
     def run(staged):
         g = torch.Generator().manual_seed(3)
         emb = ShardedEmbedding.from_embedding(nn.Embedding(1000, 48), make_config(cache_rows=64)).to("cuda")
