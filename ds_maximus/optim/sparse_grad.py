@@ -21,12 +21,20 @@ class SparseRowGrad:
     Two adds cost no reallocation of what is held: rows for ids past the last one held (a tied head's gradient,
     chunk after chunk of the vocabulary) wait as pieces joined once when read, and rows for ids already held
     (the lookup's gradient on top of a tied head's) are added in place.
+
+    ``keep_buffer``: the memory of the joined rows is kept after :meth:`clear` and the next adds are copied straight
+    into it, so a gradient of the same size costs no new allocation (a tied head's ``[V, d]`` fp32 gradient: under a
+    capped allocator with expandable segments, mapping it anew took tens of ms of host time a step).
     """
 
-    def __init__(self):
+    def __init__(self, keep_buffer: bool = False):
         self._ids: Optional[Tensor] = None
         self._rows: Optional[Tensor] = None
         self._tail: list = []   # (ids, rows) past the last id held, in order: joined once, when read
+        self.keep_buffer = keep_buffer
+        self._buf: Optional[Tensor] = None   # the kept memory (keep_buffer)
+        self._buf_end: Optional[int] = None  # rows held and tail pieces lie in order in _buf[:_buf_end]
+        self._read_event = None              # the last side-stream read of rows in _buf (read_on)
 
     @property
     def ids(self) -> Optional[Tensor]:
@@ -46,24 +54,60 @@ class SparseRowGrad:
     @rows.setter
     def rows(self, value: Optional[Tensor]) -> None:
         self._join_tail()
-        self._rows = value
+        self._rows, self._buf_end = value, None
 
     def __bool__(self) -> bool:
         return (self._ids is not None and self._ids.numel() > 0) or bool(self._tail)
+
+    def read_on(self, stream) -> None:
+        """``rows`` are read on CUDA ``stream`` after the caller moves on: the kept memory is not written again
+        before that read has run (the writer's stream waits for it, no host wait)."""
+        if self._buf is not None and stream is not None:
+            self._read_event = stream.record_event()
+
+    def _into_buf(self, rows: Tensor, at: int) -> Optional[Tensor]:
+        """``rows`` copied to ``_buf[at:]`` (a view), or None where the kept memory does not take them."""
+        buf = self._buf
+        if (buf is None or buf.device != rows.device or buf.dtype != rows.dtype or buf.shape[1:] != rows.shape[1:]
+                or at + rows.shape[0] > buf.shape[0]):
+            return None
+        if self._read_event is not None:
+            torch.cuda.current_stream(buf.device).wait_event(self._read_event)
+            self._read_event = None
+        view = buf[at:at + rows.shape[0]]
+        view.copy_(rows)
+        return view
 
     def _join_tail(self) -> None:
         if not self._tail:
             return
         dev = self._rows.device
         ids = torch.cat([self._ids] + [i for i, _ in self._tail])
-        rows = torch.empty(ids.numel(), self._rows.shape[1], dtype=self._rows.dtype, device=dev)
         parts, self._tail = [self._rows] + [r for _, r in self._tail], []
+        if self._buf_end is not None:  # every piece already lies in order in the kept memory
+            self._ids, self._rows = ids, self._buf[:self._buf_end]
+            return
+        shape = (ids.numel(), self._rows.shape[1])
+        buf = self._buf
+        rows = None
+        if (buf is not None and buf.device == dev and buf.dtype == self._rows.dtype and buf.shape[1] == shape[1]
+                and buf.shape[0] >= shape[0]):
+            if self._read_event is not None:
+                torch.cuda.current_stream(dev).wait_event(self._read_event)
+                self._read_event = None
+            rows = buf[:shape[0]]
+        if rows is None:
+            rows = torch.empty(shape, dtype=self._rows.dtype, device=dev)
+            if self.keep_buffer:
+                self._buf = rows
         self._rows, lo = None, 0
         while parts:                  # each piece dropped once copied: the peak is the result plus what is left
             r = parts.pop(0)
-            rows[lo:lo + r.shape[0]].copy_(r)
+            if r.data_ptr() != rows[lo:].data_ptr():  # a piece of the kept memory already in place stays
+                rows[lo:lo + r.shape[0]].copy_(r)
             lo += r.shape[0]
-        self._ids, self._rows = ids, rows
+        kept = self._buf is not None and rows.data_ptr() == self._buf.data_ptr()
+        self._ids, self._rows, self._buf_end = ids, rows, rows.shape[0] if kept else None
 
     def add(self, ids: Tensor, rows: Tensor) -> None:
         """Add ``rows`` for unique ``ids`` (CPU LongTensor); duplicates with earlier adds are summed."""
@@ -76,13 +120,21 @@ class SparseRowGrad:
             if not ascending:
                 order = torch.argsort(ids)
                 ids, rows = ids.index_select(0, order), rows.index_select(0, order.to(rows.device))
-            self._ids, self._rows = ids, rows
+            kept = self._into_buf(rows, 0) if self.keep_buffer else None
+            self._ids, self._rows = ids, rows if kept is None else kept
+            self._buf_end = None if kept is None else kept.shape[0]
             return
         if not a.size:
             return
         last = self._tail[-1][0] if self._tail else self._ids
         if ascending and last.numel() and a[0] > int(last[-1]):
-            self._tail.append((ids, rows.to(self._rows.device)))
+            rows = rows.to(self._rows.device)
+            kept = self._into_buf(rows, self._buf_end) if self._buf_end is not None else None
+            if kept is None:
+                self._buf_end = None
+            else:
+                rows, self._buf_end = kept, self._buf_end + kept.shape[0]
+            self._tail.append((ids, rows))
             return
         self._join_tail()
         rows = rows.to(self._rows.device)
@@ -101,6 +153,7 @@ class SparseRowGrad:
         else:
             self._rows = ops.segment_reduce(torch.cat([self._rows, rows]), inverse.to(rows.device), uniq.numel())
             self._ids = uniq
+        self._buf_end = None
 
     def norm_sq(self, device=None) -> Tensor:
         if not self:
@@ -116,4 +169,5 @@ class SparseRowGrad:
         return not self or bool(torch.isfinite(self.rows).all())
 
     def clear(self) -> None:
-        self._ids, self._rows, self._tail = None, None, []
+        """Drop the gradient (the kept memory stays, for the next one)."""
+        self._ids, self._rows, self._tail, self._buf_end = None, None, [], None
