@@ -96,7 +96,7 @@ CURVE_REFERENCE = {"curve_ours": "curve_ref", **{p: REFERENCE for p, v in PEERS.
                                                  if v[0] == "gemma3" and not p.startswith("curve_")}}
 # the options a peer's process gets from the driver
 FORWARDED = ("batch", "seq", "steps", "warmup", "profile", "trace", "layers", "cap_gib", "new_rows", "cache_rows",
-             "chunk_rows", "reuse_rows", "copy_piece_mb", "store_blocks", "bucket_elems", "lr",
+             "chunk_rows", "reuse_rows", "keep_grad_buffer", "bucket_elems", "lr",
              "curve_steps", "curve_layers", "curve_vocab", "curve_batch", "curve_seq")
 
 
@@ -276,10 +276,9 @@ def run_peer(a) -> dict:
 
         import ds_maximus
         init = ds_maximus.initialize if ours else deepspeed.initialize
-        if ours and (a.copy_piece_mb or a.store_blocks):
+        if ours and a.keep_grad_buffer:
             from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
-            ShardedEmbedding.COPY_PIECE_BYTES = a.copy_piece_mb << 20 if a.copy_piece_mb else None
-            ShardedEmbedding.STORE_KERNEL_BLOCKS = a.store_blocks
+            ShardedEmbedding.KEEP_GRAD_BUFFER = a.keep_grad_buffer == "on"
         engine, *_ = init(model=model, model_parameters=params, config=_ds_config(a, shape, ours, bf16, batch))
         data = zipf_batches(shape["vocab"], batch, seq, steps)
         # the timed steps run back to back, as in a training run, with one device sync before and after them: work
@@ -469,12 +468,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-rows", type=int, default=8192, help="vocabulary rows a chunk of our streamed loss")
     ap.add_argument("--reuse-rows", choices=("auto", "on", "off"), default=None,
                     help="ours: maximus.lm_head.reuse_rows (default auto)")
-    ap.add_argument("--copy-piece-mb", type=int, default=None,
-                    help="ours: the tier step's host copies in pieces of at most this many MiB "
-                         "(ShardedEmbedding.COPY_PIECE_BYTES; default: one copy a window's table slice)")
-    ap.add_argument("--store-blocks", type=int, default=None,
-                    help="ours: the tier step's copies back by a copy_rows kernel of this many blocks "
-                         "(ShardedEmbedding.STORE_KERNEL_BLOCKS; default: the copy engine)")
+    ap.add_argument("--keep-grad-buffer", choices=("on", "off"), default=None,
+                    help="ours: a tied head's [V, d] gradient memory kept from step to step "
+                         "(ShardedEmbedding.KEEP_GRAD_BUFFER; default on)")
     ap.add_argument("--bucket-elems", type=int, default=50_000_000,
                     help="ZeRO-2 reduce/allgather bucket (elements), every bf16 peer alike")
     ap.add_argument("--lr", type=float, default=1e-4)

@@ -35,15 +35,6 @@ class _Prefetched(NamedTuple):
     plan: BatchPlan    # its index tensors already on the compute device
 
 
-def _copy_in_pieces(dst: Tensor, src: Tensor, rows: Optional[int]) -> None:
-    """``dst.copy_(src, non_blocking=True)``, as copies of at most ``rows`` rows each (one copy where None)."""
-    if rows is None or src.shape[0] <= rows:
-        dst.copy_(src, non_blocking=True)
-        return
-    for lo in range(0, src.shape[0], rows):
-        dst[lo:lo + rows].copy_(src[lo:lo + rows], non_blocking=True)
-
-
 def _masked(t: Tensor, mask: Tensor) -> Tensor:
     """``t[mask]`` for CPU tensors, in numpy (torch's CPU boolean indexing costs milliseconds here)."""
     return torch.from_numpy(t.numpy()[mask.numpy()])
@@ -497,7 +488,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         if ids_np.size > 1 and not bool((ids_np[1:] > ids_np[:-1]).all()):
             return False
         table = self._step_rows_table(dev)   # the new weights for a tied head's next passes, or None
-        windows = []  # (host slices of every table, a, b, first id, the piece's tables and first id)
+        windows = []  # (host slices of every table, a, b, first id): the window's ids are ids[a:b]
         for k, (plo, phi) in enumerate(ranges):
             tables = {n: pieces[n][k][2].view(phi - plo, -1) for n in names}
             for wlo in range(plo, phi, step):
@@ -506,9 +497,9 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                     continue
                 first, last = int(ids_np[a]), int(ids_np[b - 1])
                 windows.append(({n: t[first - plo:last + 1 - plo] for n, t in tables.items()}, int(a), int(b),
-                                first, tables, plo))
+                                first))
         if not (dev.type == "cuda" if staged is None else staged):
-            for host, a, b, first, _, _ in windows:  # one window after another, on the current stream
+            for host, a, b, first in windows:  # one window after another, on the current stream
                 work = {n: v.to(dev, non_blocking=True) for n, v in host.items()}  # on a CPU: the views themselves
                 grad = rows.index_select(0, where[a:b].to(dev))
                 self.optimizer.update(work["weight"], [work[n] for n in names[1:]], (ids[a:b] - first).to(dev),
@@ -534,17 +525,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             rows.record_stream(upd)
             where_d.record_stream(upd)
         width = step * self.embedding_dim
-        piece = None if not self.COPY_PIECE_BYTES else max(1, self.COPY_PIECE_BYTES // (4 * self.embedding_dim))
-        # STORE_KERNEL_BLOCKS: the new rows go back by a copy kernel writing the tier's mapped memory, not the copy
-        # engine (None where the tier is not pinned fp32 tables or the op is not built)
-        op = None
-        if self.STORE_KERNEL_BLOCKS and pl.cuda and self.tier.pinned and all(
-                pieces[n][0][2].dtype == torch.float32 for n in names):
-            from ds_maximus.ops.row_ops import load_op
-            op = load_op("cuda")
-        iota = torch.arange(step, device=dev) if op is not None else None
         after = torch.cuda.current_stream(dev) if pl.cuda else None
-        for s, (host, a, b, first, whole, plo) in pl.pieces(windows, after=after):
+        for s, (host, a, b, first) in pl.pieces(windows, after=after):
             n = host["weight"].shape[0]
             bufs = {nm: pl.buffer(s, nm, width, host[nm].dtype)[:n * self.embedding_dim].view(n, -1) for nm in names}
             with pl.loading(s):  # the index pair first: the update then needs no copy of its own
@@ -553,7 +535,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                     for t in index:
                         t.record_stream(upd)
                 for nm in names:
-                    _copy_in_pieces(bufs[nm], host[nm], piece)
+                    bufs[nm].copy_(host[nm], non_blocking=True)
             with pl.updating(upd):
                 grad = rows.index_select(0, where_d[a:b])
                 self.optimizer.update(bufs["weight"], [bufs[nm] for nm in names[1:]], ids[a:b] - first, grad,
@@ -561,20 +543,13 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                 if table is not None:
                     table[first:first + n].copy_(bufs["weight"])
             with pl.storing(s):
-                if op is not None:
-                    at = iota[:n] + (first - plo)
-                    for nm in names:
-                        op.copy_rows(bufs[nm], iota[:n], whole[nm], at, self.STORE_KERNEL_BLOCKS)
-                else:
-                    for nm in names:
-                        _copy_in_pieces(host[nm], bufs[nm], piece)
+                for nm in names:
+                    host[nm].copy_(bufs[nm], non_blocking=True)
         # no host wait: the tier is written until the end event; the staging sets go back to the allocator once
         # the pipeline's streams are past them
         self.cache.tier_written_until(pl.end())
         if upd is not None:  # the gradient's kept memory is not written again before the updates have read it
             self.grad.read_on(upd)
-        if iota is not None:  # made on the current stream, read by the store kernels
-            iota.record_stream(pl.store)
         ready = None
         if table is not None and upd is not None:   # the table is complete once the last update has run
             ready = torch.cuda.Event()
@@ -594,14 +569,10 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     # -- the rows a step leaves on the device for a tied head ------------------------------------------------------
     #: what ``auto`` leaves free on the device beside the table the step leaves there
     STEP_ROWS_MARGIN = 512 * 2 ** 20
-    #: the tier step's copies of a window's table slice, in pieces of at most this many bytes (None: one copy a
-    #: slice). A small device-to-host read on the compute stream (a lookup's ids, a loss read) queues for the copy
-    #: engine behind the copies in flight (``scripts/gpu/probe_copy_latency.py``)
-    COPY_PIECE_BYTES = None
-    #: the tier step's copies back to the tier by ``copy_rows`` kernels of this many blocks writing the tier's mapped
-    #: host memory (None: the copy engine). The copy engine serves device-to-host copies in the order they were
-    #: queued, so a small read behind a step's queued copies waits for most of them
-    STORE_KERNEL_BLOCKS = None
+    #: a tied head's gradient reaches every row each step: on a GPU the memory of that [V, d] fp32 gradient is kept
+    #: from step to step (:class:`~ds_maximus.optim.SparseRowGrad` ``keep_buffer``), as allocating it anew under a
+    #: capped allocator made the host wait tens of ms a step
+    KEEP_GRAD_BUFFER = True
 
     def keep_step_rows(self, mode: str) -> None:
         """A tied head reads every row in its forward and again in its backward, and on a GPU those reads cross the
@@ -789,9 +760,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         if self.padding_idx is not None and lo <= self.padding_idx < hi:
             keep = ids != self.padding_idx
             ids, grad = ids[keep], rows_where(grad, keep)
-        # a tied head's gradient reaches every row each step: on a GPU its [V, d] fp32 memory is kept from step to step
-        # (allocating it anew under a capped allocator made the host wait tens of ms a step)
-        self.grad.keep_buffer = self.compute_device.type == "cuda"
+        self.grad.keep_buffer = self.KEEP_GRAD_BUFFER and self.compute_device.type == "cuda"
         self.grad.add(ids, grad.detach().to(self.compute_device, torch.float32))
 
     def stats(self) -> dict:

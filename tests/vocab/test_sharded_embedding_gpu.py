@@ -91,15 +91,13 @@ def test_gpu_backward_segment_reduce_equals_dense_grad():
     torch.testing.assert_close(emb.grad.rows, ref.weight.grad[emb.grad.ids.cuda()], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("piece,store_blocks", [(None, None), (7 * 48 * 4, None), (None, 3)],
-                         ids=["whole-slices", "copies-in-pieces", "stores-by-kernel"])
-def test_gpu_staged_tier_update_equals_the_one_stream_path(piece, store_blocks, monkeypatch):
+@pytest.mark.parametrize("keep", [True, False], ids=["grad-memory-kept", "grad-memory-anew"])
+def test_gpu_staged_tier_update_equals_the_one_stream_path(keep, monkeypatch):
     """A tied head's gradient reaches every row: the rows outside the cache step through the staged-update pipeline
     (three streams, two staging sets) and give the same bits as the windows one after another on one stream
-    (``piece``: the pipeline's copies in pieces of 7 rows; ``store_blocks``: the copies back by a 3-block copy_rows
-    kernel writing the tier's mapped memory)."""
-    monkeypatch.setattr(ShardedEmbedding, "COPY_PIECE_BYTES", piece)
-    monkeypatch.setattr(ShardedEmbedding, "STORE_KERNEL_BLOCKS", store_blocks)
+    (``keep``: the gradient's memory kept from step to step, written while the last step's updates may still read
+    it on their stream)."""
+    monkeypatch.setattr(ShardedEmbedding, "KEEP_GRAD_BUFFER", keep)
 
     def run(staged):
         g = torch.Generator().manual_seed(3)
