@@ -112,6 +112,7 @@ class SparseRowGrad:
     def add(self, ids: Tensor, rows: Tensor) -> None:
         """Add ``rows`` for unique ``ids`` (CPU LongTensor); duplicates with earlier adds are summed."""
         from ds_maximus.ops import row_ops as ops
+        from ds_maximus.ops import to_device
         ids = ids.to("cpu", torch.long)
         rows = rows.float()
         a = ids.numpy()  # numpy: the torch comparison and reduction cost ~40 us a step on the host
@@ -119,7 +120,7 @@ class SparseRowGrad:
         if self._ids is None:
             if not ascending:
                 order = torch.argsort(ids)
-                ids, rows = ids.index_select(0, order), rows.index_select(0, order.to(rows.device))
+                ids, rows = ids.index_select(0, order), rows.index_select(0, to_device(order, rows.device))
             kept = self._into_buf(rows, 0) if self.keep_buffer else None
             self._ids, self._rows = ids, rows if kept is None else kept
             self._buf_end = None if kept is None else kept.shape[0]
@@ -142,16 +143,17 @@ class SparseRowGrad:
         if n:
             pos = torch.searchsorted(self._ids, ids)
             if bool((pos < n).all()) and torch.equal(self._ids[pos], ids):   # every id held: add in place
-                self._rows.index_add_(0, pos.to(rows.device), rows)
+                self._rows.index_add_(0, to_device(pos, rows.device), rows)  # pinned: no host wait
                 return
         cat_ids = torch.cat([self._ids, ids])
         uniq, inverse = torch.unique(cat_ids, sorted=True, return_inverse=True)
         if uniq.numel() == cat_ids.numel():
             order = torch.argsort(cat_ids)
             self._ids = cat_ids[order]
-            self._rows = torch.cat([self._rows, rows]).index_select(0, order.to(rows.device))
+            self._rows = torch.cat([self._rows, rows]).index_select(0, to_device(order, rows.device))
         else:
-            self._rows = ops.segment_reduce(torch.cat([self._rows, rows]), inverse.to(rows.device), uniq.numel())
+            self._rows = ops.segment_reduce(torch.cat([self._rows, rows]), to_device(inverse, rows.device),
+                                            uniq.numel())
             self._ids = uniq
         self._buf_end = None
 
