@@ -44,3 +44,46 @@ def test_clip_coefficient_includes_sparse_norm():
     total = ours.get_global_grad_norm()
     assert total is not None and float(total) > 1e-3
     assert ours.maximus.last_clip_coef == pytest.approx(1e-3 / (float(total) + 1e-6), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_early_sparse_step_trains_bit_identically(stage, dtype, monkeypatch):
+    """``MaximusRuntime.EARLY_SPARSE_STEP``: DeepSpeed's overflow check and norm made first, the sparse step before the
+    rest of DeepSpeed's step: the same losses, the same table and the same clip coefficient, bit for bit, with
+    clipping active and gradient accumulation."""
+    from ds_maximus.engine.runtime import MaximusRuntime
+    batches = zipf_batches(6 * 2, batch=2, seqlen=16)
+
+    calls = []
+    real = MaximusRuntime._early_sparse_step
+    monkeypatch.setattr(MaximusRuntime, "_early_sparse_step", lambda self, *a: calls.append(1) or real(self, *a))
+
+    def run(early):
+        monkeypatch.setattr(MaximusRuntime, "EARLY_SPARSE_STEP", early)
+        engine = build(stage, dtype, gas=2, clip=0.05, maximus=maximus_section(cache_rows=48))
+        losses = train(engine, batches)
+        assert "has_overflow" not in engine.optimizer.__dict__  # DeepSpeed's own methods after each step
+        return engine, losses
+    ref, ref_losses = run(False)
+    assert not calls
+    got, got_losses = run(True)
+    assert len(calls) == 6  # the early path ran at every boundary
+    assert got.maximus.steps == ref.maximus.steps == 6 and got.maximus.skipped_steps == ref.maximus.skipped_steps
+    assert got_losses == ref_losses
+    assert got.maximus.last_clip_coef == ref.maximus.last_clip_coef < 1.0
+    assert torch.equal(embedding_weight(got), embedding_weight(ref))
+
+
+def test_early_sparse_step_skips_with_deepspeed(monkeypatch):
+    """A step whose gradients are not finite: DeepSpeed skips it and so does the early sparse step (no row moves)."""
+    from ds_maximus.engine.runtime import MaximusRuntime
+    monkeypatch.setattr(MaximusRuntime, "EARLY_SPARSE_STEP", True)
+    engine = build(2, "fp32", gas=1, clip=1.0, maximus=maximus_section(cache_rows=48))
+    before = embedding_weight(engine).clone()
+    ids = zipf_batches(1, batch=2, seqlen=16)[0]
+    loss = engine(input_ids=ids, labels=ids).loss * float("inf")
+    engine.backward(loss)
+    engine.step()
+    assert not engine.was_step_applied() and engine.maximus.skipped_steps == 1 and engine.maximus.steps == 0
+    assert torch.equal(embedding_weight(engine), before)
