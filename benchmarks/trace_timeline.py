@@ -106,18 +106,27 @@ def timeline(events: List[dict], bucket_ms: float = 20.0, streams: int = 6) -> s
     return "\n".join(lines)
 
 
-def gaps(events: List[dict], min_ms: float = 0.5, top: int = 25) -> str:
-    """The compute stream's (the stream with the most kernel time) idle gaps longer than ``min_ms``: their total, and
-    the ``top`` longest with the kernels either side and what the other streams did meanwhile, i.e. what the compute
-    stream waited for."""
+def _streams(events: List[dict]):
+    """``(t0, {stream: its GPU events}, the compute stream)``, the compute stream being the one with the most kernel
+    time; None without GPU events."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:
-        return "no GPU events in the trace"
-    t0 = min(e["ts"] for e in gpu)
+        return None
     by = collections.defaultdict(list)
     for e in gpu:
         by[e["tid"]].append(e)
     compute = max(by, key=lambda t: sum(e["dur"] for e in by[t] if e["cat"] == "kernel"))
+    return min(e["ts"] for e in gpu), by, compute
+
+
+def gaps(events: List[dict], min_ms: float = 0.5, top: int = 25) -> str:
+    """The compute stream's (the stream with the most kernel time) idle gaps longer than ``min_ms``: their total, and
+    the ``top`` longest with the kernels either side and what the other streams did meanwhile, i.e. what the compute
+    stream waited for."""
+    found_streams = _streams(events)
+    if found_streams is None:
+        return "no GPU events in the trace"
+    t0, by, compute = found_streams
     ops = sorted(by[compute], key=lambda e: e["ts"])
     spans = {t: _merged(by[t]) for t in by if t != compute}
     found, end, last = [], None, None
@@ -146,14 +155,10 @@ def phases(events: List[dict], min_ms: float = 1.0, top: int = 400) -> str:
     and the CUDA runtime calls longer than ``min_ms`` (host waits: ``cudaStreamSynchronize``,
     ``cudaEventSynchronize``, ...), in time order, each with how busy the compute stream was meanwhile: where the
     host held the GPU back."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
-    if not gpu:
+    found_streams = _streams(events)
+    if found_streams is None:
         return "no GPU events in the trace"
-    t0 = min(e["ts"] for e in gpu)
-    by = collections.defaultdict(list)
-    for e in gpu:
-        by[e["tid"]].append(e)
-    compute = max(by, key=lambda t: sum(e["dur"] for e in by[t] if e["cat"] == "kernel"))
+    t0, by, compute = found_streams
     busy = _merged(by[compute])
     sel = [e for e in events if e.get("ph") == "X" and e.get("dur", 0) > 0
            and (e.get("cat") == "user_annotation" or (e.get("cat") in ("cuda_runtime", "cuda_driver")

@@ -198,24 +198,18 @@ class MaximusRuntime:
                 opt.__dict__.pop("has_overflow", None)
                 opt.__dict__.pop("scaled_global_norm", None)
         t0 = time.perf_counter()
-        if early is not None:
-            if e.was_step_applied() != early:
-                raise RuntimeError(f"DeepSpeed {'applied' if e.was_step_applied() else 'skipped'} the step that "
-                                   f"ds_maximus's early sparse step {'skipped' if not early else 'applied'} "
-                                   "(MaximusRuntime.EARLY_SPARSE_STEP): set it to False")
-            if not early:
-                for m in self.modules.values():
-                    m.zero_sparse_grads()
-                self.skipped_steps += 1
-            else:
-                self.steps += 1
-        elif not e.was_step_applied():
+        applied = e.was_step_applied()
+        if early is not None and applied != early:
+            raise RuntimeError(f"DeepSpeed {'applied' if applied else 'skipped'} the step that ds_maximus's early "
+                               f"sparse step {'applied' if early else 'skipped'} (MaximusRuntime.EARLY_SPARSE_STEP): "
+                               "set it to False")
+        if not applied:
             for m in self.modules.values():
                 m.zero_sparse_grads()
             self.skipped_steps += 1
         else:
-            total = stage0_norm if stage0_norm is not None else e.get_global_grad_norm()
-            self._sparse_step(total, lr, wd, scale)
+            if early is None:
+                self._sparse_step(stage0_norm if stage0_norm is not None else e.get_global_grad_norm(), lr, wd, scale)
             self.steps += 1
         self._carrier_sent = 0.0
         self.last_step_ms = (time.perf_counter() - t0) * 1e3 + early_ms

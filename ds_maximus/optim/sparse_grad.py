@@ -65,17 +65,23 @@ class SparseRowGrad:
         if self._buf is not None and stream is not None:
             self._read_event = stream.record_event()
 
-    def _into_buf(self, rows: Tensor, at: int) -> Optional[Tensor]:
-        """``rows`` copied to ``_buf[at:]`` (a view), or None where the kept memory does not take them."""
+    def _buf_rows(self, at: int, n: int, like: Tensor) -> Optional[Tensor]:
+        """``_buf[at:at + n]`` for rows shaped, typed and placed as ``like``, ready to be written (its last reader's
+        stream waited for), or None where the kept memory does not take them."""
         buf = self._buf
-        if (buf is None or buf.device != rows.device or buf.dtype != rows.dtype or buf.shape[1:] != rows.shape[1:]
-                or at + rows.shape[0] > buf.shape[0]):
+        if (buf is None or buf.device != like.device or buf.dtype != like.dtype or buf.shape[1:] != like.shape[1:]
+                or at + n > buf.shape[0]):
             return None
         if self._read_event is not None:
             torch.cuda.current_stream(buf.device).wait_event(self._read_event)
             self._read_event = None
-        view = buf[at:at + rows.shape[0]]
-        view.copy_(rows)
+        return buf[at:at + n]
+
+    def _into_buf(self, rows: Tensor, at: int) -> Optional[Tensor]:
+        """``rows`` copied to ``_buf[at:]`` (a view), or None where the kept memory does not take them."""
+        view = self._buf_rows(at, rows.shape[0], rows)
+        if view is not None:
+            view.copy_(rows)
         return view
 
     def _join_tail(self) -> None:
@@ -87,17 +93,9 @@ class SparseRowGrad:
         if self._buf_end is not None:  # every piece already lies in order in the kept memory
             self._ids, self._rows = ids, self._buf[:self._buf_end]
             return
-        shape = (ids.numel(), self._rows.shape[1])
-        buf = self._buf
-        rows = None
-        if (buf is not None and buf.device == dev and buf.dtype == self._rows.dtype and buf.shape[1] == shape[1]
-                and buf.shape[0] >= shape[0]):
-            if self._read_event is not None:
-                torch.cuda.current_stream(dev).wait_event(self._read_event)
-                self._read_event = None
-            rows = buf[:shape[0]]
+        rows = self._buf_rows(0, ids.numel(), self._rows)
         if rows is None:
-            rows = torch.empty(shape, dtype=self._rows.dtype, device=dev)
+            rows = torch.empty((ids.numel(), *self._rows.shape[1:]), dtype=self._rows.dtype, device=dev)
             if self.keep_buffer:
                 self._buf = rows
         self._rows, lo = None, 0
