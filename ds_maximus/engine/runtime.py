@@ -51,13 +51,6 @@ class MaximusRuntime:
     """Owns the engine hooks. ``engine.maximus`` points at it. Every module it drives is a
     :class:`~ds_maximus.engine.protocol.MaximusModule`, reached through that class's methods only."""
 
-    #: Under ZeRO-1/2 in bf16 or fp32, run DeepSpeed's own overflow check and gradient norm first, step the sparse
-    #: modules (their copies queue on side streams), and hand DeepSpeed those two results when its step asks for them
-    #: (the norm as a CPU scalar, so its later checks read no GPU value): the sparse step's copies then run beside the
-    #: rest of DeepSpeed's step, which is host-bound at many small parameters, instead of after it. The skip decision
-    #: and the clip coefficient are DeepSpeed's own either way. Off by default: not yet measured on a GPU.
-    EARLY_SPARSE_STEP = False
-
     def __init__(self, engine, modules: Dict[str, MaximusModule], cfg: MaximusConfig):
         wrong = {n: type(m).__name__ for n, m in modules.items() if not isinstance(m, MaximusModule)}
         if wrong:
@@ -184,82 +177,31 @@ class MaximusRuntime:
         wd = group.get("weight_decay")
         scale = self._loss_scale()
         stage0_norm = self._dense_norm_stage0_fp32() if e.gradient_clipping() > 0 else None
-        opt = self._zero12_optimizer() if self.EARLY_SPARSE_STEP else None
-        early, early_ms = None, 0.0
-        try:
-            if opt is not None:
-                t0 = time.perf_counter()
-                early = self._early_sparse_step(opt, lr, wd, scale)
-                early_ms = (time.perf_counter() - t0) * 1e3
-            with torch.profiler.record_function("maximus.deepspeed_step"):  # a range in the user's profiler traces
-                out = self._orig["step"](lr_kwargs)
-        finally:
-            if opt is not None:  # DeepSpeed's own methods again
-                opt.__dict__.pop("has_overflow", None)
-                opt.__dict__.pop("scaled_global_norm", None)
+        with torch.profiler.record_function("maximus.deepspeed_step"):  # a range in the user's profiler traces
+            out = self._orig["step"](lr_kwargs)
         t0 = time.perf_counter()
-        applied = e.was_step_applied()
-        if early is not None and applied != early:
-            raise RuntimeError(f"DeepSpeed {'applied' if applied else 'skipped'} the step that ds_maximus's early "
-                               f"sparse step {'applied' if early else 'skipped'} (MaximusRuntime.EARLY_SPARSE_STEP): "
-                               "set it to False")
-        if not applied:
+        if not e.was_step_applied():
             for m in self.modules.values():
                 m.zero_sparse_grads()
             self.skipped_steps += 1
         else:
-            if early is None:
-                self._sparse_step(stage0_norm if stage0_norm is not None else e.get_global_grad_norm(), lr, wd, scale)
+            total = stage0_norm if stage0_norm is not None else e.get_global_grad_norm()
+            coef = 1.0
+            clip = e.gradient_clipping()
+            if clip > 0 and total is not None and math.isfinite(float(total)):
+                coef = min(1.0, clip / (float(total) + 1e-6))
+            self.last_clip_coef = coef
+            with torch.profiler.record_function("maximus.sparse_step"):
+                for m in self.modules.values():
+                    if coef / scale != 1.0:
+                        m.scale_sparse_grads_(coef / scale)
+                    m.sparse_step(lr, wd)
             self.steps += 1
         self._carrier_sent = 0.0
-        self.last_step_ms = (time.perf_counter() - t0) * 1e3 + early_ms
+        self.last_step_ms = (time.perf_counter() - t0) * 1e3
         from ds_maximus.observability import log_stats
         log_stats(self)
         return out
-
-    def _sparse_step(self, total, lr, wd, scale: float) -> None:
-        """Step every module with the clip coefficient of DeepSpeed's global norm ``total`` and the loss scale."""
-        coef = 1.0
-        clip = self.engine.gradient_clipping()
-        if clip > 0 and total is not None and math.isfinite(float(total)):
-            coef = min(1.0, clip / (float(total) + 1e-6))
-        self.last_clip_coef = coef
-        with torch.profiler.record_function("maximus.sparse_step"):
-            for m in self.modules.values():
-                if coef / scale != 1.0:
-                    m.scale_sparse_grads_(coef / scale)
-                m.sparse_step(lr, wd)
-
-    def _zero12_optimizer(self):
-        """DeepSpeed's ZeRO-1/2 optimizer where :attr:`EARLY_SPARSE_STEP` applies to it (no fp16 loss scaling, no
-        CPU offload, no MoE groups), else None."""
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-        opt, e = self.engine.optimizer, self.engine
-        if e.fp16_enabled() or not isinstance(opt, DeepSpeedZeroOptimizer):
-            return None
-        if opt.cpu_offload or opt.has_moe_layers:
-            return None
-        return opt
-
-    def _early_sparse_step(self, opt, lr, wd, scale: float) -> bool:
-        """DeepSpeed's overflow check and norm, as its ZeRO-1/2 step makes them, then the sparse step where
-        DeepSpeed will apply its own; their results are handed to DeepSpeed's step. Returns whether it stepped."""
-        from deepspeed.runtime.utils import is_invalid_grad_norm
-        overflow = bool(opt.has_overflow(opt.partition_gradients)) if opt.check_grad_overflow else False
-        norm = None
-        if opt.compute_grad_norm and not overflow:
-            norm = opt.scaled_global_norm()
-            if torch.is_tensor(norm):
-                norm = norm.detach().cpu()  # one host wait, before any of the sparse step's copies is queued
-            if (opt.dtype != torch.bfloat16 or opt.check_grad_overflow) and is_invalid_grad_norm(norm):
-                overflow = True
-        opt.has_overflow = lambda partition_gradients=True: overflow
-        if norm is not None:
-            opt.scaled_global_norm = lambda norm_type=2: norm
-        if overflow:
-            return False
-        self._sparse_step(None if norm is None else norm / opt.loss_scale, lr, wd, scale)
-        return True
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _state(self) -> dict:

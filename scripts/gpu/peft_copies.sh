@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # #38, one call (~8 min), results in $OUT (pack_out): our row ops built; the vocabulary, engine and PEFT GPU tests;
 # bench_peft_vocab at the Gemma-3-4B shape over applied steps: ours capped at 16 GiB and plain PEFT uncapped, traced
-# (timeline_<peer>.txt); then ours once more per variant in $VARIANTS (';'-separated bench options, default: the early
-# sparse step, MaximusRuntime.EARLY_SPARSE_STEP; none: no variant). PROBE=1 adds probe_copy_latency.py (how long a small
+# (timeline_<peer>.txt); then ours once more per variant in $VARIANTS (';'-separated bench options, e.g.
+# "--keep-grad-buffer off"; default none: no variant). PROBE=1 adds probe_copy_latency.py (how long a small
 # device-to-host read waits behind big copies), PROFILE=1 a cProfile of two applied steps of ours (host_profile.txt).
 # Each run's share of $TOTAL_S is kept back from the runs before it.
 set -x
@@ -16,8 +16,8 @@ timeout "${TEST_S:-150}" python -m pytest -q -p no:cacheprovider -m gpu tests/vo
 echo "gpu tests rc=$?"; tail -n 3 "$OUT/test_gpu.log"; grep -E "^(FAILED|ERROR|E  )" "$OUT/test_gpu.log" | head -20
 [ "${PROBE:-0}" = 1 ] && timeout 90 python scripts/gpu/probe_copy_latency.py 2>&1 | tee "$OUT/probe_copy_latency.txt"
 ARGS="--batch 4 --steps 10 --warmup 2"   # DeepSpeed skips steps 0-3 at this shape: steps 5-9 are timed
-IFS=';' read -r -a VARS <<< "${VARIANTS:---early-step on}"
-[ "${VARIANTS:-}" = none ] && VARS=()
+IFS=';' read -r -a VARS <<< "${VARIANTS:-}"
+[ "${VARIANTS:-none}" = none ] && VARS=()
 left() { echo $(( ${TOTAL_S:-560} - (SECONDS - T0) - ${1:-10} )); }
 L=$(left $(( ${#VARS[@]} * 65 + ${PROFILE:-0} * 70 ))); timeout "$L" python -u -m benchmarks.bench_peft_vocab \
   --peers ours_capped peft_mts $ARGS --trace 2 --peer-timeout-s $(( L / 2 - 3 )) --budget-s $(( L - 5 )) \
