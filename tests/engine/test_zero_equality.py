@@ -45,3 +45,18 @@ def test_clip_coefficient_includes_sparse_norm():
     assert total is not None and float(total) > 1e-3
     assert ours.maximus.last_clip_coef == pytest.approx(1e-3 / (float(total) + 1e-6), rel=1e-6)
 
+
+
+def test_stage0_dense_norm_is_the_per_parameter_sum():
+    """Under ZeRO-0 in fp32 the clip uses the dense gradients' norm, read in one copy: the same float as adding
+    each parameter's fp32 square sum in double, parameter by parameter."""
+    import math
+    ours = build(0, "fp32", clip=0.5, maximus=maximus_section(cache_rows=64))
+    ids = zipf_batches(1, batch=2, seqlen=16)[0]
+    ours.backward(ours(input_ids=ids, labels=ids).loss)
+    sq = 0.0
+    for p in ours.module.parameters():
+        if p.grad is not None:
+            sq += float(p.grad.detach().float().pow(2).sum())
+    assert sq > 0 and ours.maximus._dense_norm_stage0_fp32() == math.sqrt(sq)
+    ours.step()
