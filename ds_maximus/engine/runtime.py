@@ -162,13 +162,12 @@ class MaximusRuntime:
         e = self.engine
         if e.fp16_enabled() or e.bfloat16_enabled() or e.zero_optimization():
             return None
-        # each gradient's square sum in fp32 where it lives, read back in one copy (not one host wait a tensor),
-        # then added in double in the parameters' order
-        parts = [p.grad.detach().float().pow(2).sum().reshape(1) for p in e.module.parameters() if p.grad is not None]
+        # each gradient's square sum in fp32 on the engine's device, read back in one copy (not one host wait a
+        # tensor), then added in double in the parameters' order
+        parts = [p.grad.detach().float().pow(2).sum() for p in e.module.parameters() if p.grad is not None]
         sq = 0.0
-        if parts:
-            for v in torch.cat([t.to(parts[0].device) for t in parts]).tolist():
-                sq += v
+        for v in (torch.stack(parts).tolist() if parts else ()):
+            sq += v
         return math.sqrt(sq)
 
     def _step(self, lr_kwargs=None):

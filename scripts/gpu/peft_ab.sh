@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # #38, a short call (~4 min), results in $OUT: our row ops built; the staged tier-step GPU test; bench_peft_vocab's
 # ours_capped at the Gemma-3-4B shape over applied steps, once per variant in $VARIANTS (';'-separated bench options;
-# default: the tied head's kept gradient memory on, off, on: an A/B/A in one call). Give RUN_S room for the first, cold run.
+# default: the tied head's kept gradient memory on, off, on: an A/B/A in one call). Give RUN_S room for the first,
+# cold run.
 set -x
 . "$(dirname "$0")/common.sh"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

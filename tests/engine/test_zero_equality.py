@@ -46,7 +46,6 @@ def test_clip_coefficient_includes_sparse_norm():
     assert ours.maximus.last_clip_coef == pytest.approx(1e-3 / (float(total) + 1e-6), rel=1e-6)
 
 
-
 def test_stage0_dense_norm_is_the_per_parameter_sum():
     """Under ZeRO-0 in fp32 the clip uses the dense gradients' norm, read in one copy: the same float as adding
     each parameter's fp32 square sum in double, parameter by parameter."""
