@@ -11,8 +11,12 @@ a prefill), experts are processed in rounds of at most ``slots_per_layer`` (:met
 the experts already resident (or staged by a right guess) first, so a round never evicts an expert a later round
 of the same layer would hit, then the rest in ascending id. Every row's GEMM is still the original one, and
 every reduction too: the eager loop adds the experts' outputs in ascending id whatever order they were
-computed in. Slots of the quantized tier (``moe.quant``: packed codes, scales and offsets) are computed by the
-eager loop only, each projection by :func:`ds_maximus.experts.quant.linear` (the codes decoded inside the GEMM).
+computed in. Slots of the quantized tier (``moe.quant``: packed codes, scales and offsets) are computed by
+:func:`packed_forward`, the eager loop's arithmetic a round at a time: each projection of all the round's experts
+in one launch on CUDA (:func:`ds_maximus.experts.quant_triton.quant_matmul_grouped`, the codes decoded inside the
+GEMM), the gate and the routing weights over all the round's rows at once (element-wise: the same numbers as per
+expert), each expert's rows added in ascending id as the eager loop adds them. A fine-grained model runs ~10
+small experts a layer, where per-expert launches, not bytes, would set the speed.
 
 No function here makes the host wait for the GPU: the routing arrives as host lists (``pairs``: the
 flattened ``top_k_index``, fetched in the layer's one sync), and the index tensors built from it go to
@@ -29,7 +33,6 @@ import torch
 
 from ds_maximus.experts import quant
 from ds_maximus.experts.adapters.projection import FusedExpertsForm, batched_linear, eager_linear, grouped_linear
-from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 from ds_maximus.ops import to_device
 
 
@@ -104,20 +107,16 @@ def _pairs_of(pairs: Sequence[int], k: int, experts: Sequence[int]):
 
 
 def _expert_linear(ctx: ExpertComputeContext, x: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
-    """One projection of one expert from its slot: the HF eager ``linear``, or, for a packed (quantized) slot,
-    ``x @ dequantize(W)^T`` accumulated in fp32 (the Triton kernel on CUDA, the reference elsewhere) and
-    rounded to ``x``'s dtype, as a plain model holding the dequantized weights computes it."""
+    """One projection of one expert from its (exact) slot: the HF eager ``linear``."""
     lay = ctx.layout
-    if isinstance(lay, QuantizedExpertLayout):
-        return quant.linear(x, lay.view(flat, name)).to(x.dtype)
     bias = lay.view(flat, name + "_bias") if ctx.form.has_bias else None
     return eager_linear(x, lay.view(flat, name), bias, ctx.form)
 
 
 def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor, used: Sequence[int], pairs: Sequence[int]) -> torch.Tensor:
-    """The ``eager`` loop: experts in ascending id, ``index_add_`` into a zero tensor (the one loop for packed
-    slots: the grouped forms need a stack of exact weights)."""
+    """The ``eager`` loop: experts in ascending id, ``index_add_`` into a zero tensor (exact slots; packed ones:
+    :func:`packed_forward`)."""
     final = torch.zeros_like(hidden)
     where = _pairs_of(pairs, top_k_index.size(-1), used)
     chunks = ctx.rounds(used)
@@ -142,6 +141,67 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
     for e in sorted(held):
         token_idx, h = held[e]
         final.index_add_(0, token_idx, h.to(final.dtype))
+    return final
+
+
+def _packed_linear(ctx: ExpertComputeContext, x: torch.Tensor, name: str, slots: Sequence[int],
+                   starts: Sequence[int], meta: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """One projection of a round's experts from their packed slots, ``x``'s rows ``starts[i]:starts[i + 1]``
+    through the expert in ``slots[i]``: ``x @ dequantize(W)^T`` accumulated in fp32 and rounded to ``x``'s dtype, as
+    a plain model holding the dequantized weights computes it. On
+    CUDA with whole-byte codes one launch for the round (``meta``: the starts, then each slot's byte offset, on the
+    device); elsewhere each expert by :func:`ds_maximus.experts.quant.linear`."""
+    from ds_maximus.experts.quant_triton import gemv_fits
+    lay = ctx.layout
+    if x.is_cuda and gemv_fits(lay.bits, lay.group_size):
+        from ds_maximus.experts.quant_triton import quant_matmul_grouped
+        y = quant_matmul_grouped(x, ctx.cache.slot_buffer(ctx.group), lay.parts[name], lay.base.shapes[name],
+                                 lay.bits, lay.group_size, meta, len(slots), max_rows)
+    else:
+        y = torch.cat([quant.linear(x[starts[i]:starts[i + 1]], lay.view(ctx.flat(s), name))
+                       for i, s in enumerate(slots)])
+    return y.to(x.dtype)
+
+
+def packed_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, used: Sequence[int], pairs: Sequence[int]) -> torch.Tensor:
+    """Packed (quantized) slots: the eager loop's numbers, a round at a time. A round's rows (each expert's tokens
+    in the eager loop's order, expert after expert) and the layout of its slots go to the device in one copy; one
+    gather; each projection of all its experts in one call (:func:`_packed_linear`); the gate and the routing
+    weights over all its rows; then each expert's rows added in ascending id."""
+    final = torch.zeros_like(hidden)
+    where = _pairs_of(pairs, top_k_index.size(-1), used)
+    chunks = ctx.rounds(used)
+    ascending = ctx.needed == sorted(ctx.needed)
+    held = {}  # computed out of ascending order: added once every expert is done, in ascending id
+    numel = ctx.layout.numel
+    for chunk in chunks:
+        slots = ctx.acquire(chunk)
+        try:
+            starts = [0]
+            for e in chunk:
+                starts.append(starts[-1] + len(where[e][1]))
+            R = starts[-1]
+            token_idx = [t for e in chunk for t in where[e][1]]
+            top_k_pos = [p for e in chunk for p in where[e][0]]
+            idx = to_device(torch.tensor(token_idx + top_k_pos + starts + [s * numel for s in slots],
+                                         dtype=torch.long), hidden.device)  # one copy for the round
+            tok, pos, meta = idx[:R], idx[R:2 * R], idx[2 * R:]
+            most = max(b - a for a, b in zip(starts, starts[1:]))
+            h = _packed_linear(ctx, hidden[tok], "gate_up_proj", slots, starts, meta, most)
+            h = _packed_linear(ctx, ctx.apply_gate(h), "down_proj", slots, starts, meta, most)
+            h = (h * top_k_weights[tok, pos, None]).to(final.dtype)
+            for i, e in enumerate(chunk):
+                rows = slice(starts[i], starts[i + 1])
+                if ascending:
+                    final.index_add_(0, tok[rows], h[rows])
+                else:
+                    held[e] = (tok[rows], h[rows])
+        finally:
+            ctx.cache.release(ctx.group, slots)
+    for e in sorted(held):
+        token_idx, h = held[e]
+        final.index_add_(0, token_idx, h)
     return final
 
 

@@ -159,10 +159,12 @@ class MoEOffload:
         if votes:
             ctx.on_first_acquire = lambda: self._issue_prefetch(group + 1, votes)
         impl = getattr(getattr(mod._original, "config", None), "_experts_implementation", "eager")
+        # packed slots: the eager loop's numbers, each projection of a round's experts in one dequant-GEMM launch
+        loop = compute.packed_forward if self.quantized else compute.eager_forward
         if self.quantized:
-            impl = "eager"  # packed slots: one fused dequant-GEMM per expert and projection (compute._expert_linear)
+            impl = "eager"
         if on_host:  # the resident experts by the eager loop (the grouped forms need every routed row)
-            out = compute.eager_forward(ctx, hidden, top_k_index, top_k_weights, used, pairs)
+            out = loop(ctx, hidden, top_k_index, top_k_weights, used, pairs)
             prefetch, ctx.on_first_acquire = ctx.on_first_acquire, None
             if prefetch is not None:  # no slot was acquired (every expert on the host): queue it now
                 prefetch()
@@ -176,7 +178,7 @@ class MoEOffload:
             if impl not in (None, "eager"):
                 log.warning("experts_implementation %r is not mirrored by the expert cache; computing with the "
                             "eager loop (results equal experts_implementation='eager')", impl)
-            out = compute.eager_forward(ctx, hidden, top_k_index, top_k_weights, used, pairs)
+            out = loop(ctx, hidden, top_k_index, top_k_weights, used, pairs)
         if group == len(self.blocks) - 1:
             self._t_last = time.perf_counter()
         return out

@@ -16,7 +16,7 @@ CUDA device exist; tested against :func:`ds_maximus.experts.quant.dequantize` by
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -103,9 +103,53 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
              mask=mask_t[:, None] & mask_n[None, :])
 
 
+def _quant_gemv_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R, N, K, row_bytes, groups,
+                               k_per_split, n_experts, P_OFF, S_OFF, Z_OFF, BITS: tl.constexpr,
+                               GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The gemv kernel over the experts of one round, in one launch: program (n, e, s) is expert e's output rows
+    # [n * BLOCK_N, ...) over columns [s * k_per_split, ...) for x's rows starts[e]..starts[e + 1] (a BLOCK_T tile
+    # at a time). meta holds starts [n_experts + 1], then each expert's byte offset in the slot table; an expert's
+    # codes, scales and offsets lie at P_OFF, S_OFF and Z_OFF from there (halves_ptr: the same table as fp16).
+    PER_BYTE: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = GROUP // PER_BYTE
+    pid_n = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    r0 = tl.load(meta_ptr + pid_e).to(tl.int32)
+    r1 = tl.load(meta_ptr + pid_e + 1).to(tl.int32)
+    base = tl.load(meta_ptr + n_experts + 1 + pid_e)
+    packed_ptr = codes_ptr + base + P_OFF
+    scales_ptr = halves_ptr + (base + S_OFF) // 2
+    zeros_ptr = halves_ptr + (base + Z_OFF) // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_b = tl.arange(0, NB)
+    mask_n = offs_n < N
+    k_begin = pid_s * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for t0 in range(r0, r1, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < r1
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, GROUP):
+            g = k0 // GROUP
+            s = tl.load(scales_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
+            byts = tl.load(packed_ptr + offs_n[:, None] * row_bytes + (k0 // PER_BYTE + offs_b)[None, :],
+                           mask=mask_n[:, None], other=0).to(tl.int32)
+            for j in tl.static_range(PER_BYTE):
+                codes = ((byts >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+                w = codes * s[:, None] + z[:, None]                             # [BLOCK_N, NB] fp32
+                xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
+                             mask=mask_t[:, None], other=0.0).to(tl.float32)   # [BLOCK_T, NB]
+                acc += tl.sum(xj[:, None, :] * w[None, :, :], axis=2)
+        tl.store(y_ptr + pid_s * R * N + offs_t[:, None] * N + offs_n[None, :], acc,
+                 mask=mask_t[:, None] & mask_n[None, :])
+
+
 if triton is not None:
     _quant_matmul_kernel = triton.jit(_quant_matmul_kernel)
     _quant_gemv_kernel = triton.jit(_quant_gemv_kernel)
+    _quant_gemv_grouped_kernel = triton.jit(_quant_gemv_grouped_kernel)
 
 
 # a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` lives in registers: at most this many fp32 values (64 a
@@ -113,10 +157,14 @@ if triton is not None:
 TILE_ELEMS = 8192
 
 
+def gemv_fits(bits: int, group_size: int) -> bool:
+    """The group-a-step kernels (:func:`quant_matmul`'s gemv, :func:`quant_matmul_grouped`) serve whole-byte codes
+    (8, 4, 2 bits) in power-of-two groups of at least 16."""
+    return bits in (8, 4, 2) and group_size >= 16 and group_size & (group_size - 1) == 0
+
+
 def _gemv_fits(q: QuantizedTensor) -> bool:
-    """The group-a-step kernel serves whole-byte codes (8, 4, 2 bits) in power-of-two groups of at least 16."""
-    g = q.group_size
-    return q.bits in (8, 4, 2) and g >= 16 and g & (g - 1) == 0
+    return gemv_fits(q.bits, q.group_size)
 
 
 def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = None, block_k: int = 64,
@@ -170,6 +218,45 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = N
                                cols // q.group_size, BITS=q.bits, GROUP=q.group_size, BLOCK_T=block_t,
                                BLOCK_N=block_n, BLOCK_K=block_k)
     return y
+
+
+def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[int, int, int], shape: Tuple[int, int],
+                         bits: int, group_size: int, meta: torch.Tensor, n_experts: int,
+                         max_rows: int) -> torch.Tensor:
+    """``y[r] = x[r] @ dequantize(W_e)^T`` in fp32 for the rows of each of ``n_experts`` experts, in one launch of
+    the gemv kernel: a round of a quantized MoE layer, each expert's weight ``W_e`` (``shape``) read from its slot of
+    ``table`` (the layer's uint8 slot table ``[slots, bytes]``, on the GPU) at the byte ``offsets`` of its codes,
+    scales and offsets within a slot. ``meta`` (int64, on the GPU): ``starts`` (``n_experts + 1``: expert ``e`` owns
+    ``x``'s rows ``starts[e]:starts[e + 1]``, at least one each) then each expert's byte offset in ``table`` (its
+    slot times the slot's bytes). ``max_rows``: the most rows an expert has (the token tile). Whole-byte codes (8, 4,
+    2 bits) in power-of-two groups of at least 16 (:func:`gemv_fits`); splits of K are added in order.
+    """
+    if triton is None:
+        raise ImportError("quant_matmul_grouped needs triton (pip install triton, on a host with a CUDA GPU)")
+    rows, cols = shape
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be [tokens, {cols}], got {tuple(x.shape)}")
+    if not gemv_fits(bits, group_size):
+        raise ValueError(f"the grouped kernel needs 8-, 4- or 2-bit codes in power-of-two groups of at least 16; "
+                         f"got {bits} bits, group {group_size}")
+    x = x.contiguous()
+    R = x.shape[0]
+    block_t = max(2, min(16, triton.next_power_of_2(max_rows)))
+    nb = group_size * bits // 8
+    bn = max(16, min(128, TILE_ELEMS // (block_t * nb)))
+    programs = triton.cdiv(rows, bn) * n_experts
+    steps = cols // group_size
+    split = max(1, min(steps, triton.cdiv(2 * _sm_count(x.device), programs)))
+    k_per_split = triton.cdiv(steps, split) * group_size
+    split = triton.cdiv(cols, k_per_split)
+    y = torch.empty(split, R, rows, dtype=torch.float32, device=x.device)
+    flat = table.view(-1)
+    p, s, z = offsets
+    grid = (triton.cdiv(rows, bn), n_experts, split)
+    _quant_gemv_grouped_kernel[grid](x, flat, flat.view(torch.float16), meta, y, R, rows, cols, cols * bits // 8,
+                                     cols // group_size, k_per_split, n_experts, p, s, z, BITS=bits,
+                                     GROUP=group_size, BLOCK_T=block_t, BLOCK_N=bn)
+    return y[0] if split == 1 else y.sum(0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -170,6 +170,43 @@ def test_triton_expert_from_a_packed_slot_equals_reference(bits):
         torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4 * ref_y.abs().max().item())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("counts", [[1, 1, 1, 1, 1, 1, 1, 1], [3, 1, 20], [40]])
+@pytest.mark.parametrize("H,F,group_size", [(512, 192, 64), (2048, 768, 64), (256, 96, 32)])
+def test_triton_grouped_equals_reference(bits, counts, H, F, group_size):
+    """quant_matmul_grouped: a round's experts in one launch, each expert's rows (1 to 40: token tiles, split K)
+    through the packed weight in its slot of a slot table, against the fp32 reference of each expert alone."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from ds_maximus.experts.layout import ExpertLayout
+    from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+    from ds_maximus.experts.quant_triton import quant_matmul_grouped
+    g = torch.Generator().manual_seed(bits + len(counts))
+    n = len(counts)
+    t = {"gate_up_proj": (torch.randn(n, 2 * F, H, generator=g) * 0.02).bfloat16(),
+         "down_proj": (torch.randn(n, H, F, generator=g) * 0.02).bfloat16()}
+    lay = QuantizedExpertLayout.from_layout(ExpertLayout.from_stacked(t, n), bits, group_size)
+    slots = list(range(n + 1))[::-1][:n]  # the experts in reverse slot order, one slot left free
+    table = torch.zeros(n + 1, lay.numel, dtype=torch.uint8)
+    for e, s in enumerate(slots):
+        lay.pack_(table[s], {name: v[e] for name, v in t.items()})
+    table = table.cuda()
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    meta = torch.tensor(starts + [s * lay.numel for s in slots], dtype=torch.long).cuda()
+    for name, cols in (("gate_up_proj", H), ("down_proj", F)):
+        x = torch.randn(starts[-1], cols, generator=g).bfloat16().cuda()
+        y = quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, group_size, meta, n,
+                                 max(counts))
+        want = torch.cat([x[starts[i]:starts[i + 1]].float() @ dequantize(lay.view(table[s], name)).t()
+                          for i, s in enumerate(slots)])
+        assert y.shape == want.shape and y.dtype == torch.float32
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
 def test_bench_moe_quant_error_small_runs(capsys):
     """The error report's CPU size runs end to end: one row per width for ours and one for the hqq peer."""
     from benchmarks.bench_moe_quant_error import main

@@ -1,0 +1,73 @@
+"""The grouped dequant-GEMM kernel run by Triton's interpreter on the host (``TRITON_INTERPRET=1``), where triton is
+installed but no GPU is: the kernel against the fp32 reference, and packed offload with it in place of the host
+path against the per-expert loop. Skips without triton (as in CI); the same kernel on a GPU: ``test_quant.py``."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = r'''
+import torch
+from ds_maximus.experts import compute, offload_experts, quant_triton as qt
+from ds_maximus.experts.layout import ExpertLayout
+from ds_maximus.experts.quant import dequantize
+from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+from tests.experts.test_quant_offload import per_expert_loop, prompt
+from tests.experts.tiny_moe import tiny_model
+qt._sm_count = lambda device: 4  # the interpreter has no device to ask; 4 makes the kernel split K
+g = torch.Generator().manual_seed(0)
+H, F, E = 128, 96, 5
+for bits in (8, 4, 2):
+    t = {"gate_up_proj": torch.randn(E, 2 * F, H, generator=g) * 0.02,
+         "down_proj": torch.randn(E, H, F, generator=g) * 0.02}
+    lay = QuantizedExpertLayout.from_layout(ExpertLayout.from_stacked(t, E), bits, 32)
+    table = torch.zeros(4, lay.numel, dtype=torch.uint8)
+    experts, slots = [3, 0, 4], [2, 0, 3]
+    for e, s in zip(experts, slots):
+        lay.pack_(table[s], {n: v[e] for n, v in t.items()})
+    for counts in ([1, 1, 1], [3, 1, 20]):
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        meta = torch.tensor(starts + [s * lay.numel for s in slots], dtype=torch.long)
+        for name, cols in (("gate_up_proj", H), ("down_proj", F)):
+            x = torch.randn(starts[-1], cols, generator=g)
+            y = qt.quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, 32, meta, 3,
+                                        max(counts))
+            want = torch.cat([x[starts[i]:starts[i + 1]] @ dequantize(lay.view(table[s], name)).t()
+                              for i, s in enumerate(slots)])
+            assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (bits, counts, name)
+
+def grouped(ctx, x, name, slots, starts, meta, max_rows):  # the CUDA branch of _packed_linear, on host tensors
+    lay = ctx.layout
+    y = qt.quant_matmul_grouped(x, ctx.cache.slot_buffer(ctx.group), lay.parts[name], lay.base.shapes[name],
+                                lay.bits, lay.group_size, meta, len(slots), max_rows)
+    return y.to(x.dtype)
+compute._packed_linear = grouped
+real, calls = compute.packed_forward, []
+def checked(ctx, hidden, tki, tkw, used, pairs):
+    out = real(ctx, hidden, tki, tkw, used, pairs)
+    ref = per_expert_loop(ctx, hidden, tki, tkw, used, pairs)
+    calls.append(len(used))
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2 * ref.float().abs().max().item())
+    return out
+compute.packed_forward = checked
+for bits in (8, 4):
+    model = tiny_model("qwen3_moe", "eager", top_k=2, dtype=torch.bfloat16)
+    h = offload_experts(model, {"gpu_experts_per_layer": 2, "quant": {"bits": bits, "group_size": 16}})
+    with torch.no_grad():
+        model.generate(prompt(batch=2, length=8), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    h.close()
+assert calls and max(calls) > 2
+print("ok")
+'''
+
+
+def test_grouped_kernel_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
