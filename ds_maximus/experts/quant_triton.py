@@ -68,25 +68,15 @@ def _quant_matmul_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, 
     tl.store(y_ptr + offs_t[:, None] * N + offs_n[None, :], acc, mask=mask_t[:, None] & mask_n[None, :])
 
 
-def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K, row_bytes, groups, k_per_split,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    # One group a step (BLOCK_K == GROUP): one scale and one offset a row, loaded once; the group's bytes of
-    # BLOCK_N rows loaded whole (contiguous, coalesced); each byte's PER_BYTE codes decoded as PER_BYTE planes, each
-    # multiplied with the x columns it holds. Program (n, t, s) covers columns [s * k_per_split, ...) and writes
-    # its partial sums to y[s] (split-K where the rows alone leave SMs idle; the caller adds the splits in order).
+def _gemv_tile(x_ptr, packed_ptr, scales_ptr, zeros_ptr, offs_t, mask_t, offs_n, mask_n, offs_b, K, row_bytes, groups,
+               k_begin, k_end, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    # The gemv kernels' product tile: x rows offs_t against weight rows offs_n over columns [k_begin, k_end), one
+    # group a step: one scale and one offset a row, loaded once; the group's bytes of BLOCK_N rows loaded whole
+    # (contiguous, coalesced); each byte's PER_BYTE codes decoded as PER_BYTE planes, each multiplied with the x
+    # columns it holds. fp32 [BLOCK_T, BLOCK_N].
     PER_BYTE: tl.constexpr = 8 // BITS
-    NB: tl.constexpr = GROUP // PER_BYTE
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_b = tl.arange(0, NB)
-    mask_n = offs_n < N
-    mask_t = offs_t < T
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_s * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, GROUP):
         g = k0 // GROUP
         s = tl.load(scales_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
@@ -99,6 +89,28 @@ def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K,
             xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
                          mask=mask_t[:, None], other=0.0).to(tl.float32)       # [BLOCK_T, NB]
             acc += tl.sum(xj[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+def _quant_gemv_kernel(x_ptr, packed_ptr, scales_ptr, zeros_ptr, y_ptr, T, N, K, row_bytes, groups, k_per_split,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One group a step (BLOCK_K == GROUP; the tile: _gemv_tile). Program (n, t, s) covers columns
+    # [s * k_per_split, ...) and writes its partial sums to y[s] (split-K where the rows alone leave SMs idle; the
+    # caller adds the splits in order).
+    PER_BYTE: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = GROUP // PER_BYTE
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_b = tl.arange(0, NB)
+    mask_n = offs_n < N
+    mask_t = offs_t < T
+    k_begin = pid_s * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = _gemv_tile(x_ptr, packed_ptr, scales_ptr, zeros_ptr, offs_t, mask_t, offs_n, mask_n, offs_b, K, row_bytes,
+                     groups, k_begin, k_end, BITS, GROUP, BLOCK_T, BLOCK_N)
     tl.store(y_ptr + pid_s * T * N + offs_t[:, None] * N + offs_n[None, :], acc,
              mask=mask_t[:, None] & mask_n[None, :])
 
@@ -129,24 +141,14 @@ def _quant_gemv_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R,
     for t0 in range(r0, r1, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < r1
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_begin, k_end, GROUP):
-            g = k0 // GROUP
-            s = tl.load(scales_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
-            byts = tl.load(packed_ptr + offs_n[:, None] * row_bytes + (k0 // PER_BYTE + offs_b)[None, :],
-                           mask=mask_n[:, None], other=0).to(tl.int32)
-            for j in tl.static_range(PER_BYTE):
-                codes = ((byts >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-                w = codes * s[:, None] + z[:, None]                             # [BLOCK_N, NB] fp32
-                xj = tl.load(x_ptr + offs_t[:, None] * K + (k0 + offs_b * PER_BYTE + j)[None, :],
-                             mask=mask_t[:, None], other=0.0).to(tl.float32)   # [BLOCK_T, NB]
-                acc += tl.sum(xj[:, None, :] * w[None, :, :], axis=2)
+        acc = _gemv_tile(x_ptr, packed_ptr, scales_ptr, zeros_ptr, offs_t, mask_t, offs_n, mask_n, offs_b, K,
+                         row_bytes, groups, k_begin, k_end, BITS, GROUP, BLOCK_T, BLOCK_N)
         tl.store(y_ptr + pid_s * R * N + offs_t[:, None] * N + offs_n[None, :], acc,
                  mask=mask_t[:, None] & mask_n[None, :])
 
 
 if triton is not None:
+    _gemv_tile = triton.jit(_gemv_tile)  # before the kernels that call it: they resolve it by its global name
     _quant_matmul_kernel = triton.jit(_quant_matmul_kernel)
     _quant_gemv_kernel = triton.jit(_quant_gemv_kernel)
     _quant_gemv_grouped_kernel = triton.jit(_quant_gemv_grouped_kernel)
