@@ -4,6 +4,7 @@
     python -m benchmarks.trace_timeline trace.json --window 500 660 --min-ms 0.3   # host ops in a window
     python -m benchmarks.trace_timeline trace.json --gaps --min-ms 0.5               # the compute stream's gaps
     python -m benchmarks.trace_timeline trace.json --phases --min-ms 1               # host ranges and waits
+    python -m benchmarks.trace_timeline trace.json.gz --slim slim.json.gz            # a smaller trace to take away
 
 The first form prints, for each CUDA stream, its busy milliseconds split by kind (kernels, each memcpy
 direction, memsets), then one line per bucket with each stream's occupancy: where the compute stream
@@ -183,6 +184,22 @@ def window(events: List[dict], lo: float, hi: float, min_ms: float = 0.3) -> str
                      for e in sel)
 
 
+def slim(events: List[dict], path: str, min_ms: float = 0.05) -> int:
+    """Write a smaller chrome trace to ``path`` (gzip): every GPU event, the host's annotated ranges, and the host ops
+    and CUDA runtime calls longer than ``min_ms``; returns the number of events kept. A two-step trace of the
+    Gemma-3-4B bench is too large to bring back from the GPU machine whole; this one can be read here with the other
+    forms."""
+    keep = [e for e in events if e.get("ph") == "X" and (
+        e.get("cat") in GPU_CATS or e.get("cat") == "user_annotation"
+        or (e.get("cat") in HOST_CATS and e.get("dur", 0) > min_ms * 1e3))]
+    for e in keep:
+        if e.get("cat") not in GPU_CATS:  # the GPU events' args hold the copies' bytes (_copied)
+            e.pop("args", None)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": keep}, f)
+    return len(keep)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
@@ -193,9 +210,12 @@ def main(argv=None) -> None:
     ap.add_argument("--gaps", action="store_true", help="the compute stream's idle gaps longer than --min-ms")
     ap.add_argument("--phases", action="store_true",
                     help="the host's annotated ranges and runtime calls over --min-ms, with the compute stream's use")
+    ap.add_argument("--slim", metavar="OUT", help="write a smaller trace (gzip) to OUT: see slim()")
     a = ap.parse_args(argv)
     ev = load(a.trace)
-    if a.gaps:
+    if a.slim:
+        print(f"{slim(ev, a.slim)} events written to {a.slim}")
+    elif a.gaps:
         print(gaps(ev, a.min_ms))
     elif a.phases:
         print(phases(ev, a.min_ms))
