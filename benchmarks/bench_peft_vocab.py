@@ -96,7 +96,7 @@ CURVE_REFERENCE = {"curve_ours": "curve_ref", **{p: REFERENCE for p, v in PEERS.
                                                  if v[0] == "gemma3" and not p.startswith("curve_")}}
 # the options a peer's process gets from the driver
 FORWARDED = ("batch", "seq", "steps", "warmup", "profile", "trace", "layers", "cap_gib", "new_rows", "cache_rows",
-             "chunk_rows", "reuse_rows", "keep_grad_buffer", "bucket_elems", "lr",
+             "chunk_rows", "reuse_rows", "keep_grad_buffer", "keep_tier_staging", "bucket_elems", "lr",
              "curve_steps", "curve_layers", "curve_vocab", "curve_batch", "curve_seq")
 
 
@@ -279,6 +279,9 @@ def run_peer(a) -> dict:
         if ours and a.keep_grad_buffer:
             from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
             ShardedEmbedding.KEEP_GRAD_BUFFER = a.keep_grad_buffer == "on"
+        if ours and a.keep_tier_staging:
+            from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
+            ShardedEmbedding.KEEP_TIER_STAGING = a.keep_tier_staging == "on"
         engine, *_ = init(model=model, model_parameters=params, config=_ds_config(a, shape, ours, bf16, batch))
         data = zipf_batches(shape["vocab"], batch, seq, steps)
         # the timed steps run back to back, as in a training run, with one device sync before and after them: work
@@ -300,6 +303,7 @@ def run_peer(a) -> dict:
                 if cuda:
                     torch.cuda.synchronize()
                 t0, start, at_start = time.perf_counter(), i, prev
+                mem0 = _alloc_counts(cuda)
             losses.append(_train_step(engine, ids))
             now = int(getattr(engine, "skipped_steps", 0))
             settled, prev = now == prev, now
@@ -309,6 +313,7 @@ def run_peer(a) -> dict:
             return {"error": f"no step to time: DeepSpeed skipped every step from {warmup} on (non-finite "
                              "gradients); give more --steps", "losses": losses}
         ms = 1e3 * (time.perf_counter() - t0) / (len(data) - start)
+        retries, syncs = (now - before for before, now in zip(mem0, _alloc_counts(cuda)))
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
         skipped_timed = prev - at_start
         if at_start > first or skipped_timed:
@@ -319,9 +324,21 @@ def run_peer(a) -> dict:
         if a.trace and cuda:
             _trace_steps(engine, data[-a.trace:], a.peer, ours)
         return {"ms": ms, "tokens_per_s": batch * seq / (ms / 1e3), "peak_gib": peak, "losses": losses,
-                "trainable_m": trainable / 1e6, "timed_from": start, "skipped_timed": skipped_timed}
+                "trainable_m": trainable / 1e6, "timed_from": start, "skipped_timed": skipped_timed,
+                "alloc_retries": retries, "alloc_syncs": syncs}
     except torch.cuda.OutOfMemoryError:
         return {"error": "OOM", "peak_gib": torch.cuda.max_memory_allocated() / GIB}
+
+
+def _alloc_counts(cuda: bool):
+    """``(retries, syncs)`` of the CUDA caching allocator so far: allocations that found no room under the cap and were
+    retried after freeing its cached memory, and the times it waited for every stream to do that (each a host wait
+    for all queued GPU work, copies on side streams included)."""
+    import torch
+    if not cuda:
+        return 0, 0
+    st = torch.cuda.memory_stats()
+    return st.get("num_alloc_retries", 0), st.get("num_sync_all_streams", 0)
 
 
 def _train_step(engine, ids) -> float:
@@ -471,6 +488,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-grad-buffer", choices=("on", "off"), default=None,
                     help="ours: a tied head's [V, d] gradient memory kept from step to step "
                          "(ShardedEmbedding.KEEP_GRAD_BUFFER; default on)")
+    ap.add_argument("--keep-tier-staging", choices=("on", "off"), default=None,
+                    help="ours: the staging buffers of the step of the rows outside the cache kept on the GPU "
+                         "from step to step (ShardedEmbedding.KEEP_TIER_STAGING)")
     ap.add_argument("--bucket-elems", type=int, default=50_000_000,
                     help="ZeRO-2 reduce/allgather bucket (elements), every bf16 peer alike")
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -510,7 +530,9 @@ def main(argv=None) -> int:
         results[peer] = {"error": reason} if reason else _spawn(peer, a, min(a.peer_timeout_s, budget.left() - 5))
         res = results[peer]
         progress(f"{peer}: " + (res.get("error") or f"{res['ms']:.1f} ms/step, timed from step "
-                                f"{res.get('timed_from')}, {res.get('skipped_timed', 0)} of them skipped"))
+                                f"{res.get('timed_from')}, {res.get('skipped_timed', 0)} of them skipped, "
+                                f"allocator retries {res.get('alloc_retries')}, waits for all streams "
+                                f"{res.get('alloc_syncs')}"))
         _bench(a, results).checkpoint(a.out)   # every row so far, ratios against the references run so far
     tail = _curve_line(results)
     text = _bench(a, results).table() + ("\n\n" + tail if tail else "")
