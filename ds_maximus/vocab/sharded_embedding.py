@@ -556,8 +556,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             ready.record(upd)
             table.record_stream(upd)
         self._keep_step_rows(table, ids, ready)
-        if not self.KEEP_TIER_STAGING:
-            pl.release(wait=False)
+        pl.release(wait=False)
         return True
 
     def _keep_step_rows(self, table: Optional[Tensor], ids: Tensor, ready) -> None:
@@ -574,11 +573,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     #: from step to step (:class:`~ds_maximus.optim.SparseRowGrad` ``keep_buffer``), as allocating it anew under a
     #: capped allocator made the host wait tens of ms a step
     KEEP_GRAD_BUFFER = True
-    #: the staged step's two staging sets (a window of every table's rows, ``gpu_cache_rows`` rows) kept on the device
-    #: from step to step. Given back instead, their memory is free only once the step's copies have passed it: the
-    #: next forward's allocations that find no other room under a capped allocator then make the host wait for every
-    #: stream (the step's copies included) while the allocator frees its cache
-    KEEP_TIER_STAGING = False
 
     def keep_step_rows(self, mode: str) -> None:
         """A tied head reads every row in its forward and again in its backward, and on a GPU those reads cross the
