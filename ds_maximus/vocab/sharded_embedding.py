@@ -569,9 +569,10 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     # -- the rows a step leaves on the device for a tied head ------------------------------------------------------
     #: what ``auto`` leaves free on the device beside the table the step leaves there
     STEP_ROWS_MARGIN = 512 * 2 ** 20
-    #: a tied head's gradient reaches every row each step: on a GPU the memory of that [V, d] fp32 gradient is kept
-    #: from step to step (:class:`~ds_maximus.optim.SparseRowGrad` ``keep_buffer``), as allocating it anew under a
-    #: capped allocator made the host wait tens of ms a step
+    #: a tied head's gradient reaches every row each step: on a GPU the memory of that [V, d] fp32 gradient, added
+    #: through :meth:`add_dense_row_grad_`, is kept from step to step (:class:`~ds_maximus.optim.SparseRowGrad`
+    #: ``keep_buffer``), as allocating it anew under a capped allocator makes it free its cache (a host wait for
+    #: every stream). The streamed tied head (``TiedRows.add_grad_``) adds through ``grad.add`` and keeps nothing.
     KEEP_GRAD_BUFFER = True
 
     def keep_step_rows(self, mode: str) -> None:
