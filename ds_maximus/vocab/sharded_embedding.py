@@ -572,7 +572,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     #: a tied head's gradient reaches every row each step: on a GPU the memory of that [V, d] fp32 gradient, added
     #: through :meth:`add_dense_row_grad_`, is kept from step to step (:class:`~ds_maximus.optim.SparseRowGrad`
     #: ``keep_buffer``), as allocating it anew under a capped allocator makes it free its cache (a host wait for
-    #: every stream). The streamed tied head (``TiedRows.add_grad_``) adds through ``grad.add`` and keeps nothing.
+    #: every stream). The streamed tied head (``TiedSource.add_grad_``) adds through ``grad.add`` and keeps nothing.
     KEEP_GRAD_BUFFER = True
 
     def keep_step_rows(self, mode: str) -> None:
