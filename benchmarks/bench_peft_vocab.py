@@ -338,17 +338,23 @@ def _alloc_counts(cuda: bool):
     return st.get("num_alloc_retries", 0), st.get("num_sync_all_streams", 0)
 
 
-def _train_step(engine, ids) -> float:
-    """One step (forward, backward, optimizer step, each a profiler range); returns the loss."""
+def _train_step(engine, ids, phase=None) -> float:
+    """One step (forward, backward, optimizer step, each a profiler range); returns the loss. ``phase``: a context
+    manager factory entered around each phase with its name, the loss read (``"loss read"``) included (the host
+    tools in ``scripts/gpu/step_watch.py``)."""
+    import contextlib
+
     import torch
+    around = phase or (lambda name: contextlib.nullcontext())
     ids = ids.to(engine.device)
-    with torch.profiler.record_function("bench.forward"):
+    with torch.profiler.record_function("bench.forward"), around("forward"):
         loss = engine(input_ids=ids, labels=ids).loss
-    with torch.profiler.record_function("bench.backward"):
+    with torch.profiler.record_function("bench.backward"), around("backward"):
         engine.backward(loss)
-    with torch.profiler.record_function("bench.step"):
+    with torch.profiler.record_function("bench.step"), around("step"):
         engine.step()
-    return float(loss.detach().float())
+    with around("loss read"):
+        return float(loss.detach().float())
 
 
 def _profile_step(engine, ids, peer: str, cuda: bool) -> None:

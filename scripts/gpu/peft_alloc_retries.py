@@ -10,19 +10,16 @@ after ``. .device/env.sh`` and ``. scripts/gpu/common.sh``::
 """
 import argparse
 import collections
+import contextlib
 
 import torch
+from step_watch import run_watched, stack_text
 
-import benchmarks.bench_peft_vocab as bench
-
-KEEP = ("ds_maximus", "transformers", "peft", "deepspeed", "torch/nn", "bench_peft_vocab", "torch/autograd",
-        "torch/utils/checkpoint", "torch/optim")
 GIB = 2 ** 30
 
 
 def _frames(entry, depth: int) -> str:
-    fr = [f for f in entry.get("frames", []) if any(k in f.get("filename", "") for k in KEEP)]
-    return " <- ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in fr[:depth])
+    return stack_text([(f.get("filename", ""), f.get("line"), f.get("name")) for f in entry.get("frames", [])], depth)
 
 
 def main() -> None:
@@ -32,30 +29,23 @@ def main() -> None:
     ap.add_argument("--watched", type=int, default=2)
     ap.add_argument("--depth", type=int, default=9)
     a, rest = ap.parse_known_args()
-    calls, step = [0], bench._train_step
     retries = collections.Counter()
     base = {}
 
-    def watched(engine, ids):
-        calls[0] += 1
-        if calls[0] <= a.steps - a.watched:
-            return step(engine, ids)
-        if calls[0] == a.steps - a.watched + 1:
+    @contextlib.contextmanager
+    def watching():
+        if not base:   # the first watched step: the history starts here
             torch.cuda.synchronize()
             base.update(reserved=torch.cuda.memory_reserved(), allocated=torch.cuda.memory_allocated())
             torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
-        ids = ids.to(engine.device)
-        out = {}
-        for ph, fn in (("forward", lambda: engine(input_ids=ids, labels=ids).loss),
-                       ("backward", lambda: engine.backward(out["forward"])),
-                       ("step", lambda: engine.step())):
-            r0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-            out[ph] = fn()
-            retries[ph] += torch.cuda.memory_stats().get("num_alloc_retries", 0) - r0
-        return float(out["forward"].detach().float())
-    bench._train_step = watched
-    bench.main(["--peer", a.peer, "--steps", str(a.steps), "--warmup", "1", "--batch", "4", "--json-out", "/dev/null",
-                *rest])
+        yield
+
+    @contextlib.contextmanager
+    def phase(name):
+        r0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        yield
+        retries[name] += torch.cuda.memory_stats().get("num_alloc_retries", 0) - r0
+    run_watched(a.peer, a.steps, a.watched, rest, around=watching, phase=phase)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     print(f"# {a.peer}: allocator retries in the last {a.watched} of {a.steps} steps, by phase: {dict(retries)}")

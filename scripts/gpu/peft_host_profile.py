@@ -3,11 +3,12 @@ last ``--profiled`` steps of bench_peft_vocab's ours_capped peer, run in this pr
 own time. On the GPU machine, after ``. .device/env.sh`` and ``. scripts/gpu/common.sh``:
 ``python scripts/gpu/peft_host_profile.py --steps 4 --profiled 2``."""
 import argparse
+import contextlib
 import cProfile
 import pstats
 import sys
 
-import benchmarks.bench_peft_vocab as bench
+from step_watch import run_watched
 
 
 def main() -> None:
@@ -18,21 +19,16 @@ def main() -> None:
     ap.add_argument("--callers", default="torch.empty|ynchronize|method 'item'|method 'tolist'|pin_memory",
                     help="regex: who calls the functions it matches (host waits and allocations)")
     a, rest = ap.parse_known_args()
-    prof, calls = cProfile.Profile(), [0]
-    step = bench._train_step
+    prof = cProfile.Profile()
 
-    def profiled(engine, ids):
-        calls[0] += 1
-        if calls[0] <= a.steps - a.profiled:
-            return step(engine, ids)
+    @contextlib.contextmanager
+    def profiled():
         prof.enable()
         try:
-            return step(engine, ids)
+            yield
         finally:
             prof.disable()
-    bench._train_step = profiled
-    bench.main(["--peer", "ours_capped", "--steps", str(a.steps), "--warmup", "1", "--batch", "4",
-                "--json-out", "/dev/null", *rest])
+    run_watched("ours_capped", a.steps, a.profiled, rest, around=profiled)
     st = pstats.Stats(prof, stream=sys.stdout)
     st.sort_stats("cumulative").print_stats(a.rows)
     st.sort_stats("tottime").print_stats(a.rows)

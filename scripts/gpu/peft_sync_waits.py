@@ -12,23 +12,18 @@ ds_maximus, transformers, peft, deepspeed, torch.nn and the bench). Explicit ``t
 """
 import argparse
 import collections
+import contextlib
 import sys
 import time
 import traceback
 import warnings
 
 import torch
-
-import benchmarks.bench_peft_vocab as bench
-
-KEEP = ("ds_maximus", "transformers", "peft", "deepspeed", "torch/nn", "bench_peft_vocab", "torch/autograd",
-        "torch/utils/checkpoint")
+from step_watch import run_watched, stack_text
 
 
 def _stack(depth: int) -> str:
-    frames = [f for f in traceback.extract_stack()[:-2] if any(k in f.filename for k in KEEP)
-              and "peft_sync_waits" not in f.filename]
-    return " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-depth:]))
+    return stack_text([(f.filename, f.lineno, f.name) for f in reversed(traceback.extract_stack())], depth)
 
 
 def main() -> None:
@@ -69,37 +64,30 @@ def main() -> None:
     torch.cuda.Stream.synchronize = timed(torch.cuda.Stream.synchronize, "Stream.synchronize")
     torch.cuda.synchronize = timed(torch.cuda.synchronize, "torch.cuda.synchronize")
 
-    calls, step = [0], bench._train_step
     phase_ms = collections.defaultdict(float)
 
-    def watched(engine, ids):
-        calls[0] += 1
-        if calls[0] <= a.steps - a.watched:
-            return step(engine, ids)
+    @contextlib.contextmanager
+    def watching():
         warnings.simplefilter("always")
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("warn")
         state["on"] = True
         try:
-            ids = ids.to(engine.device)
-            for ph, fn in (("forward", lambda: engine(input_ids=ids, labels=ids).loss),
-                           ("backward", lambda: engine.backward(loss)),
-                           ("step", lambda: engine.step())):
-                state["phase"] = ph
-                t = time.perf_counter()
-                r = fn()
-                phase_ms[ph] += 1e3 * (time.perf_counter() - t)
-                if ph == "forward":
-                    loss = r
-            state["phase"] = "loss read"
-            return float(loss.detach().float())
+            yield
         finally:
             state["on"] = False
             if torch.cuda.is_available():
                 torch.cuda.set_sync_debug_mode(0)
-    bench._train_step = watched
-    bench.main(["--peer", a.peer, "--steps", str(a.steps), "--warmup", "1", "--batch", "4", "--json-out", "/dev/null",
-                *rest])
+
+    @contextlib.contextmanager
+    def phase(name):
+        state["phase"] = name
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            phase_ms[name] += 1e3 * (time.perf_counter() - t)
+    run_watched(a.peer, a.steps, a.watched, rest, around=watching, phase=phase)
     print(f"# {a.peer}: host waits in the last {a.watched} of {a.steps} steps (sync debug mode 'warn'; explicit "
           f"synchronize calls timed)")
     print("host ms a phase (mean): " + ", ".join(f"{p} {v / a.watched:.1f}" for p, v in phase_ms.items()))
