@@ -34,7 +34,7 @@ class SparseRowGrad:
         self.keep_buffer = keep_buffer
         self._buf: Optional[Tensor] = None   # the kept memory (keep_buffer)
         self._buf_end: Optional[int] = None  # rows held and tail pieces lie in order in _buf[:_buf_end]
-        self._read_event = None              # the last side-stream read of rows in _buf (read_on)
+        self._read_events: list = []         # (rows read up to, event): side-stream reads of _buf (read_on)
 
     @property
     def ids(self) -> Optional[Tensor]:
@@ -59,11 +59,14 @@ class SparseRowGrad:
     def __bool__(self) -> bool:
         return (self._ids is not None and self._ids.numel() > 0) or bool(self._tail)
 
-    def read_on(self, stream) -> None:
-        """``rows`` are read on CUDA ``stream`` after the caller moves on: the kept memory is not written again
-        before that read has run (the writer's stream waits for it, no host wait)."""
+    def read_on(self, stream, upto: Optional[int] = None) -> None:
+        """``rows`` (with ``upto``: rows ``[:upto]``) are read by the work queued so far on CUDA ``stream``, which runs
+        on after the caller moves on: the kept memory is not written again before that read has run (the writer's
+        stream waits for it, no host wait). Calls come in the order of the reads on one stream, ``upto`` increasing,
+        so a write of rows ``[at, at + n)`` waits only for the first read that covers them: the next step's first
+        rows are written while the last step still reads its last ones."""
         if self._buf is not None and stream is not None:
-            self._read_event = stream.record_event()
+            self._read_events.append((self._buf.shape[0] if upto is None else int(upto), stream.record_event()))
 
     def _buf_rows(self, at: int, n: int, like: Tensor) -> Optional[Tensor]:
         """``_buf[at:at + n]`` for rows shaped, typed and placed as ``like``, ready to be written (its last reader's
@@ -72,9 +75,10 @@ class SparseRowGrad:
         if (buf is None or buf.device != like.device or buf.dtype != like.dtype or buf.shape[1:] != like.shape[1:]
                 or at + n > buf.shape[0]):
             return None
-        if self._read_event is not None:
-            torch.cuda.current_stream(buf.device).wait_event(self._read_event)
-            self._read_event = None
+        if self._read_events:   # the first read covering the rows (or the last read): the ones before it ran earlier
+            k = next((i for i, (upto, _) in enumerate(self._read_events) if upto >= at + n), len(self._read_events) - 1)
+            torch.cuda.current_stream(buf.device).wait_event(self._read_events[k][1])
+            del self._read_events[:k + 1]
         return buf[at:at + n]
 
     def _into_buf(self, rows: Tensor, at: int) -> Optional[Tensor]:

@@ -347,4 +347,4 @@ class TiedSource:
         and in the unswapped model a tied head's gradient reaches that row too."""
         if tuple(grad.shape) != (hi - lo, self.dim):
             raise ValueError(f"grad has shape {tuple(grad.shape)}, expected ({hi - lo}, {self.dim})")
-        self.emb.grad.add(torch.arange(lo, hi), grad.detach().to(self.emb.compute_device, torch.float32))
+        self.emb.add_head_grad_(torch.arange(lo, hi), grad)

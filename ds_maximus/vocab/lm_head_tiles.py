@@ -116,7 +116,11 @@ class _Kernels:
             try:
                 if name not in self._compiled:
                     _raise_recompile_limit()
-                    self._compiled[name] = torch.compile(fn, fullgraph=True)  # dynamic after a 1st recompile
+                    # dynamic after a 1st recompile (the last chunk or token block): the first shape's static kernel
+                    # rounds other low bits than the dynamic one (a process's first step differed from later ones on
+                    # 174 of 40,000 rows of a tied head, <= 1.2e-5), but dynamic=True from the first call measured
+                    # 5-19% slower (bench_lm_head; docs/bench/peft_vocab.md)
+                    self._compiled[name] = torch.compile(fn, fullgraph=True)
                 return self._compiled[name](*args)
             except Exception as e:  # a broken toolchain must not break training: fall back once
                 log.warning("ds_maximus: torch.compile of the LM-head tile math failed (%s: %s); "

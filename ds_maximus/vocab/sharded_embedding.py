@@ -542,14 +542,14 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
                                       ids[a:b], index=index)
                 if table is not None:
                     table[first:first + n].copy_(bufs["weight"])
+            if upd is not None:  # the gradient's kept memory up to this window's rows may be written again after it
+                self.grad.read_on(upd, upto=int(where[b - 1]) + 1)
             with pl.storing(s):
                 for nm in names:
                     host[nm].copy_(bufs[nm], non_blocking=True)
         # no host wait: the tier is written until the end event; the staging sets go back to the allocator once
         # the pipeline's streams are past them
         self.cache.tier_written_until(pl.end())
-        if upd is not None:  # the gradient's kept memory is not written again before the updates have read it
-            self.grad.read_on(upd)
         ready = None
         if table is not None and upd is not None:   # the table is complete once the last update has run
             ready = torch.cuda.Event()
@@ -569,10 +569,10 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     # -- the rows a step leaves on the device for a tied head ------------------------------------------------------
     #: what ``auto`` leaves free on the device beside the table the step leaves there
     STEP_ROWS_MARGIN = 512 * 2 ** 20
-    #: a tied head's gradient reaches every row each step: on a GPU the memory of that [V, d] fp32 gradient, added
-    #: through :meth:`add_dense_row_grad_`, is kept from step to step (:class:`~ds_maximus.optim.SparseRowGrad`
-    #: ``keep_buffer``), as allocating it anew under a capped allocator makes it free its cache (a host wait for
-    #: every stream). The streamed tied head (``TiedSource.add_grad_``) adds through ``grad.add`` and keeps nothing.
+    #: a tied head's gradient reaches every row each step: on a GPU the memory of that [V, d] fp32 gradient is kept
+    #: from step to step (:class:`~ds_maximus.optim.SparseRowGrad` ``keep_buffer``): allocated anew beside the head's
+    #: chunks it made a capped allocator free its cache once a step, a host wait for every stream (the step's copies
+    #: included; ``scripts/gpu/peft_alloc_retries.py``)
     KEEP_GRAD_BUFFER = True
 
     def keep_step_rows(self, mode: str) -> None:
@@ -761,6 +761,13 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         if self.padding_idx is not None and lo <= self.padding_idx < hi:
             keep = ids != self.padding_idx
             ids, grad = ids[keep], rows_where(grad, keep)
+        self.add_head_grad_(ids, grad)
+
+    def add_head_grad_(self, ids: Tensor, grad: Tensor) -> None:
+        """Add a tied head's gradient for rows ``ids`` (a chunk of the vocabulary, ascending, after the chunks
+        before it). Each step's chunks together cover every row: on a GPU they are written into memory kept from step
+        to step (:attr:`KEEP_GRAD_BUFFER`), as a new ``[V, d]`` fp32 gradient each step would not fit beside the
+        chunks under a capped allocator without it freeing its cache (a wait for every stream)."""
         self.grad.keep_buffer = self.KEEP_GRAD_BUFFER and self.compute_device.type == "cuda"
         self.grad.add(ids, grad.detach().to(self.compute_device, torch.float32))
 

@@ -431,7 +431,9 @@ def test_gpu_tied_head_reading_its_step_rows_trains_bit_identically():
     data = [(torch.randint(0, v, (4, 256), generator=g).cuda(), torch.randint(0, v, (4, 256), generator=g).cuda())
             for _ in range(steps)]
     out = {}
-    for reuse in ("off", "on"):
+    # "off" first and again last, the last compared: a process's first step runs the tile math compiled for the first
+    # tile's shape, which rounds other low bits than the dynamic-shape kernel of every later step (_Kernels._call)
+    for reuse in ("off", "on", "off"):
         emb = ShardedEmbedding(v, d, config=EmbeddingConfig(gpu_cache_rows=2048), _weight=w0, device="cuda",
                                dtype=torch.bfloat16)
         head = ShardedLMHead(tied_to=emb, config={"chunk_rows": 8192, "reuse_rows": reuse})

@@ -124,6 +124,43 @@ def test_gpu_staged_tier_update_equals_the_one_stream_path(keep, monkeypatch):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "anew"])
+def test_gpu_tied_head_gradient_written_while_the_last_step_reads_it(keep, monkeypatch):
+    """A tied head's step in its real order: the streamed head adds its gradient chunk by chunk in the forward
+    (``add_head_grad_``), the lookup's lands on top in the backward, and the step of the rows outside the cache reads
+    the gradient window by window on its own stream, into the next forward. With the gradient's memory kept
+    (``KEEP_GRAD_BUFFER``), the next step's chunks are written into it while that stream may still read the last
+    step's rows: each chunk waits only for the window that read its rows (``SparseRowGrad.read_on`` with ``upto``).
+    A chunk written too early would step the rows after it with the next step's gradient: against ``nn.Embedding``
+    + ``torch.optim.AdamW``, within the bounds above; kept, the ``[V, d]`` gradient is allocated once for every step."""
+    _cuda_op_built()
+    monkeypatch.setattr(ShardedEmbedding, "KEEP_GRAD_BUFFER", keep)
+    g = torch.Generator().manual_seed(7)
+    vocab, dim, steps, chunk = 65536, 256, 5, 8192
+    ref = nn.Embedding(vocab, dim).cuda()
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=4096)).to("cuda")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    grads = set()
+    for _ in range(steps):
+        ids = zipf_batch(g, vocab, 2048).cuda()
+        h = torch.randn(16, dim, generator=g).cuda()
+        for lo in range(0, vocab, chunk):   # the head's forward, queued while the last step's copies run
+            w = emb.rows_for_compute(lo, lo + chunk, "cuda", torch.float32).requires_grad_(True)
+            (h @ w.t()).tanh().sum().backward()
+            emb.add_head_grad_(torch.arange(lo, lo + chunk), w.grad)
+        (h @ ref.weight.t()).tanh().sum().backward()
+        (emb(ids).float().pow(2).sum() * 1e-3).backward()
+        (ref(ids).pow(2).sum() * 1e-3).backward()
+        grads.add(emb.grad.rows.data_ptr())
+        opt.step()
+        opt.zero_grad()
+        emb.sparse_step(lr=1e-2, weight_decay=0.1)
+        assert emb.cache._tier_event is not None  # the step's copies were left in flight
+    assert_weights_close(emb.full_weight(), ref.weight.detach().cpu(), lr=1e-3)
+    if keep:
+        assert len(grads) == 1 and emb.grad._buf is not None
+
+
 @pytest.mark.parametrize("keep", ["off", "on"], ids=["copied", "step-rows"])
 @pytest.mark.parametrize("prefetch", [False, True], ids=["lookup-fills", "prefetched"])
 def test_gpu_tier_step_overlapping_the_next_forward_equals_dense_adamw(prefetch, keep):
