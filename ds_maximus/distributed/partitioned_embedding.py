@@ -460,6 +460,15 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         ``ShardedEmbedding``); collective here: see :class:`_HeadGrads`. On one rank, the local table's."""
         return self.local.grad if self.comm.single else _HeadGrads(self)
 
+    def add_head_grad_(self, ids: Tensor, grad: Tensor) -> None:
+        """A tied head's gradient for rows ``ids`` (a contiguous chunk of the vocabulary, after the chunks before it):
+        on one rank into the local table's (its kept memory on a GPU); across ranks summed to the rows' owners
+        (:class:`_HeadGrads`)."""
+        if self.comm.single:
+            self.local.add_head_grad_(ids, grad)
+        else:
+            _HeadGrads(self).add(ids, grad)
+
     def _sum_head_grads(self, rows: Tensor) -> Optional[Tensor]:
         """A tied head's chunk gradient summed over the ranks (every rank computes one) and averaged."""
         return self.comm.all_reduce("head grads", rows.detach().float().cpu()) / self.world
