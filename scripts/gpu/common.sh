@@ -47,6 +47,20 @@ print('old op', o.load_op('cuda') is not None, o.load_op('cpu') is not None)" ;;
   tail -qn1 "$OUT"/build_*.log
 }
 
+# tied_gpu_tests LOG: the tied-head and staged tier-step GPU tests (test_lm_head.py, test_sharded_embedding_gpu.py)
+# within TEST_S seconds (default 150), with -rA into LOG; prints the summary lines and the failures in full, returns
+# pytest's status. Run it in another tree from a subshell: (cd "$PREV" && PYTHONPATH=... tied_gpu_tests LOG).
+tied_gpu_tests() {
+  local log=$1 rc
+  timeout "${TEST_S:-150}" python -m pytest -q -rA -p no:cacheprovider -m gpu tests/vocab/test_lm_head.py \
+    tests/vocab/test_sharded_embedding_gpu.py -k "tied or staged_tier_update or written_while or overlapping" \
+    > "$log" 2>&1
+  rc=$?
+  echo "tied gpu tests ($PWD) rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -30
+  grep -A40 "^_____" "$log" | head -100
+  return $rc
+}
+
 # pack_out: everything under $OUT into one $OUT/results.tgz (the device tool returns at most 8 files; a script that
 # writes more calls this last, inside its own time limit, so a cut run still returns what it wrote; a second call, as
 # after a script that packed already, leaves the one archive as it is)

@@ -11,10 +11,7 @@ T0=$SECONDS
 build_ops cuda expert
 timeout 120 python scripts/gpu/tied_reuse_diag.py on 2>&1 | grep -v WARN | tee "$OUT/tied_diag_on_first.log"
 timeout 60 python scripts/gpu/cold_gemm_check.py 2>&1 | tee "$OUT/cold_gemm.log"
-timeout 120 python -m pytest -q -rA -p no:cacheprovider -m gpu tests/vocab/test_lm_head.py \
-  tests/vocab/test_sharded_embedding_gpu.py -k "tied or staged_tier_update or written_while or overlapping" \
-  > "$OUT/test_gpu.log" 2>&1
-echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_gpu.log" | tail -8
+TEST_S=120 tied_gpu_tests "$OUT/test_gpu.log"
 FAMILY=mixtral PEERS="${PEERS:-full,int4}" EXTRA="${EXTRA:---batch 8 --agree-tokens 64}" \
   TOTAL_S=$(( ${TOTAL_S:-540} - (SECONDS - T0) )) bash "$(dirname "$0")/moe_scale.sh" 2>&1 | grep -v "^+"
 pack_out
