@@ -89,6 +89,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self._staged_spans: dict = {}  # (lo, hi, device) -> (device copy, its event, resident mask, optimizer step)
         self._step_rows_mode = "off"   # keep_step_rows: a tied head's lm_head.reuse_rows
         self._step_rows: Optional[tuple] = None  # (rows [V, d] in out_dtype, stepped there [V] bool, ready event)
+        self._step_rows_current = False  # the table above holds every row as it is now (rows_for_compute)
         self.staged_tier_update: Optional[bool] = None  # those steps through it: None = on a CUDA device
         self._prefetched: collections.deque = collections.deque()
         self._planner = BatchPlanner(self.num_embeddings)
@@ -565,6 +566,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         stepped = torch.zeros(self.num_embeddings, dtype=torch.bool)
         stepped[ids] = True
         self._step_rows = (table, stepped, ready)
+        self._step_rows_current = False
 
     # -- the rows a step leaves on the device for a tied head ------------------------------------------------------
     #: what ``auto`` leaves free on the device beside the table the step leaves there
@@ -640,12 +642,12 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         key = (lo, hi, device_with_index(device)) if device.type == "cuda" else None
         if key is None or key in self._staged_spans:
             return
+        if self._step_rows_for(lo, hi, device, self.out_dtype, wait=False) is not None:
+            return   # the last step left them on the device
         ids = torch.arange(lo, hi)
         res = self.cache.slots_of(ids) >= 0
         if bool(res.all()) or bool(self.optimizer.lagging(ids[~res]).any()):
             return
-        if self._step_rows_for(lo, hi, device, self.out_dtype, wait=False) is not None:
-            return   # the last step left them on the device
         span = self._host_weight_span(lo, hi)
         if span is None or not span.is_pinned():
             return
@@ -669,33 +671,57 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         return self._span_transfer.take(t, ev)
 
     def rows_for_compute(self, lo: int, hi: int, device=None, dtype=None) -> Tensor:
-        """Rows ``[lo, hi)`` as they are now (catch-up applied), on ``device`` in ``dtype`` (tied heads)."""
-        from ds_maximus.ops import to_device
+        """Rows ``[lo, hi)`` as they are now (catch-up applied), on ``device`` in ``dtype`` (tied heads).
+
+        With the table the last step left on the device (:meth:`keep_step_rows`), the first call after the step
+        brings the whole table up to date (the cached rows written over it, any row the step did not write read
+        from the tier) and every call until the next step returns a view of it: a tied head's 32 chunks a pass
+        otherwise each paid that bookkeeping on the host (in a traced step at the Gemma-3-4B shape, 73 ms of host
+        time for the head's forward, whose GPU work was 19 ms). Until the next step no row changes: steps, loads
+        (:meth:`_rows_changed`) and the replays of skipped steps change rows, and the table's rows were all
+        stepped in the last step, so none has a step to replay."""
         device = torch.device(device) if device is not None else self.compute_device
         dtype = dtype or self.out_dtype
-        ids = torch.arange(lo, hi)
-        slots = self.cache.slots_of(ids)
-        res = slots >= 0
         kept = self._step_rows_for(lo, hi, device, dtype)
         if kept is None:
             out = torch.empty(hi - lo, self.embedding_dim, dtype=dtype, device=device)
+            self._current_rows_into(out, lo, hi, device, dtype, None)
+            return out
+        if not self._step_rows_current:
+            table, stepped = self._step_rows_for(0, self.num_embeddings, device, dtype, wait=False)
+            self._current_rows_into(table, 0, self.num_embeddings, device, dtype, stepped)
+            self._step_rows_current = True
+        return kept[0]
+
+    #: at most this many cached rows are gathered at once when they are written over the step's table
+    OVERLAY_ROWS = 8192
+
+    def _current_rows_into(self, out: Tensor, lo: int, hi: int, device, dtype, stepped: Optional[Tensor]) -> None:
+        """Write rows ``[lo, hi)`` as they are now into ``out``. ``stepped`` (or None): which of them ``out``
+        already holds as the last step left them (the step's table); the cached rows are written over those."""
+        from ds_maximus.ops import to_device
+        ids = torch.arange(lo, hi)
+        slots = self.cache.slots_of(ids)
+        res = slots >= 0
+        if stepped is None:
             self._copy_tier_rows(out, lo, hi, ids, res, device, dtype)
-        else:   # the rows the last step left on the device; the cached ones are written over them below
-            out, stepped = kept
+        else:
             missing = ~(stepped | res)
             if bool(missing.any()):   # rows the step did not write (cached then, evicted since): from the tier
                 self._copy_tier_rows(out, lo, hi, ids, ~missing, device, dtype, span=False)
-                stepped |= missing     # the table holds them now (a view: the next read of the chunk finds them)
+                stepped |= missing     # the table holds them now (a view: the next read finds them)
         if bool(res.any()):
             self._resident_catch_up(ids[res])
             w, _ = self._tables()
             self.cache.wait_fills()
             # index copies with indices uploaded from pinned memory: a boolean mask on the device, or a pageable
-            # upload, would make the host wait for the compute stream at every chunk of a tied head
-            pos = torch.from_numpy(np.flatnonzero(res.numpy()))
-            rows_res = w.index_select(0, to_device(slots[res], w.device)).to(device, dtype)
-            out.index_copy_(0, to_device(pos, device), rows_res)
-        return out
+            # upload, would make the host wait for the compute stream
+            pos_all = torch.from_numpy(np.flatnonzero(res.numpy()))
+            slots_all = slots[res]
+            for a in range(0, pos_all.numel(), self.OVERLAY_ROWS):
+                pos, sl = pos_all[a:a + self.OVERLAY_ROWS], slots_all[a:a + self.OVERLAY_ROWS]
+                rows_res = w.index_select(0, to_device(sl, w.device)).to(device, dtype)
+                out.index_copy_(0, to_device(pos, device), rows_res)
 
     def _copy_tier_rows(self, out: Tensor, lo: int, hi: int, ids: Tensor, res: Tensor, device, dtype,
                         span: bool = True) -> None:

@@ -294,6 +294,31 @@ def test_tied_head_reads_the_rows_its_table_step_left_and_trains_the_same():
     assert torch.equal(out["on"][0], out["off"][0]) and torch.equal(out["on"][1], out["off"][1])
 
 
+def test_step_table_is_brought_up_to_date_once_a_step_and_every_chunk_is_a_view_of_it():
+    """With the step's table, the head's first chunk after a step writes the cached rows over the whole table once;
+    the other chunks, forward and backward, are views of it (no bookkeeping per chunk), and each equals the rows as
+    they are (``full_weight``), cached rows included."""
+    emb, head = _tied_pair("on")
+    g = torch.Generator().manual_seed(7)
+    calls = []
+    real = emb._current_rows_into
+    emb._current_rows_into = lambda *a, **k: (calls.append(a[1:3]), real(*a, **k))
+    for step in range(3):
+        ids, y = torch.randint(0, 200, (3, 7), generator=g), torch.randint(0, 200, (3, 7), generator=g)
+        calls.clear()
+        x = torch.tanh(emb(ids))
+        if step:
+            table = emb._step_rows[0]
+            got = [emb.rows_for_compute(lo, min(lo + 48, 200), torch.device("cpu"), torch.float32)
+                   for lo in range(0, 200, 48)]
+            assert calls == [(0, 200)]                     # one pass over every row, then views
+            assert all(c.data_ptr() == table[lo:].data_ptr() for c, lo in zip(got, range(0, 200, 48)))
+            assert torch.equal(torch.cat(got), emb.full_weight())
+        head(x, y).backward()
+        assert calls == ([(0, 200)] if step else [(lo, min(lo + 48, 200)) for lo in range(0, 200, 48)])
+        emb.sparse_step(lr=1e-2)
+
+
 def test_step_rows_are_not_read_where_a_row_left_the_cache_after_the_step():
     """A row cached during the step (so not stepped into the step's table) and evicted after it is read from the
     tier, where its eviction wrote it, into the table."""
