@@ -61,6 +61,17 @@ tied_gpu_tests() {
   return $rc
 }
 
+# slim_traces: each bench trace under $OUT (trace_<peer>.json.gz, too large to bring back) replaced by its slim form
+# (slim_<peer>.json.gz: benchmarks.trace_timeline --slim, read here with the same tool)
+slim_traces() {
+  local f p
+  for f in "$OUT"/trace_*.json.gz; do
+    [ -e "$f" ] || continue
+    p=$(basename "$f" .json.gz); timeout 60 python -m benchmarks.trace_timeline "$f" --slim "$OUT/slim_${p#trace_}.json.gz"
+    rm -f "$f"
+  done
+}
+
 # pack_out: everything under $OUT into one $OUT/results.tgz (the device tool returns at most 8 files; a script that
 # writes more calls this last, inside its own time limit, so a cut run still returns what it wrote; a second call, as
 # after a script that packed already, leaves the one archive as it is)

@@ -11,9 +11,5 @@ VARIANTS="${VARIANTS:---cap-gib 16;--cap-gib 120;--cap-gib 16}" TEST_S=1 RUN_S="
 timeout "${TRACE_S:-170}" python -u -m benchmarks.bench_peft_vocab --peers ours_capped --batch 4 --steps 8 --warmup 2 \
   --trace 2 --peer-timeout-s $(( ${TRACE_S:-170} - 5 )) --out "$OUT/peft_trace.md" > "$OUT/peft_trace.log" 2>&1
 echo "trace rc=$?"; grep -h "^\[" "$OUT/peft_trace.log"
-for f in "$OUT"/trace_*.json.gz; do
-  [ -e "$f" ] || continue
-  p=$(basename "$f" .json.gz); timeout 60 python -m benchmarks.trace_timeline "$f" --slim "$OUT/slim_${p#trace_}.json.gz"
-  rm -f "$f"
-done
+slim_traces
 pack_out

@@ -18,9 +18,5 @@ L=$(left 25); timeout "$L" python -u -m benchmarks.bench_peft_vocab --peers ours
   --warmup 2 --trace 2 --peer-timeout-s $(( L / 2 - 3 )) --budget-s $(( L - 5 )) --out "$OUT/peft_trace.md" \
   > "$OUT/peft_trace.log" 2>&1
 echo "trace rc=$?"; cat "$OUT/peft_trace.md"; grep -h "^\[" "$OUT/peft_trace.log"
-for f in "$OUT"/trace_*.json.gz; do
-  [ -e "$f" ] || continue
-  p=$(basename "$f" .json.gz); timeout 60 python -m benchmarks.trace_timeline "$f" --slim "$OUT/slim_${p#trace_}.json.gz"
-  rm -f "$f"
-done
+slim_traces
 pack_out
