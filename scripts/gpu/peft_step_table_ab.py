@@ -12,16 +12,15 @@ import torch
 import benchmarks.bench_peft_vocab as bench
 from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
 
+ONE_PASS = ShardedEmbedding.rows_for_compute
+
 
 def per_chunk(self, lo, hi, device=None, dtype=None):
-    device = torch.device(device) if device is not None else self.compute_device
-    dtype = dtype or self.out_dtype
-    kept = self._step_rows_for(lo, hi, device, dtype)
-    if kept is None:
-        out = torch.empty(hi - lo, self.embedding_dim, dtype=dtype, device=device)
-        self._current_rows_into(out, lo, hi, device, dtype, None)
-        return out
-    self._current_rows_into(kept[0], lo, hi, device, dtype, kept[1])
+    """The tree before: each chunk's cached rows written over its own view of the step's table."""
+    kept = self._step_rows_for(lo, hi, torch.device(device or self.compute_device), dtype or self.out_dtype)
+    if kept is None:   # no step table: the same path in both trees
+        return ONE_PASS(self, lo, hi, device, dtype)
+    self._current_rows_into(kept[0], lo, hi, kept[0].device, kept[0].dtype, kept[1])
     return kept[0]
 
 

@@ -17,7 +17,6 @@ the trained embedding copy swapped; with ``tie``, ``ensure_weight_tying`` keeps 
 reads; after training ``ds_maximus.save_peft`` writes the adapter, whose tensors rank 0 records).
 """
 import argparse
-import atexit
 import json
 import os
 import sys
@@ -222,13 +221,5 @@ def main():
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # an exit with a live gloo group can abort in teardown (rc -6)
-        torch.distributed.barrier()  # no rank tears the group down while another (rank 0 saving) still uses it
-        torch.distributed.destroy_process_group()
-    # every result is saved: run the exit handlers (ds_maximus's shared-memory buffers are removed there) and leave
-    # without the rest of the interpreter's teardown, in which gloo's threads have still aborted a rank now and then
-    # after a clean run (rc -6, "terminate called without an active exception")
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from tests.distributed.ranks import end_rank
+    end_rank(barrier=True)

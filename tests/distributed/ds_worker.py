@@ -5,7 +5,6 @@
     ... --modes replicated --resume /tmp/ck --save-at 10   (then a partitioned run: load step 10, train on)
 """
 import argparse
-import atexit
 import os
 import sys
 
@@ -73,12 +72,5 @@ def main():
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # an exit with a live gloo group can abort in teardown (rc -6)
-        torch.distributed.destroy_process_group()
-    # every result is saved: run the exit handlers (ds_maximus's shared-memory buffers are removed there) and leave
-    # without the rest of the interpreter's teardown, in which gloo's threads have still aborted a rank now and then
-    # after a clean run (rc -6, "terminate called without an active exception")
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from tests.distributed.ranks import end_rank
+    end_rank()
