@@ -196,6 +196,12 @@ class LMHeadConfig(_Section):
     """Compute the causal-LM loss with ``ShardedLMHead`` (no full logits)."""
     chunk_rows: int = Field(16384, ge=1)
     """Vocabulary rows per chunk of the streamed cross-entropy."""
+    eval_logits: bool = True
+    """A call with labels and no gradient (evaluation under ``torch.no_grad``) computes the logits and the loss the
+    way the plain model does, so evaluation code that reads ``outputs.logits`` works (the HF Trainer's
+    ``compute_metrics``); the HF Trainer's loss-only evaluation (no ``compute_metrics``) and
+    ``ds_maximus.integrations.hf_lm_head.loss_only()`` still stream. ``false``: stream whenever labels are given
+    (no logits in evaluation either: the memory bound kept there too)."""
     placement: HeadPlacement = HeadPlacement.GPU
     """Where the head's weight lives: ``gpu`` (a resident Parameter), ``cpu`` (fp32 master, AdamW moments and
     gradient in the CPU tier, streamed chunk by chunk), or ``cpu_optimizer`` (the fp32 master stays on the GPU,

@@ -13,8 +13,12 @@
 * ``model.loss_function`` passes that loss through, so the model's own code still adds its extras
   (Mixtral's router aux loss); the output's ``logits`` is removed (``None``).
 
-Without labels nothing changes: generation gets the original logits (``logits_to_keep`` included).
-Gemma-style ``final_logit_softcapping`` is applied inside the streamed loss.
+Without labels nothing changes: generation gets the original logits (``logits_to_keep`` included). Nor under
+``torch.no_grad`` (evaluation, ``lm_head.eval_logits``), unless the caller wants the loss only (:func:`loss_only`,
+the HF Trainer's evaluation without ``compute_metrics``).
+What the forward does to its logits before the loss is applied inside the streamed loss (:func:`logit_transforms`:
+Gemma-style ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``); anything else there
+is refused with a ``ConfigError``.
 
 Example::
 
@@ -31,8 +35,10 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
+import re
 import threading
 import types
 from typing import Optional, Union
@@ -48,12 +54,13 @@ _ATTR = "_maximus_lm_head_patch"
 
 
 class _LossRequest:
-    def __init__(self, labels, shift_labels, num_items_in_batch, ignore_index, softcap):
+    def __init__(self, labels, shift_labels, num_items_in_batch, ignore_index, softcap, scale=None):
         self.labels = labels
         self.shift_labels = shift_labels
         self.num_items_in_batch = num_items_in_batch
         self.ignore_index = ignore_index
         self.softcap = softcap
+        self.scale = scale   # the model multiplies its logits by this before any soft-capping (None: 1)
 
 
 class _Patch:
@@ -84,6 +91,8 @@ class _Patch:
             raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape[:-1])}"
                              "; with labels, call the model with logits_to_keep=0 (the default)")
         reduction = "mean" if req.num_items_in_batch is None else "sum"
+        if req.scale is not None:   # scale * (h @ W^T) = (scale * h) @ W^T; the gradient flows through the product
+            hidden = hidden * req.scale
         from ds_maximus.vocab.lm_head import ShardedLMHead
         if isinstance(head_module, ShardedLMHead):
             loss = head_module(hidden, labels, ignore_index=req.ignore_index, reduction=reduction,
@@ -188,22 +197,181 @@ def patch_causal_lm_loss(model: nn.Module, head=None, config: Union[LMHeadConfig
 def check_streamable(model: nn.Module) -> None:
     """A ``ConfigError`` unless ``model``'s forward computes ``self.loss_function(...)`` from ``self.lm_head(...)``
     logits with a bias-free head: the pattern the patch relies on (masked LMs and T5 compute their loss
-    otherwise)."""
+    otherwise), and whatever it does to the logits in between is a transform the streamed loss applies itself
+    (:func:`logit_transforms`)."""
     cls = type(model).__name__
-    fix = ("set \"lm_head\": {\"enabled\": false} in the maximus section (a head tied to a swapped embedding "
-           "is swapped with it and trains either way)")
-    try:
-        src = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        src = ""
+    src = _forward_source(model)
     if not isinstance(getattr(model, "lm_head", None), nn.Module) or "self.loss_function(" not in src \
             or "self.lm_head(" not in src:
         raise ConfigError(f"maximus.lm_head.enabled streams the labels= loss of Hugging Face causal LMs whose forward "
-                          f"computes self.loss_function(self.lm_head(...)); {cls} does not: {fix}",
+                          f"computes self.loss_function(self.lm_head(...)); {cls} does not: {_FIX}",
                           "maximus.lm_head.enabled")
     if getattr(model.lm_head, "bias", None) is not None:
         raise ConfigError(f"maximus.lm_head.enabled: {cls}.lm_head has a bias, which the streamed loss does not add: "
-                          f"{fix}", "maximus.lm_head.enabled")
+                          f"{_FIX}", "maximus.lm_head.enabled")
+    logit_transforms(model)
+
+
+_FIX = ("set \"lm_head\": {\"enabled\": false} in the maximus section (a head tied to a swapped embedding is "
+        "swapped with it and trains either way)")
+
+
+def _forward_source(model: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+# What a causal LM's forward may do to its logits between ``self.lm_head(...)`` and ``self.loss_function(...)``,
+# one statement a line (transformers 5.x): multiply or divide by a number the model holds (Cohere's
+# ``logit_scale``, Granite's ``logits_scaling``), Gemma-style soft-capping (``x / c``, ``tanh``, ``* c``), a cast
+# to fp32. The patched head returns the loss, not logits, and the model's own code then applies these statements
+# to that scalar; so the streamed loss applies them to its logits instead, and for the call the numbers they read
+# are set to values that leave the scalar as it is (1, or None for soft-capping, whose block the model skips).
+_SCALE = re.compile(r"^logits\s*=\s*logits\s*([*/])\s*(self(?:\.\w+)+)$")
+_CAP_DIV_MUL = re.compile(r"^logits\s*=\s*logits(?:\.float\(\))?\s*([*/])\s*((?:\w+\.)*\w*soft_?cap\w*)$")
+_CAP_TANH = re.compile(r"^logits\s*=\s*(?:torch|nn\.functional|F)\.tanh\(logits\)$")
+_CAP_IF = re.compile(r"^if\s+.*soft_?cap.*\bis not None\s*:$")
+_CAP_ONE_LINE = re.compile(r"^logits\s*=\s*(?:torch|nn\.functional|F)\.tanh\(logits\s*/\s*([\w.]+)\)\s*\*\s*\1$")
+_LOCAL = re.compile(r"^(\w+)\s*=\s*(self(?:\.\w+)+)$")
+_HEAD_TAIL = re.compile(r"^((?:\.float\(\)|\.contiguous\(\))*)\s*(?:([*/])\s*(self(?:\.\w+)+))?$")
+_HARMLESS = re.compile(r"^(logits\s*=\s*logits(?:\.float\(\)|\.contiguous\(\))+|loss\s*=\s*None"
+                       r"|if\s+labels\s+is\s+not\s+None\s*:)$")
+_WORD = re.compile(r"\blogits\b")
+
+
+class LogitTransforms:
+    """What ``model``'s forward does to its logits before its loss, resolved to numbers for one call:
+    ``scale`` (applied first) and ``softcap`` (``c * tanh(x / c)``), either ``None``; :meth:`neutralized` sets the
+    model attributes they come from to values that make the model's own statements leave the loss unchanged."""
+
+    def __init__(self, scale: Optional[float] = None, softcap: Optional[float] = None, knobs=()):
+        self.scale = scale
+        self.softcap = softcap
+        self.knobs = list(knobs)   # (object, attribute, neutral value)
+
+    @contextlib.contextmanager
+    def neutralized(self):
+        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in self.knobs]
+        try:
+            for obj, attr, neutral in self.knobs:
+                setattr(obj, attr, neutral)
+            yield self
+        finally:
+            for obj, attr, value in reversed(saved):
+                setattr(obj, attr, value)
+
+
+def _refuse(model: nn.Module, what: str):
+    raise ConfigError(f"maximus.lm_head.enabled: {type(model).__name__}.forward {what}, which the streamed loss "
+                      f"cannot reproduce: {_FIX}", "maximus.lm_head.enabled")
+
+
+def _head_statements(src: str) -> Optional[list]:
+    """The statements between the forward's ``self.lm_head(...)`` call and its ``self.loss_function(``, stripped
+    and without comments; ``None`` where the source does not have both. The first entry is what follows the head
+    call's closing parenthesis on its own line."""
+    i = src.find("self.lm_head(")
+    j = src.find("self.loss_function(", i + 1) if i >= 0 else -1
+    if i < 0 or j < 0:
+        return None
+    k, depth = i + len("self.lm_head("), 1
+    while k < len(src) and depth:
+        depth += {"(": 1, ")": -1}.get(src[k], 0)
+        k += 1
+    stop = src.rfind("\n", 0, j)
+    lines = src[k:max(stop, k)].split("\n")
+    return [line.split("#", 1)[0].strip() for line in lines]
+
+
+def _attr_path(model: nn.Module, path: str):
+    """``(owner, attribute, value)`` of a dotted ``self.a.b`` path; ``None`` where it does not resolve."""
+    parts = path.split(".")[1:]
+    obj = model
+    for name in parts[:-1]:
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    if not hasattr(obj, parts[-1]):
+        return None
+    return obj, parts[-1], getattr(obj, parts[-1])
+
+
+def _softcap_owners(model: nn.Module, name: str):
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
+    owners = []
+    for obj in (model, cfg, text):
+        if obj is not None and all(obj is not o for o in owners) and name in getattr(obj, "__dict__", {}):
+            owners.append(obj)
+    return owners
+
+
+def logit_transforms(model: nn.Module) -> LogitTransforms:
+    """The logit transforms of ``model``'s forward (see above), with today's values; a ``ConfigError`` naming the
+    statement for anything else between its head and its loss (a learned scale, a mask, a slice of the vocabulary).
+    A forward whose source is not readable gets only ``config.final_logit_softcapping``."""
+    cfg = getattr(model, "config", None)
+    lines = _head_statements(_forward_source(model))
+    if lines is None:
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        return LogitTransforms(softcap=cap, knobs=[(cfg, "final_logit_softcapping", None)] if cap is not None else [])
+    head_tail = _HEAD_TAIL.match(lines[0]) if lines else None
+    if lines and head_tail is None:
+        _refuse(model, f"computes `self.lm_head(...){lines[0]}`")
+    if head_tail is not None and head_tail.group(2):   # `self.lm_head(h) * self.multiplier`
+        lines[0] = f"logits = logits {head_tail.group(2)} {head_tail.group(3)}"
+    else:
+        lines = lines[1:]
+    scale, cap_name, cap_path, knobs, local, guarded = None, None, None, [], {}, False
+    for line in lines:
+        if _CAP_IF.match(line):
+            guarded = True   # the soft-capping block is skipped when its value is None
+            continue
+        if not line or _HARMLESS.match(line) or _CAP_TANH.match(line):
+            continue
+        m = _LOCAL.match(line)
+        if m and not _WORD.search(line):
+            local[m.group(1)] = m.group(2)
+            continue
+        m = _CAP_DIV_MUL.match(line) or _CAP_ONE_LINE.match(line)
+        if m:
+            if not guarded:   # no value of c makes c * tanh(x / c) leave the loss as it is
+                _refuse(model, f"soft-caps its logits unconditionally (`{line}`)")
+            token = m.group(m.lastindex)
+            cap_path = local.get(token, token if token.startswith("self.") else None)
+            cap_name = token.rsplit(".", 1)[-1]
+            continue
+        m = _SCALE.match(line)
+        if m:
+            if cap_name is not None:
+                _refuse(model, f"scales its logits after soft-capping them (`{line}`)")
+            found = _attr_path(model, m.group(2))
+            value = None if found is None else found[2]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                _refuse(model, f"scales its logits by {m.group(2)} = {value!r} (`{line}`), not a number it holds")
+            factor = float(value) if m.group(1) == "*" else 1.0 / float(value)
+            scale = factor if scale is None else scale * factor
+            knobs.append((found[0], found[1], 1))
+            continue
+        if _WORD.search(line):
+            _refuse(model, f"changes its logits with `{line}`")
+    softcap = None
+    if cap_path is not None:   # read through a path from the model (or a local set from one)
+        found = _attr_path(model, cap_path)
+        if found is None:
+            _refuse(model, f"soft-caps its logits by {cap_path}, which does not resolve")
+        knobs.append((found[0], found[1], None))
+        softcap = found[2]
+    elif cap_name is not None:
+        owners = _softcap_owners(model, cap_name)
+        values = {getattr(o, cap_name) for o in owners} - {None}
+        if len(values) > 1:
+            _refuse(model, f"reads {cap_name} from objects that disagree ({sorted(values)})")
+        softcap = next(iter(values), None)
+        knobs += [(o, cap_name, None) for o in owners]
+    return LogitTransforms(scale, softcap, knobs)
 
 
 def _is_sharded_head(m) -> bool:
@@ -264,25 +432,47 @@ def _wrap_model_forward(model: nn.Module, patch: _Patch) -> None:
         shift_labels = extra.get("shift_labels", kwargs.get("shift_labels"))
         if labels is None and shift_labels is None:
             return orig(*args, **kwargs)
-        cfg = getattr(model, "config", None)
-        softcap = getattr(cfg, "final_logit_softcapping", None)
+        if patch.cfg.eval_logits and not torch.is_grad_enabled() and not _LOSS_ONLY.active:
+            return orig(*args, **kwargs)   # evaluation: the logits and loss of the plain model
+        transforms = logit_transforms(model)   # applied inside the streamed loss instead of to its scalar
         n_items = extra.get("num_items_in_batch", kwargs.get("num_items_in_batch"))
         ignore = extra.get("ignore_index", kwargs.get("ignore_index", -100))
-        patch.request = _LossRequest(labels, shift_labels, n_items, ignore, softcap)
+        patch.request = _LossRequest(labels, shift_labels, n_items, ignore, transforms.softcap, transforms.scale)
         if labels is None:   # the model computes a loss only when labels are given
             kwargs["labels"] = shift_labels
         try:
-            if softcap is not None:
-                cfg.final_logit_softcapping = None     # applied inside the streamed loss instead
-            out = orig(*args, **kwargs)
+            with transforms.neutralized():
+                out = orig(*args, **kwargs)
         finally:
             patch.request = None
             patch.last_loss = None
-            if softcap is not None:
-                cfg.final_logit_softcapping = softcap
         return _drop_logits(out)
 
     model.forward = forward
+
+
+class _LossOnly(threading.local):
+    depth = 0
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+
+_LOSS_ONLY = _LossOnly()
+
+
+@contextlib.contextmanager
+def loss_only():
+    """Inside it, a patched model's calls with labels stream their loss without logits even under
+    ``torch.no_grad`` (with ``lm_head.eval_logits``, such calls otherwise compute the plain model's logits): for an
+    evaluation that reads only the loss. The HF Trainer's loss-only evaluation runs inside it after
+    ``ds_maximus.enable()``."""
+    _LOSS_ONLY.depth += 1
+    try:
+        yield
+    finally:
+        _LOSS_ONLY.depth -= 1
 
 
 def _drop_logits(out):

@@ -14,6 +14,9 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 from transformers import TrainerCallback
 
 from ds_maximus import observability
@@ -43,13 +46,30 @@ class MaximusTrainerCallback(TrainerCallback):
 
 
 def install_default_callback() -> None:
-    """Make every ``Trainer`` built from now on carry a :class:`MaximusTrainerCallback` (idempotent)."""
+    """Make every ``Trainer`` built from now on carry a :class:`MaximusTrainerCallback` (idempotent), and run its
+    loss-only evaluation steps under :func:`~ds_maximus.integrations.hf_lm_head.loss_only` (a streamed head then
+    computes no logits there; with ``compute_metrics`` the plain model's logits are computed)."""
     from transformers import trainer
     if MaximusTrainerCallback not in trainer.DEFAULT_CALLBACKS:
         trainer.DEFAULT_CALLBACKS.append(MaximusTrainerCallback)
+    cls = trainer.Trainer
+    if getattr(cls.prediction_step, "_maximus_orig", None) is None:
+        orig = cls.prediction_step
+
+        @functools.wraps(orig)
+        def prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs):
+            from ds_maximus.integrations.hf_lm_head import loss_only
+            with loss_only() if prediction_loss_only else contextlib.nullcontext():
+                return orig(self, model, inputs, prediction_loss_only, *args, **kwargs)
+
+        prediction_step._maximus_orig = orig
+        cls.prediction_step = prediction_step
 
 
 def remove_default_callback() -> None:
     from transformers import trainer
     while MaximusTrainerCallback in trainer.DEFAULT_CALLBACKS:
         trainer.DEFAULT_CALLBACKS.remove(MaximusTrainerCallback)
+    orig = getattr(trainer.Trainer.prediction_step, "_maximus_orig", None)
+    if orig is not None:
+        trainer.Trainer.prediction_step = orig

@@ -102,6 +102,25 @@ def _opt():
         activation_dropout=0.0, layerdrop=0.0, attn_implementation="eager"))
 
 
+def _cohere():
+    """Cohere (Command-R, a 256K vocabulary): tied, its logits multiplied by ``logit_scale`` after the head."""
+    from transformers import CohereConfig, CohereForCausalLM
+    return CohereForCausalLM(CohereConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, logit_scale=0.3, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attn_implementation="eager"))
+
+
+def _granite():
+    """Granite: tied, embeddings, residuals and attention scaled, logits divided by ``logits_scaling``."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+    return GraniteForCausalLM(GraniteConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, embedding_multiplier=12.0, logits_scaling=6.0,
+        residual_multiplier=0.22, attention_multiplier=0.0078, tie_word_embeddings=True,
+        attn_implementation="eager"))
+
+
 def _bert():
     from transformers import BertConfig, BertForMaskedLM
     return BertForMaskedLM(BertConfig(
@@ -145,6 +164,8 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("qwen3_tied", _qwen(3), ["model.embed_tokens"]),
     Family("mistral", _mistral, ["model.embed_tokens"]),
     Family("phi3", _phi3, ["model.embed_tokens"]),
+    Family("cohere", _cohere, ["model.embed_tokens"]),
+    Family("granite", _granite, ["model.embed_tokens"]),
     Family("gpt2", _gpt2, ["transformer.wte"]),
     Family("gpt_neox", _neox, ["gpt_neox.embed_in"]),
     Family("opt", _opt, ["model.decoder.embed_tokens"]),

@@ -7,7 +7,10 @@
   DeepSpeedExamples (HelloDeepSpeed) style RoBERTa MLM whose tied decoder has a bias;
 * ``lm_head.enabled`` with a tied head saved ``tie_word_embeddings: false`` without ``lm_head.weight``, plus
   a ``maximus_norm_carrier`` key: the saved folder now has the plain model's keys and reloads to the logits;
-* ``lm_head.enabled`` on a model whose loss the patch cannot stream is a ConfigError, not a crash.
+* ``lm_head.enabled`` on a model whose loss the patch cannot stream is a ConfigError, not a crash;
+* ``lm_head.enabled`` on Cohere (``logit_scale``) and Granite (``logits_scaling``) returned the loss times the
+  model's logit scale: the model's code after the head scaled the streamed loss. The scale now goes into the
+  streamed loss, and a change to the logits it does not know is refused.
 """
 import copy
 
@@ -155,10 +158,11 @@ def test_hello_deepspeed_bert_with_tied_biased_decoder(stage):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "gemma3"])
+@pytest.mark.parametrize("name", ["llama_tied", "gemma3", "cohere", "granite"])
 def test_lm_head_enabled_tied_model_saves_tied(name, tmp_path):
-    """``lm_head.enabled`` (the streamed loss; Gemma-3's soft-capping applied inside it) trains like plain
-    DeepSpeed, and save_pretrained writes the plain model's keys, tied, reloading to the same logits."""
+    """``lm_head.enabled`` (the streamed loss; Gemma-3's soft-capping, Cohere's ``logit_scale`` and Granite's
+    ``logits_scaling`` applied inside it: the model's own code once scaled the returned loss instead) trains like
+    plain DeepSpeed, and save_pretrained writes the plain model's keys, tied, reloading to the same logits."""
     family = FAMILIES[name]
     batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
     torch.manual_seed(0)
@@ -184,6 +188,58 @@ def test_lm_head_enabled_tied_model_saves_tied(name, tmp_path):
     out = load_in_fresh_process(tmp_path, {"m": {"dir": str(tmp_path / "saved"), "kwargs": {"input_ids": ids}}})
     assert out["m"]["tie"] is True and not out["m"]["info"]["missing_keys"] and not out["m"]["info"]["unexpected_keys"]
     torch.testing.assert_close(out["m"]["logits"].float(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cohere", "granite", "gemma3"])
+def test_lm_head_on_the_cpu_tier_applies_the_models_logit_transforms(name):
+    """``placement: cpu`` (a CPU-tier ShardedLMHead tied to the swapped table) applies the same transforms."""
+    family = FAMILIES[name]
+    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
+    torch.manual_seed(0)
+    model = family.build()
+    plain = initialize(copy.deepcopy(model), ds_config(0))
+    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32, lm_head={
+        "enabled": True, "placement": "cpu", "chunk_rows": 96})))
+    torch.testing.assert_close(torch.tensor(train(ours, batches)), torch.tensor(train(plain, batches)),
+                               rtol=1e-4, atol=1e-6)
+    # the numbers the model's own statements read are back after the calls
+    cfg = ours.module.config
+    assert (getattr(ours.module, "logit_scale", None), getattr(cfg, "logits_scaling", None),
+            getattr(cfg, "final_logit_softcapping", None)) == (getattr(plain.module, "logit_scale", None),
+                                                               getattr(plain.module.config, "logits_scaling", None),
+                                                               getattr(plain.module.config, "final_logit_softcapping",
+                                                                       None))
+
+
+class _MaskedLogitsLM(nn.Module):
+    """A causal LM whose forward changes its logits in a way the streamed loss does not know."""
+
+    def __init__(self, learned_scale: bool = False):
+        super().__init__()
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.logit_scale = nn.Parameter(torch.ones(())) if learned_scale else 2.0
+
+    def loss_function(self, logits, labels, vocab_size, **kw):
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+
+    def forward(self, hidden, labels=None):
+        logits = self.lm_head(hidden)
+        if isinstance(self.logit_scale, nn.Parameter):
+            logits = logits * self.logit_scale
+        else:
+            logits = logits + self.logit_scale
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=16)
+        return loss, logits
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["added", "learned_scale"])
+def test_lm_head_enabled_refuses_a_logit_change_it_cannot_reproduce(learned):
+    from ds_maximus.integrations.hf_lm_head import check_streamable
+    with pytest.raises(ConfigError, match="cannot reproduce") as err:
+        check_streamable(_MaskedLogitsLM(learned))
+    assert ("logits * self.logit_scale" if learned else "logits + self.logit_scale") in str(err.value)
 
 
 @pytest.mark.parametrize("name", ["bert_mlm", "t5_tied"])
