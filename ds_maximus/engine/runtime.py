@@ -83,6 +83,29 @@ class MaximusRuntime:
         if dtype is not None:
             for m in self.modules.values():
                 m.set_out_dtype(dtype)
+        self._match_initial_steps()
+
+    def _match_initial_steps(self) -> None:
+        """DeepSpeed's ZeRO-0 fp16/bf16 optimizer wrappers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) take one
+        optimizer step with zero gradients when they are built, so a dense parameter's first real AdamW step is its
+        second: bias correction one step on (the first update is 0.73 lr, not lr, at betas 0.9/0.95) after one
+        weight decay at the configured lr. The sharded rows take the same step here, touching no row (exact mode
+        applies its decay as it replays a row's skipped steps), so they train as the dense table would have under
+        plain DeepSpeed. Lazy mode (``torch.optim.SparseAdam``'s semantics) does not."""
+        opt = getattr(self.engine, "basic_optimizer", None)
+        state = getattr(opt, "state", None)
+        first = next(iter(state.values()), None) if isinstance(state, dict) and state else None
+        steps = int(first.get("step", 0)) if isinstance(first, dict) else 0
+        if steps <= 0:
+            return
+        group = self._param_group()
+        lr = group.get("initial_lr", getattr(opt, "defaults", {}).get("lr", group.get("lr")))
+        wd = group.get("weight_decay")
+        for m in self.modules.values():
+            if getattr(getattr(m, "optimizer", None), "lazy", True):
+                continue   # lazy rows, or a module without a row optimizer (its own step semantics)
+            for _ in range(steps):
+                m.sparse_step(lr, wd)
 
     def of_role(self, role: ModuleRole) -> List[MaximusModule]:
         """The driven modules of ``role``, in the order they were handed over."""

@@ -4,7 +4,9 @@ Tolerances: fp32 losses rtol 1e-5 (the only differences are summation order in t
 reduction); fp32 weights per ``assert_weights_close`` (99.5% of elements within 1e-5, all within one
 lr step: Adam amplifies last-bit summation differences where an accumulated gradient nearly cancels).
 bf16 losses atol 2e-2 (DeepSpeed keeps bf16 module weights with an fp32 master; maximus
-keeps the table fp32 and casts rows to bf16 on lookup, as DeepSpeed's module copy does).
+keeps the table fp32 and casts rows to bf16 on lookup, as DeepSpeed's module copy does; a row seen several times
+in a batch sums its gradient in fp32 where DeepSpeed's bf16 lookup backward sums in bf16). The first step of
+DeepSpeed's ZeRO-0 bf16 wrapper is matched exactly (its initial zero-gradient step, last test).
 """
 import pytest
 import torch
@@ -59,3 +61,31 @@ def test_stage0_dense_norm_is_the_per_parameter_sum():
             sq += float(p.grad.detach().float().pow(2).sum())
     assert sq > 0 and ours.maximus._dense_norm_stage0_fp32() == math.sqrt(sq)
     ours.step()
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_bf16_zero0_rows_take_deepspeeds_initial_step(wd):
+    """DeepSpeed's ZeRO-0 bf16/fp16 wrapper steps its optimizer once with zero gradients when it is built, so a
+    dense table's first real AdamW update is bias-corrected as step 2 (0.735 lr at betas 0.9/0.95, not lr) after
+    one weight decay. The sharded rows take that step too: after one real step their fp32 values equal the plain
+    engine's fp32 master, touched rows (each id once in the batch: the same bf16 gradient) and untouched ones."""
+    import copy
+    torch.manual_seed(0)
+    model = build(0, "bf16", wd=wd, scheduler=False).module   # only for its weights
+    init = copy.deepcopy(model.state_dict())
+    ids = torch.randperm(200)[:32].view(2, 16)                  # 32 distinct rows
+    plain = build(0, "bf16", wd=wd, scheduler=False, init=init)
+    ours = build(0, "bf16", wd=wd, scheduler=False, init=init, maximus=maximus_section(cache_rows=16))
+    for e in (plain, ours):
+        e.backward(e(input_ids=ids, labels=ids).loss)
+        e.step()
+    emb = plain.module.model.embed_tokens.weight
+    (master,) = [m for g16, g32 in zip(plain.optimizer.fp16_groups, plain.optimizer.fp32_groups)
+                 for p, m in zip(g16, g32) if p is emb]
+    got = embedding_weight(ours)
+    start = init["model.embed_tokens.weight"].float()
+    touched = torch.zeros(got.shape[0], dtype=torch.bool)
+    touched[ids.flatten()] = True
+    moved = (master.detach() - start)[touched].abs()
+    assert 0.7 * 1e-2 < float(moved.median()) < 0.76 * 1e-2     # the second-step bias correction
+    torch.testing.assert_close(got, master, rtol=0, atol=1e-6)
