@@ -148,8 +148,8 @@ def _head_slot(model: nn.Module):
     """``(module, attribute)`` of the head ``model.lm_head`` computes with: ``lm_head`` itself, or the trained
     copy inside a wrapper that forwards ``.weight`` to it and calls it (PEFT's ModulesToSaveWrapper)."""
     head = model.lm_head
-    if "weight" in head._parameters or isinstance(head, nn.Linear):
-        return model, "lm_head"
+    if "weight" in head._parameters or isinstance(head, nn.Linear) or _is_sharded_head(head):
+        return model, "lm_head"   # (a ShardedLMHead's .weight of a tied or CPU head is the whole table, built)
     w = getattr(head, "weight", None)
     w = w if isinstance(w, torch.Tensor) else None
     for name, m in head.named_modules():

@@ -45,7 +45,7 @@ from ds_maximus.config import EmbeddingOptimizerConfig, HeadPlacement, LMHeadCon
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_with_engine
 from ds_maximus.errors import ConfigError
 from ds_maximus.vocab.linear_cross_entropy import MIB, LCEOptions, linear_cross_entropy
-from ds_maximus.vocab.lm_head_stream import streamed_linear_cross_entropy, streamed_logits
+from ds_maximus.vocab.lm_head_stream import streamed_linear_cross_entropy, streamed_logits, streamed_weight
 from ds_maximus.vocab.lm_head_tier import HeadTier, TiedSource
 
 
@@ -167,6 +167,37 @@ class ShardedLMHead(MaximusModule, nn.Module):
         if torch.is_grad_enabled() and self._anchor_fn is not None:
             anchor = self._anchor_fn()
         return streamed_logits(hidden, self.source, self.chunk_rows, anchor)
+
+    def __getattr__(self, name: str):
+        # ``head.weight`` of a tied or CPU-placed head (no Parameter of its own): code written for nn.Linear heads
+        # reads it and computes with it itself (TRL's fused LM head, Liger, Cut CE)
+        if name == "weight" and self.__dict__.get("placement") in ("tied", "cpu", "cpu_optimizer"):
+            return self.compute_weight()
+        return super().__getattr__(name)
+
+    def set_out_dtype(self, dtype: torch.dtype) -> None:
+        self.__dict__["out_dtype"] = dtype
+
+    def compute_weight(self) -> torch.Tensor:
+        """The whole ``[V, d]`` weight on the compute device in the dtype the model computes in, as one tensor whose
+        gradient (under grad mode) goes where the head's gradient goes: the tied table's rows, or the CPU tier.
+        It costs a dense head's memory (``V x d`` in the compute dtype) while it is held; a tied head's step
+        table (``reuse_rows``), when the step left one on the device, is returned without a copy."""
+        if self.placement == "gpu":
+            return self.weight
+        if self.placement == "tied":
+            emb = self.tied_to[0]
+            device, dtype = emb.compute_device, emb.out_dtype
+        else:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+            dtype = self.__dict__.get("out_dtype") or torch.float32
+        anchor = self._anchor
+        if torch.is_grad_enabled() and self._anchor_fn is not None:
+            anchor = self._anchor_fn()
+        if not torch.is_grad_enabled():
+            return self.source.fetch(0, self.vocab_size, device, dtype)
+        return streamed_weight(self.source, self.chunk_rows, anchor, device, dtype)
 
     # -- maximus module protocol (CPU-placed heads) ---------------------------------------------
     role = ModuleRole.HEAD

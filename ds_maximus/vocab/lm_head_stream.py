@@ -285,6 +285,32 @@ class _StreamedLogits(torch.autograd.Function):
         return grad_h, anchor_grad, None, None, None
 
 
+class _StreamedWeight(torch.autograd.Function):
+    """The whole ``[V, d]`` weight of a source as one tensor, for code that reads ``lm_head.weight`` and computes
+    with it itself (TRL's fused LM head, Liger's and Cut CE's losses); its gradient goes to ``source.add_grad_``
+    chunk by chunk. It holds the table on the device once, in the compute dtype, as a dense head would."""
+
+    @staticmethod
+    def forward(ctx, anchor, source, chunk_rows, device, dtype):
+        ctx.source, ctx.chunk_rows = source, chunk_rows
+        ctx.anchor = (anchor.device, anchor.dtype)
+        return source.fetch(0, source.vocab_size, device, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        adev, adtype = ctx.anchor
+        anchor_grad = torch.zeros((), dtype=adtype, device=adev) if ctx.needs_input_grad[0] else None
+        if grad is not None:
+            for lo, hi in _chunks(ctx.source.vocab_size, min(ctx.chunk_rows, ctx.source.vocab_size)):
+                ctx.source.add_grad_(lo, hi, grad[lo:hi].float())
+        return anchor_grad, None, None, None, None
+
+
+def streamed_weight(source: ChunkSource, chunk_rows: int, anchor: torch.Tensor, device, dtype) -> torch.Tensor:
+    """``source``'s whole table on ``device`` in ``dtype``, differentiable (gradients to ``source.add_grad_``)."""
+    return _StreamedWeight.apply(anchor, source, int(chunk_rows), torch.device(device), dtype)
+
+
 def streamed_logits(hidden: torch.Tensor, source: ChunkSource, chunk_rows: int, anchor: torch.Tensor,
                     cdtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Differentiable logits ``hidden @ W.T`` with ``W`` from ``source`` (gradients to ``source.add_grad_``).

@@ -277,3 +277,36 @@ def test_logits_to_keep_with_a_tied_swapped_head():
             got = model(input_ids=ids, logits_to_keep=keep).logits
             assert got.shape == want.shape == (2, keep, VOCAB)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _loss_from_head_weight(engine, inputs):
+    """A loss computed from ``get_output_embeddings().weight`` by the caller's own code, as TRL's SFTTrainer (its
+    fused LM head), Liger and Cut CE do: the backbone's hidden states times the head's weight."""
+    model = engine.module
+    ids = inputs["input_ids"]
+    hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+    weight = model.get_output_embeddings().weight
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    return F.cross_entropy(logits.float(), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("tie,head", [(True, None), (True, "cpu"), (False, "cpu")],
+                         ids=["tied", "tied_cpu_head", "untied_cpu_head"])
+def test_a_loss_from_the_heads_weight_trains_like_plain_deepspeed(tie, head):
+    """TRL's SFTTrainer read ``lm_head.weight`` of a swapped head and got an AttributeError (a tied head, and a
+    CPU-placed one, own no Parameter). ``weight`` is now the whole table, differentiable into the rows."""
+    family = FAMILIES["llama_tied" if tie else "llama"]
+    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
+    torch.manual_seed(0)
+    model = family.build()
+    plain = initialize(copy.deepcopy(model), ds_config(0))
+    lm = None if head is None else {"enabled": True, "placement": head, "chunk_rows": 96}
+    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32, lm_head=lm)))
+    ref = train(plain, batches, _loss_from_head_weight)
+    got = train(ours, batches, _loss_from_head_weight)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    from ds_maximus.vocab import ShardedLMHead
+    assert isinstance(ours.module.get_output_embeddings(), ShardedLMHead)
+    with torch.no_grad():   # outside grad mode: the same table, no graph
+        w = ours.module.get_output_embeddings().weight
+        assert not w.requires_grad and w.shape == (VOCAB, 32)
