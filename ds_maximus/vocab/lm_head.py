@@ -196,8 +196,14 @@ class ShardedLMHead(MaximusModule, nn.Module):
         if torch.is_grad_enabled() and self._anchor_fn is not None:
             anchor = self._anchor_fn()
         if not torch.is_grad_enabled():
-            return self.source.fetch(0, self.vocab_size, device, dtype)
-        return streamed_weight(self.source, self.chunk_rows, anchor, device, dtype)
+            w = self.source.fetch(0, self.vocab_size, device, dtype)
+        else:
+            w = streamed_weight(self.source, self.chunk_rows, anchor, device, dtype)
+        # not a ZeRO-3 partitioned parameter: it says it is gathered, so a caller's gather helper (TRL's
+        # maybe_gather_lm_head_ctx reads ds_status) leaves it alone instead of failing on a missing attribute
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        w.ds_status = ZeroParamStatus.AVAILABLE
+        return w
 
     # -- maximus module protocol (CPU-placed heads) ---------------------------------------------
     role = ModuleRole.HEAD

@@ -310,3 +310,6 @@ def test_a_loss_from_the_heads_weight_trains_like_plain_deepspeed(tie, head):
     with torch.no_grad():   # outside grad mode: the same table, no graph
         w = ours.module.get_output_embeddings().weight
         assert not w.requires_grad and w.shape == (VOCAB, 32)
+    # it says it is gathered: TRL's ZeRO-3 gather helper reads ds_status before it reads the weight
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    assert w.ds_status == ZeroParamStatus.AVAILABLE
