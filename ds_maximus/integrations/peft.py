@@ -84,11 +84,11 @@ def _plain_table(m: nn.Module) -> Optional[nn.Module]:
 
 
 @contextlib.contextmanager
-def _plain_tied_heads(model: nn.Module):
+def _plain_tied_heads(model: nn.Module, collectives: bool = True):
     """Each head tied to a maximus table, inside a PEFT wrapper, seen as a plain ``nn.Linear`` holding the table's
     rows while PEFT collects the adapter's keys (PEFT asks the trained copy's own ``state_dict`` for them, and a
     tied head owns no weight); a partitioned or broadcast table likewise as a plain ``nn.Embedding``
-    (:func:`_plain_table`). The modules are put back afterwards."""
+    (:func:`_plain_table`, a collective: not with ``collectives=False``). The modules are put back afterwards."""
     swapped = []
     for m in list(model.modules()):
         copies = getattr(m, "modules_to_save", None)
@@ -97,7 +97,7 @@ def _plain_tied_heads(model: nn.Module):
         for key, head in list(copies.items()):
             src = _tied_source(head)
             if src is None:
-                plain = _plain_table(head)
+                plain = _plain_table(head) if collectives else None
                 if plain is not None:
                     copies[key] = plain
                     swapped.append((copies, key, head))
@@ -149,11 +149,45 @@ def save_peft(model_or_engine, out_dir: str, **save_kwargs) -> str:
     """
     model = _unwrap(model_or_engine)
     rank = int(os.environ.get("RANK", "0"))
+    save = getattr(model, "_maximus_plain_save_pretrained", model.save_pretrained)
     with _gathered(model), _plain_tied_heads(model):
         sd = peft_state_dict(model)
         if rank == 0:
-            model.save_pretrained(out_dir, state_dict=sd, **save_kwargs)
+            save(out_dir, state_dict=sd, **save_kwargs)
     return out_dir
+
+
+def complete_peft_saves(model: nn.Module) -> bool:
+    """Make ``model.save_pretrained`` (what ``trainer.save_model()`` calls) write what :func:`save_peft` writes where
+    it needs no collective: the state dict it is given (the HF Trainer passes DeepSpeed's) is completed with a
+    tied head's rows under PEFT's head key, which a ``ShardedLMHead`` owning no weight left out, so plain ``peft``
+    reloads the folder tied. Partitioned and broadcast tables need every rank: save those with :func:`save_peft`.
+    Returns whether it was installed (a PEFT model with a tied maximus head)."""
+    if not is_peft_model(model) or "_maximus_plain_save_pretrained" in model.__dict__:
+        return False
+    tied = any(_tied_source(h) is not None for m in model.modules()
+               if isinstance(getattr(m, "modules_to_save", None), nn.ModuleDict) for h in m.modules_to_save.values())
+    if not tied:
+        return False
+    plain = model.save_pretrained
+
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        # PEFT looks at the live modules too while it saves: the tied heads stay plain until it is done
+        with _gathered(model), _plain_tied_heads(model, collectives=False):
+            ours = peft_state_dict(model)
+            if state_dict is not None:   # the caller's (LoRA gathered by DeepSpeed ...), the tables from maximus
+                ours = {**ours, **{k: v for k, v in state_dict.items() if COPY not in k}}
+            return plain(save_directory, *args, state_dict=ours, **kwargs)
+
+    model.__dict__["_maximus_plain_save_pretrained"] = plain
+    model.__dict__["save_pretrained"] = save_pretrained
+    return True
+
+
+def _prepare(model: nn.Module, cfg: MaximusConfig) -> List[str]:
+    done = host_frozen_originals(model, cfg)
+    complete_peft_saves(model)
+    return done
 
 
 def _wrappers(model: nn.Module):
@@ -185,4 +219,4 @@ def host_frozen_originals(model: nn.Module, cfg: MaximusConfig) -> List[str]:
     return done
 
 
-register_adapter(ModelAdapter("peft", prepare_model=host_frozen_originals))
+register_adapter(ModelAdapter("peft", prepare_model=_prepare))

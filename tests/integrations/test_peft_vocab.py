@@ -1,9 +1,10 @@
 """PEFT LoRA + a full trained vocabulary (ds_maximus.integrations.peft) and vocabulary growth (ds_maximus.vocab.resize).
 
-A tied Gemma-3 (scaled embeddings, soft-capped logits) under ``LoraConfig(ensure_weight_tying=True)`` keeps its
-tie as one maximus row store and trains like plain PEFT with fp32 masters (losses rel 1e-5 on CPU fp32);
-``save_peft`` writes an ordinary PEFT folder that plain ``peft`` + ``transformers`` (ds_maximus blocked)
-reload, tied, to the same logits, and whose ``merge_and_unload()`` gives them again. An untied Llama and PEFT's
+A tied Gemma-3 (scaled embeddings, soft-capped logits) under ``LoraConfig(ensure_weight_tying=True)`` keeps its tie as
+one maximus row store and trains like plain PEFT with fp32 masters (losses rel 1e-5 on CPU fp32); ``save_peft`` (and
+PEFT's own ``save_pretrained``, which ``trainer.save_model()`` calls) writes an ordinary PEFT folder that plain
+``peft`` + ``transformers`` (ds_maximus blocked) reload, tied, to the same logits, and whose ``merge_and_unload()``
+gives them again. An untied Llama and PEFT's
 default untie are reproduced the same way. ``resize_token_embeddings`` keeps old rows bit-equal, keeps ties,
 fills new rows as ``embedding.new_row_init`` documents, and a grown PEFT model trains and reloads.
 """
@@ -131,8 +132,12 @@ def test_tied_gemma3_trains_like_plain_peft_and_reloads_with_plain_peft(tmp_path
             ref.module.save_pretrained(ref_dir)
     else:
         ref.module.save_pretrained(ref_dir)
+    plain_call = tmp_path / "plain_call"
+    got.module.save_pretrained(plain_call)   # PEFT's own call, as trainer.save_model() makes it (it lost the head key)
     ours, theirs = _reload(tmp_path, base, adapter, ids), _reload(tmp_path, base, ref_dir, ids)
-    assert ours["tied"] and theirs["tied"]
+    again = _reload(tmp_path, base, plain_call, ids)
+    assert ours["tied"] and theirs["tied"] and again["tied"]
+    torch.testing.assert_close(again["logits"], ours["logits"], rtol=0, atol=0)
     torch.testing.assert_close(ours["logits"], theirs["logits"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours["merged"], ours["logits"], rtol=1e-4, atol=1e-4)
     assert ours["merged_type"] == "Gemma3ForCausalLM"
