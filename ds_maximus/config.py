@@ -191,17 +191,29 @@ class ReuseRows(str, enum.Enum):
     """Never: the backward copies every row again."""
 
 
+class EvalLogits(str, enum.Enum):
+    """What a streamed head's model returns for a call with labels and no gradient (an evaluation)."""
+
+    AUTO = "auto"
+    """The streamed loss and no logits (the memory bound kept: a DeepSpeed script's own evaluation loop), except
+    where the caller reads the logits: the HF Trainer's evaluation with ``compute_metrics`` or
+    ``preprocess_logits_for_metrics``, which gets the plain model's logits and loss."""
+    ON = "on"
+    """The plain model's logits and loss for every such call (a dense ``[tokens, V]`` tensor), except inside
+    ``ds_maximus.integrations.hf_lm_head.loss_only()`` (the HF Trainer's loss-only evaluation)."""
+    OFF = "off"
+    """The streamed loss and no logits for every call with labels, the HF Trainer's metrics included."""
+
+
 class LMHeadConfig(_Section):
     enabled: bool = False
     """Compute the causal-LM loss with ``ShardedLMHead`` (no full logits)."""
     chunk_rows: int = Field(16384, ge=1)
     """Vocabulary rows per chunk of the streamed cross-entropy."""
-    eval_logits: bool = True
-    """A call with labels and no gradient (evaluation under ``torch.no_grad``) computes the logits and the loss the
-    way the plain model does, so evaluation code that reads ``outputs.logits`` works (the HF Trainer's
-    ``compute_metrics``); the HF Trainer's loss-only evaluation (no ``compute_metrics``) and
-    ``ds_maximus.integrations.hf_lm_head.loss_only()`` still stream. ``false``: stream whenever labels are given
-    (no logits in evaluation either: the memory bound kept there too)."""
+    eval_logits: EvalLogits = EvalLogits.AUTO
+    """A call with labels and no gradient (an evaluation): ``auto`` streams the loss (no logits) unless the caller
+    reads the logits (the HF Trainer's ``compute_metrics``, which then gets the plain model's logits and loss);
+    ``on`` computes the plain logits for every such call; ``off`` streams every call."""
     placement: HeadPlacement = HeadPlacement.GPU
     """Where the head's weight lives: ``gpu`` (a resident Parameter), ``cpu`` (fp32 master, AdamW moments and
     gradient in the CPU tier, streamed chunk by chunk), or ``cpu_optimizer`` (the fp32 master stays on the GPU,

@@ -13,9 +13,9 @@
 * ``model.loss_function`` passes that loss through, so the model's own code still adds its extras
   (Mixtral's router aux loss); the output's ``logits`` is removed (``None``).
 
-Without labels nothing changes: generation gets the original logits (``logits_to_keep`` included). Nor under
-``torch.no_grad`` (evaluation, ``lm_head.eval_logits``), unless the caller wants the loss only (:func:`loss_only`,
-the HF Trainer's evaluation without ``compute_metrics``).
+Without labels nothing changes: generation gets the original logits (``logits_to_keep`` included). An evaluation
+that reads the logits (:func:`logits_wanted`: the HF Trainer's evaluation with ``compute_metrics``) gets the plain
+model's logits and loss (``lm_head.eval_logits``).
 What the forward does to its logits before the loss is applied inside the streamed loss (:func:`logit_transforms`:
 Gemma-style ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``); anything else there
 is refused with a ``ConfigError``.
@@ -432,8 +432,8 @@ def _wrap_model_forward(model: nn.Module, patch: _Patch) -> None:
         shift_labels = extra.get("shift_labels", kwargs.get("shift_labels"))
         if labels is None and shift_labels is None:
             return orig(*args, **kwargs)
-        if patch.cfg.eval_logits and not torch.is_grad_enabled() and not _LOSS_ONLY.active:
-            return orig(*args, **kwargs)   # evaluation: the logits and loss of the plain model
+        if not torch.is_grad_enabled() and _plain_evaluation(patch.cfg.eval_logits):
+            return orig(*args, **kwargs)   # an evaluation that reads the logits: the plain model's logits and loss
         transforms = logit_transforms(model)   # applied inside the streamed loss instead of to its scalar
         n_items = extra.get("num_items_in_batch", kwargs.get("num_items_in_batch"))
         ignore = extra.get("ignore_index", kwargs.get("ignore_index", -100))
@@ -451,28 +451,44 @@ def _wrap_model_forward(model: nn.Module, patch: _Patch) -> None:
     model.forward = forward
 
 
-class _LossOnly(threading.local):
-    depth = 0
-
-    @property
-    def active(self) -> bool:
-        return self.depth > 0
+class _Wanted(threading.local):
+    """The innermost of :func:`loss_only` / :func:`logits_wanted` the calling thread is in: "loss", "logits" or
+    None."""
+    stack: tuple = ()
 
 
-_LOSS_ONLY = _LossOnly()
+_WANTED = _Wanted()
 
 
 @contextlib.contextmanager
-def loss_only():
-    """Inside it, a patched model's calls with labels stream their loss without logits even under
-    ``torch.no_grad`` (with ``lm_head.eval_logits``, such calls otherwise compute the plain model's logits): for an
-    evaluation that reads only the loss. The HF Trainer's loss-only evaluation runs inside it after
-    ``ds_maximus.enable()``."""
-    _LOSS_ONLY.depth += 1
+def _wanting(what: str):
+    _WANTED.stack = _WANTED.stack + (what,)
     try:
         yield
     finally:
-        _LOSS_ONLY.depth -= 1
+        _WANTED.stack = _WANTED.stack[:-1]
+
+
+def loss_only():
+    """Inside it, a patched model's calls with labels and no gradient stream their loss without logits (also with
+    ``lm_head.eval_logits: on``). The HF Trainer's loss-only evaluation runs inside it after ``ds_maximus.enable()``."""
+    return _wanting("loss")
+
+
+def logits_wanted():
+    """Inside it, a patched model's calls with labels and no gradient compute the plain model's logits and loss
+    (with ``lm_head.eval_logits: auto``, the default): for an evaluation that reads the logits. The HF Trainer's
+    evaluation with ``compute_metrics`` runs inside it after ``ds_maximus.enable()``."""
+    return _wanting("logits")
+
+
+def _plain_evaluation(mode) -> bool:
+    """Whether a call with labels and no gradient runs the plain model (logits) rather than the streamed loss."""
+    mode = getattr(mode, "value", mode)
+    wanted = _WANTED.stack[-1] if _WANTED.stack else None
+    if mode == "off" or wanted == "loss":
+        return False
+    return mode == "on" or wanted == "logits"
 
 
 def _drop_logits(out):

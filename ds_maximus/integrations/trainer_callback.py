@@ -14,7 +14,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 from transformers import TrainerCallback
@@ -47,8 +46,9 @@ class MaximusTrainerCallback(TrainerCallback):
 
 def install_default_callback() -> None:
     """Make every ``Trainer`` built from now on carry a :class:`MaximusTrainerCallback` (idempotent), and run its
-    loss-only evaluation steps under :func:`~ds_maximus.integrations.hf_lm_head.loss_only` (a streamed head then
-    computes no logits there; with ``compute_metrics`` the plain model's logits are computed)."""
+    evaluation steps under :func:`~ds_maximus.integrations.hf_lm_head.loss_only` (no ``compute_metrics``: a
+    streamed head computes no logits) or :func:`~ds_maximus.integrations.hf_lm_head.logits_wanted` (the metrics
+    read the logits: the plain model computes them)."""
     from transformers import trainer
     if MaximusTrainerCallback not in trainer.DEFAULT_CALLBACKS:
         trainer.DEFAULT_CALLBACKS.append(MaximusTrainerCallback)
@@ -58,8 +58,8 @@ def install_default_callback() -> None:
 
         @functools.wraps(orig)
         def prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs):
-            from ds_maximus.integrations.hf_lm_head import loss_only
-            with loss_only() if prediction_loss_only else contextlib.nullcontext():
+            from ds_maximus.integrations.hf_lm_head import logits_wanted, loss_only
+            with loss_only() if prediction_loss_only else logits_wanted():
                 return orig(self, model, inputs, prediction_loss_only, *args, **kwargs)
 
         prediction_step._maximus_orig = orig

@@ -54,7 +54,8 @@ def test_trainer_save_model_reloads_tied(stage, tmp_path):
 def test_trainer_evaluate_with_and_without_compute_metrics(tmp_path):
     """``run_clm.py --do_eval``: its ``preprocess_logits_for_metrics`` reads the logits, which a streamed head did
     not return (an IndexError inside the Trainer). Now an evaluation with ``compute_metrics`` gets the plain model's
-    logits and loss, and one without streams its loss (no logits), both equal to plain DeepSpeed's."""
+    logits and loss, and one without streams its loss (no logits), both equal to plain DeepSpeed's; a script's own
+    evaluation call under ``torch.no_grad`` streams too (``eval_logits: auto``)."""
     from transformers import Trainer, TrainingArguments
 
     import ds_maximus
@@ -106,6 +107,10 @@ def test_trainer_evaluate_with_and_without_compute_metrics(tmp_path):
             loss_only = trainer.evaluate()
             assert len(streamed) == before + (2 if maximus else 0), "a loss-only evaluation did not stream"
             results[maximus] = (with_metrics["eval_loss"], with_metrics["eval_acc"], loss_only["eval_loss"])
+            if maximus:   # outside the Trainer's evaluation: the streamed loss, no logits (the memory bound kept)
+                ids = data[0]["input_ids"][None]
+                with torch.no_grad():
+                    assert trainer.model_wrapped(input_ids=ids, labels=ids).logits is None
     finally:
         hf_lm_head._Patch.loss = loss
         disable()

@@ -62,27 +62,32 @@ def test_patched_llama_loss_and_grads_equal_original(tie):
     assert isinstance(t, tuple) and torch.is_tensor(t[0]) and t[0].dim() == 0
 
 
-@pytest.mark.parametrize("eval_logits", [True, False])
-def test_a_call_without_gradient_gets_the_plain_logits_unless_the_loss_only_is_wanted(eval_logits):
-    """Evaluation (labels under ``torch.no_grad``): the plain model's logits and loss with ``eval_logits``
-    (default), the streamed loss without logits inside ``loss_only()`` or with ``eval_logits: false``."""
-    from ds_maximus.integrations.hf_lm_head import loss_only
+@pytest.mark.parametrize("eval_logits", ["auto", "on", "off"])
+def test_a_call_without_gradient_streams_unless_the_logits_are_wanted(eval_logits):
+    """Evaluation (labels under ``torch.no_grad``): ``auto`` streams (no logits) unless inside ``logits_wanted()``
+    (the HF Trainer's metrics), then the plain model's logits and loss; ``on`` the plain model's everywhere but
+    inside ``loss_only()``; ``off`` streams every call."""
+    from ds_maximus.integrations.hf_lm_head import logits_wanted, loss_only
     ref, model = _llama(seed=2, tie=True), _llama(seed=2, tie=True)
     patch_causal_lm_loss(model, config={"chunk_rows": 64, "eval_logits": eval_logits})
     ids, labels = _batch()
     with torch.no_grad():
         want = ref(input_ids=ids, labels=labels)
-        got = model(input_ids=ids, labels=labels)
+        got = {"plain call": model(input_ids=ids, labels=labels)}
+        with logits_wanted():
+            got["logits_wanted"] = model(input_ids=ids, labels=labels)
+            with loss_only():
+                got["loss_only inside"] = model(input_ids=ids, labels=labels)
         with loss_only():
-            only = model(input_ids=ids, labels=labels)
-    if eval_logits:
-        assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
-    else:
-        assert got.logits is None
-        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
-    assert only.logits is None
-    torch.testing.assert_close(only.loss, want.loss, rtol=1e-5, atol=1e-6)
-    with torch.enable_grad():   # training streams either way
+            got["loss_only"] = model(input_ids=ids, labels=labels)
+    plain = {"auto": {"logits_wanted"}, "on": {"plain call", "logits_wanted"}, "off": set()}[eval_logits]
+    for what, out in got.items():
+        if what in plain:
+            assert torch.equal(out.logits, want.logits) and torch.equal(out.loss, want.loss), what
+        else:
+            assert out.logits is None, what
+            torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    with torch.enable_grad(), logits_wanted():   # training streams whatever the caller wants
         assert model(input_ids=ids, labels=labels).logits is None
 
 
