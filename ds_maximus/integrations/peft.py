@@ -172,8 +172,12 @@ def complete_peft_saves(model: nn.Module) -> bool:
     plain = model.save_pretrained
 
     def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
-        # PEFT looks at the live modules too while it saves: the tied heads stay plain until it is done
-        with _gathered(model), _plain_tied_heads(model, collectives=False):
+        # PEFT looks at the live modules too while it saves: the tied heads stay plain until it is done. ZeRO-3's
+        # gather is a collective: with several ranks the HF Trainer saves on rank 0 only, from the state dict it
+        # consolidated on every rank, so only a call without one (or a single rank) gathers here
+        one_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+        gather = _gathered(model) if state_dict is None or one_rank else contextlib.nullcontext()
+        with gather, _plain_tied_heads(model, collectives=False):
             ours = peft_state_dict(model)
             if state_dict is not None:   # the caller's (LoRA gathered by DeepSpeed ...), the tables from maximus
                 ours = {**ours, **{k: v for k, v in state_dict.items() if COPY not in k}}
