@@ -332,3 +332,18 @@ def test_hf_trainer_after_enable_trains_a_peft_model(tmp_path):
     out = _reload(tmp_path, base, tmp_path / "adapter", ids)
     assert out["tied"]
     torch.testing.assert_close(out["logits"], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_save_model_of_a_tied_peft_model_on_two_ranks(tmp_path, stage):
+    """``trainer.save_model()`` on two ranks: the Trainer saves on rank 0 only, so the completed ``save_pretrained``
+    must not start a collective (ZeRO-3's gather) there; the folder reloads with plain ``peft``, tied, to the
+    trained logits."""
+    from tests.distributed.ranks import ROOT, launch
+    launch(2, ROOT / "tests" / "integrations" / "peft_trainer_worker.py", tmp_path, stage, timeout=900)
+    want = torch.load(tmp_path / "want.pt")
+    got = _reload(tmp_path, tmp_path / "base", tmp_path / "adapter", want["ids"])
+    assert got["tied"]
+    torch.testing.assert_close(got["logits"].float(), want["logits"], rtol=0, atol=0)
