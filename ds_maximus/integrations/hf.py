@@ -143,5 +143,28 @@ def _remove_trainer_callback() -> None:
         remove_default_callback()
 
 
-register_adapter(ModelAdapter("huggingface", attach_lm_head=attach_lm_head, on_enable=_install_trainer_callback,
-                              on_disable=_remove_trainer_callback))
+def refuse_resize_after_swap(model: nn.Module, cfg: MaximusConfig) -> None:
+    """``model.resize_token_embeddings`` (transformers') on a model whose table maximus holds failed inside
+    transformers with ``'ShardedEmbedding' object has no attribute 'weight'``: it now raises a ``ConfigError`` that
+    says what to do (grow the vocabulary before ``initialize``, with ``ds_maximus.resize_token_embeddings``)."""
+    from ds_maximus.errors import ConfigError
+    if not sharded_modules(model):
+        return
+    owners = [model]
+    base = getattr(model, "get_base_model", None)
+    if callable(base):
+        owners.append(base())   # a PeftModel reaches the transformers model through __getattr__
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("resize_token_embeddings after ds_maximus.initialize: maximus holds the table now; grow "
+                          "the vocabulary on the model as loaded, before initialize (ds_maximus.resize_token_embeddings"
+                          "(model, new_size) fills new rows per embedding.new_row_init, or transformers' own "
+                          "model.resize_token_embeddings), then initialize", "maximus.embedding.new_row_init")
+
+    for m in owners:
+        if callable(getattr(type(m), "resize_token_embeddings", None)):
+            m.__dict__["resize_token_embeddings"] = refuse
+
+
+register_adapter(ModelAdapter("huggingface", attach_lm_head=attach_lm_head, prepare_model=refuse_resize_after_swap,
+                              on_enable=_install_trainer_callback, on_disable=_remove_trainer_callback))

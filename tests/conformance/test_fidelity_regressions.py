@@ -313,3 +313,14 @@ def test_a_loss_from_the_heads_weight_trains_like_plain_deepspeed(tie, head):
     # it says it is gathered: TRL's ZeRO-3 gather helper reads ds_status before it reads the weight
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     assert w.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def test_transformers_resize_after_initialize_is_a_clear_error():
+    """``model.resize_token_embeddings`` once maximus holds the table failed inside transformers ('ShardedEmbedding'
+    object has no attribute 'weight'); it is a ConfigError saying to grow the vocabulary before initialize."""
+    torch.manual_seed(0)
+    family = FAMILIES["llama_tied"]
+    engine = initialize(family.build(), ds_config(0, maximus_section(family.modules, 32)))
+    with pytest.raises(ConfigError, match="before initialize.*ds_maximus.resize_token_embeddings"):
+        engine.module.resize_token_embeddings(VOCAB + 8)
+    assert engine.module.get_input_embeddings().num_embeddings == VOCAB
