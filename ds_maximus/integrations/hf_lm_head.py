@@ -223,6 +223,17 @@ def _forward_source(model: nn.Module) -> str:
         return ""
 
 
+@functools.lru_cache(maxsize=None)
+def _class_head_statements(cls) -> Optional[tuple]:
+    """:func:`_head_statements` of a class's forward, read once (a patched model asks at every call with labels)."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        src = ""
+    lines = _head_statements(src)
+    return None if lines is None else tuple(lines)
+
+
 # What a causal LM's forward may do to its logits between ``self.lm_head(...)`` and ``self.loss_function(...)``,
 # one statement a line (transformers 5.x): multiply or divide by a number the model holds (Cohere's
 # ``logit_scale``, Granite's ``logits_scaling``), Gemma-style soft-capping (``x / c``, ``tanh``, ``* c``), a cast
@@ -313,7 +324,8 @@ def logit_transforms(model: nn.Module) -> LogitTransforms:
     statement for anything else between its head and its loss (a learned scale, a mask, a slice of the vocabulary).
     A forward whose source is not readable gets only ``config.final_logit_softcapping``."""
     cfg = getattr(model, "config", None)
-    lines = _head_statements(_forward_source(model))
+    lines = _class_head_statements(type(model))
+    lines = None if lines is None else list(lines)
     if lines is None:
         cap = getattr(cfg, "final_logit_softcapping", None)
         return LogitTransforms(softcap=cap, knobs=[(cfg, "final_logit_softcapping", None)] if cap is not None else [])
