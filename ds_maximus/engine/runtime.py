@@ -90,8 +90,9 @@ class MaximusRuntime:
         optimizer step with zero gradients when they are built, so a dense parameter's first real AdamW step is its
         second: bias correction one step on (the first update is 0.73 lr, not lr, at betas 0.9/0.95) after one
         weight decay at the configured lr. The sharded rows take the same step here, touching no row (exact mode
-        applies its decay as it replays a row's skipped steps), so they train as the dense table would have under
-        plain DeepSpeed. Lazy mode (``torch.optim.SparseAdam``'s semantics) does not."""
+        applies its decay as it replays a row's skipped steps), and so does a CPU-placed head's tier, so they train as
+        the dense tables would have under plain DeepSpeed. Lazy mode (``torch.optim.SparseAdam``'s semantics) does
+        not."""
         opt = getattr(self.engine, "basic_optimizer", None)
         state = getattr(opt, "state", None)
         first = next(iter(state.values()), None) if isinstance(state, dict) and state else None
@@ -102,6 +103,11 @@ class MaximusRuntime:
         lr = group.get("initial_lr", getattr(opt, "defaults", {}).get("lr", group.get("lr")))
         wd = group.get("weight_decay")
         for m in self.modules.values():
+            tier = getattr(m, "tier", None)
+            if hasattr(tier, "zero_grad_step_"):   # a CPU-placed head: its rows and moments in the tier
+                for _ in range(steps):
+                    tier.zero_grad_step_(lr, wd)
+                continue
             if getattr(getattr(m, "optimizer", None), "lazy", True):
                 continue   # lazy rows, or a module without a row optimizer (its own step semantics)
             for _ in range(steps):

@@ -184,6 +184,19 @@ class HeadTier(HeadGradients):
         """The step count: the rows change only in a step."""
         return int(self.step)
 
+    def zero_grad_step_(self, lr: float, weight_decay: Optional[float]) -> None:
+        """An AdamW step in which every gradient is zero, as DeepSpeed's ZeRO-0 fp16/bf16 wrappers take one when they
+        are built: the moments stay zero, every row decays by ``1 - lr * weight_decay``, the step count (and so the
+        next step's bias correction) advances."""
+        self.sync()
+        lr, wd = float(lr), float(weight_decay or 0.0)
+        self.step += 1
+        self.lr_history.append(lr)
+        if wd:
+            self.weight.mul_(1.0 - lr * wd)
+            for mirror in self._mirrors.values():
+                mirror.copy_(self.weight)
+
     def release_rows(self) -> None:
         """Nothing is kept for the head's passes: each chunk is copied when fetched."""
 

@@ -89,3 +89,26 @@ def test_bf16_zero0_rows_take_deepspeeds_initial_step(wd):
     moved = (master.detach() - start)[touched].abs()
     assert 0.7 * 1e-2 < float(moved.median()) < 0.76 * 1e-2     # the second-step bias correction
     torch.testing.assert_close(got, master, rtol=0, atol=1e-6)
+
+
+def test_bf16_zero0_cpu_head_takes_deepspeeds_initial_step():
+    """The same initial step for an untied head in the CPU tier (``lm_head.placement: cpu``): after one real step
+    its fp32 master equals the plain engine's ``lm_head`` master (the first update 0.735 lr, not lr)."""
+    import copy
+    torch.manual_seed(0)
+    init = copy.deepcopy(build(0, "bf16", wd=0.1, scheduler=False).module.state_dict())
+    ids = torch.randperm(200)[:32].view(2, 16)
+    plain = build(0, "bf16", wd=0.1, scheduler=False, init=init)
+    sec = maximus_section(cache_rows=16)
+    sec["lm_head"] = {"enabled": True, "placement": "cpu", "chunk_rows": 64}
+    ours = build(0, "bf16", wd=0.1, scheduler=False, init=init, maximus=sec)
+    for e in (plain, ours):
+        e.backward(e(input_ids=ids, labels=ids).loss)
+        e.step()
+    head = plain.module.lm_head.weight
+    (master,) = [m for g16, g32 in zip(plain.optimizer.fp16_groups, plain.optimizer.fp32_groups)
+                 for p, m in zip(g16, g32) if p is head]
+    got = ours.module.lm_head.full_weight()
+    moved = (master.detach() - init["lm_head.weight"].float()).abs()
+    assert 0.7 * 1e-2 < float(moved.median()) < 0.76 * 1e-2
+    torch.testing.assert_close(got, master.detach(), rtol=0, atol=1e-6)
