@@ -121,6 +121,60 @@ def _granite():
         attn_implementation="eager"))
 
 
+def _bloom():
+    """BLOOM (a 250,880-row multilingual vocabulary): tied, ALiBi, the embedding layer-normed."""
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2, n_head=4,
+                                        hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def _falcon():
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                                          num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def _gemma():
+    """Gemma (v1, 256,000 rows): tied, the embedding scaled by sqrt(hidden) in the model's forward."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return GemmaForCausalLM(GemmaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="eager"))
+
+
+def _gemma3_multimodal():
+    """The class the real Gemma-3-4B checkpoint loads as (``Gemma3ForConditionalGeneration``: a SigLIP tower beside
+    the text model), trained on text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    text = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                            sliding_window=8, attn_implementation="eager")
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=16, patch_size=4)
+    return Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2))
+
+
+def _mbart():
+    """mBART-50 (250,054 rows): tied encoder, decoder and head, scaled embeddings."""
+    from transformers import MBartConfig, MBartForConditionalGeneration
+    return MBartForConditionalGeneration(MBartConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, scale_embedding=True))
+
+
+def _m2m100():
+    """M2M100, the architecture of NLLB-200 (256,206 rows): scaled embeddings as a module subclass, tied."""
+    from transformers import M2M100Config, M2M100ForConditionalGeneration
+    return M2M100ForConditionalGeneration(M2M100Config(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, scale_embedding=True, encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0))
+
+
 def _bert():
     from transformers import BertConfig, BertForMaskedLM
     return BertForMaskedLM(BertConfig(
@@ -166,6 +220,11 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("phi3", _phi3, ["model.embed_tokens"]),
     Family("cohere", _cohere, ["model.embed_tokens"]),
     Family("granite", _granite, ["model.embed_tokens"]),
+    Family("bloom", _bloom, ["transformer.word_embeddings"]),
+    Family("falcon", _falcon, ["transformer.word_embeddings"]),
+    Family("gemma", _gemma, ["model.embed_tokens"]),
+    Family("gemma3_multimodal", _gemma3_multimodal, ["model.language_model.embed_tokens"],
+           auto="AutoModelForImageTextToText"),
     Family("gpt2", _gpt2, ["transformer.wte"]),
     Family("gpt_neox", _neox, ["gpt_neox.embed_in"]),
     Family("opt", _opt, ["model.decoder.embed_tokens"]),
@@ -176,4 +235,6 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("deberta_v2_mlm", _deberta, ["deberta.embeddings.word_embeddings"], "mlm", "AutoModelForMaskedLM"),
     Family("t5_tied", _t5(False), ["shared"], "seq2seq", "AutoModelForSeq2SeqLM"),
     Family("mt5_untied", _t5(True), ["shared"], "seq2seq", "AutoModelForSeq2SeqLM"),
+    Family("mbart", _mbart, ["model.shared"], "seq2seq", "AutoModelForSeq2SeqLM"),
+    Family("m2m100", _m2m100, ["model.shared"], "seq2seq", "AutoModelForSeq2SeqLM"),
 ]}
