@@ -158,7 +158,7 @@ def test_hello_deepspeed_bert_with_tied_biased_decoder(stage):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "gemma3", "cohere", "granite"])
+@pytest.mark.parametrize("name", ["llama_tied", "gemma3", "gemma3_multimodal", "cohere", "granite", "bloom"])
 def test_lm_head_enabled_tied_model_saves_tied(name, tmp_path):
     """``lm_head.enabled`` (the streamed loss; Gemma-3's soft-capping, Cohere's ``logit_scale`` and Granite's
     ``logits_scaling`` applied inside it: the model's own code once scaled the returned loss instead) trains like
@@ -242,7 +242,7 @@ def test_lm_head_enabled_refuses_a_logit_change_it_cannot_reproduce(learned):
     assert ("logits * self.logit_scale" if learned else "logits + self.logit_scale") in str(err.value)
 
 
-@pytest.mark.parametrize("name", ["bert_mlm", "t5_tied"])
+@pytest.mark.parametrize("name", ["bert_mlm", "t5_tied", "mbart", "m2m100"])
 def test_lm_head_enabled_refused_where_the_loss_is_not_streamable(name):
     torch.manual_seed(0)
     model = FAMILIES[name].build()
