@@ -347,3 +347,36 @@ def test_trainer_save_model_of_a_tied_peft_model_on_two_ranks(tmp_path, stage):
     got = _reload(tmp_path, tmp_path / "base", tmp_path / "adapter", want["ids"])
     assert got["tied"]
     torch.testing.assert_close(got["logits"].float(), want["logits"], rtol=0, atol=0)
+
+
+def test_gemma3_multimodal_class_trains_like_plain_peft_and_saves(tmp_path):
+    """The class the real Gemma-3-4B checkpoint loads as (``Gemma3ForConditionalGeneration``, the table at
+    ``model.language_model.embed_tokens``), LoRA + the tied table trained: the losses of plain PEFT, and PEFT's own
+    ``save_pretrained`` reloads (peft + transformers) to the trained logits."""
+    import copy
+
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from tests.conformance.families import FAMILIES
+    from tests.conformance.families import VOCAB as FVOCAB
+    torch.manual_seed(0)
+    base = FAMILIES["gemma3_multimodal"].build()
+    base.save_pretrained(tmp_path / "base")
+
+    def peft_model():
+        torch.manual_seed(5)   # the same random LoRA weights for both engines
+        return lora(copy.deepcopy(base), modules_to_save=("embed_tokens", "lm_head"))
+    data = _batches(4, vocab=FVOCAB - 4)   # below the image and boundary tokens
+    ref = initialize(peft_model(), ds_config(0))
+    got = initialize(peft_model(), ds_config(0, maximus=section(vocab=100, cache_rows=32)))
+    head = got.module.get_submodule(HEAD).modules_to_save["default"]
+    assert isinstance(head, ShardedLMHead) and head.tied_to
+    assert train(got, data) == pytest.approx(train(ref, data), rel=1e-5)
+    got.module.save_pretrained(tmp_path / "adapter")
+    ids = data[0]["input_ids"]
+    want = _logits(got, ids)
+    reloaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tmp_path / "base"),
+                                         tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits.float(), want, rtol=1e-5, atol=1e-5)
