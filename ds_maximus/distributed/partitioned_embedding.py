@@ -356,6 +356,12 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
     def sparse_grads_finite(self) -> bool:
         return self.local.sparse_grads_finite()
 
+    def take_zero_grad_steps(self, steps: int, lr: Optional[float], weight_decay: Optional[float]) -> None:
+        """As :meth:`ShardedEmbedding.take_zero_grad_steps`: steps that touch no row (every rank takes them)."""
+        if not self.optimizer.lazy:
+            for _ in range(int(steps)):
+                self.sparse_step(lr, weight_decay)
+
     def sparse_step(self, lr: Optional[float] = None, weight_decay: Optional[float] = None) -> None:
         self.comm.settle()
         self.local.sparse_step(lr, weight_decay)

@@ -160,6 +160,11 @@ class MaximusModule(abc.ABC):
     def configure_from_engine(self, engine, cfg) -> None:
         """Take settings from the built DeepSpeed ``engine`` (optimizer betas/eps); default: none to take."""
 
+    def take_zero_grad_steps(self, steps: int, lr: Optional[float], weight_decay: Optional[float]) -> None:
+        """DeepSpeed's dense optimizer took ``steps`` steps with every gradient zero when it was built (its ZeRO-0
+        fp16/bf16 wrappers do, at the configured ``lr`` and ``weight_decay``): a module whose optimizer is to
+        match the dense one takes them too. Default: none (the module's step semantics are its own)."""
+
     def defer_step_to(self, module: nn.Module) -> bool:
         """Start this module's step copies at ``module``'s next forward instead of at ``engine.step()``; returns
         whether it does. Default: it does not (its step runs where the engine calls it)."""

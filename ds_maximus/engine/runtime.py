@@ -103,15 +103,7 @@ class MaximusRuntime:
         lr = group.get("initial_lr", getattr(opt, "defaults", {}).get("lr", group.get("lr")))
         wd = group.get("weight_decay")
         for m in self.modules.values():
-            tier = getattr(m, "tier", None)
-            if hasattr(tier, "zero_grad_step_"):   # a CPU-placed head: its rows and moments in the tier
-                for _ in range(steps):
-                    tier.zero_grad_step_(lr, wd)
-                continue
-            if getattr(getattr(m, "optimizer", None), "lazy", True):
-                continue   # lazy rows, or a module without a row optimizer (its own step semantics)
-            for _ in range(steps):
-                m.sparse_step(lr, wd)
+            m.take_zero_grad_steps(steps, lr, wd)
 
     def of_role(self, role: ModuleRole) -> List[MaximusModule]:
         """The driven modules of ``role``, in the order they were handed over."""

@@ -178,6 +178,13 @@ class ShardedLMHead(MaximusModule, nn.Module):
     def set_out_dtype(self, dtype: torch.dtype) -> None:
         self.__dict__["out_dtype"] = dtype
 
+    def take_zero_grad_steps(self, steps: int, lr: Optional[float], weight_decay: Optional[float]) -> None:
+        """A CPU-placed head's tier takes them (:meth:`HeadTier.zero_grad_step_`); a tied head's rows are the
+        table's, which takes them itself; a GPU head's weight is DeepSpeed's."""
+        if self.tier is not None:
+            for _ in range(int(steps)):
+                self.tier.zero_grad_step_(lr if lr is not None else (self.tier.opt.lr or 0.0), weight_decay)
+
     def compute_weight(self) -> torch.Tensor:
         """The whole ``[V, d]`` weight on the compute device in the dtype the model computes in, as one tensor whose
         gradient (under grad mode) goes where the head's gradient goes: the tied table's rows, or the CPU tier.

@@ -363,6 +363,13 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     def set_out_dtype(self, dtype: torch.dtype) -> None:
         self.out_dtype = dtype
 
+    def take_zero_grad_steps(self, steps: int, lr: Optional[float], weight_decay: Optional[float]) -> None:
+        """Exact mode takes them as steps that touch no row (a row's replay applies their decay); lazy mode, whose
+        reference is ``torch.optim.SparseAdam``, does not."""
+        if not self.optimizer.lazy:
+            for _ in range(int(steps)):
+                self.sparse_step(lr, weight_decay)
+
     def configure_from_engine(self, engine, cfg: MaximusConfig) -> None:
         """The row optimizer's betas/eps follow DeepSpeed's unless ``embedding.optimizer`` sets them."""
         align_adam_with_engine(self.optimizer, engine, cfg.embedding.optimizer)
