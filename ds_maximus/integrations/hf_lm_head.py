@@ -216,21 +216,24 @@ _FIX = ("set \"lm_head\": {\"enabled\": false} in the maximus section (a head ti
         "swapped with it and trains either way)")
 
 
-def _forward_source(model: nn.Module) -> str:
+@functools.lru_cache(maxsize=None)
+def _class_forward_source(cls) -> str:
+    """The source of a class's forward, read once ("" where it is not readable)."""
     try:
-        return inspect.getsource(type(model).forward)
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return ""
 
 
+def _forward_source(model: nn.Module) -> str:
+    return _class_forward_source(type(model))
+
+
 @functools.lru_cache(maxsize=None)
 def _class_head_statements(cls) -> Optional[tuple]:
-    """:func:`_head_statements` of a class's forward, read once (a patched model asks at every call with labels)."""
-    try:
-        src = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        src = ""
-    lines = _head_statements(src)
+    """:func:`_head_statements` of a class's forward, once per class (a patched model asks at every call with
+    labels)."""
+    lines = _head_statements(_class_forward_source(cls))
     return None if lines is None else tuple(lines)
 
 

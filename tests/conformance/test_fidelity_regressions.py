@@ -87,6 +87,17 @@ def test_gemma3_forward_equal_with_lm_head_disabled():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _plain_and_ours(family, lm_head=None):
+    """``STEPS`` batches of ``family`` and the same model (seed 0) in a plain engine and a maximus one (ZeRO-0, a
+    32-row cache, the ``lm_head`` section when given)."""
+    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
+    torch.manual_seed(0)
+    model = family.build()
+    plain = initialize(copy.deepcopy(model), ds_config(0))
+    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32, lm_head=lm_head)))
+    return batches, plain, ours
+
+
 def _own_loss(engine, batch):
     """A script's own loss from the logits the model returns (no labels passed to the model)."""
     logits = engine(input_ids=batch["input_ids"]).logits
@@ -95,12 +106,7 @@ def _own_loss(engine, batch):
 
 @pytest.mark.parametrize("name", ["llama_tied", "gemma3"])
 def test_tied_head_logits_feed_a_scripts_own_loss(name):
-    family = FAMILIES[name]
-    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
-    torch.manual_seed(0)
-    model = family.build()
-    plain = initialize(copy.deepcopy(model), ds_config(0))
-    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32)))
+    batches, plain, ours = _plain_and_ours(FAMILIES[name])
     ref = train(plain, batches, _own_loss)
     got = train(ours, batches, _own_loss)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
@@ -163,13 +169,7 @@ def test_lm_head_enabled_tied_model_saves_tied(name, tmp_path):
     """``lm_head.enabled`` (the streamed loss; Gemma-3's soft-capping, Cohere's ``logit_scale`` and Granite's
     ``logits_scaling`` applied inside it: the model's own code once scaled the returned loss instead) trains like
     plain DeepSpeed, and save_pretrained writes the plain model's keys, tied, reloading to the same logits."""
-    family = FAMILIES[name]
-    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
-    torch.manual_seed(0)
-    model = family.build()
-    plain = initialize(copy.deepcopy(model), ds_config(0))
-    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32, lm_head={"enabled": True,
-                                                                                        "chunk_rows": 96})))
+    batches, plain, ours = _plain_and_ours(FAMILIES[name], {"enabled": True, "chunk_rows": 96})
     ref = train(plain, batches)
     got = train(ours, batches)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
@@ -193,13 +193,7 @@ def test_lm_head_enabled_tied_model_saves_tied(name, tmp_path):
 @pytest.mark.parametrize("name", ["cohere", "granite", "gemma3"])
 def test_lm_head_on_the_cpu_tier_applies_the_models_logit_transforms(name):
     """``placement: cpu`` (a CPU-tier ShardedLMHead tied to the swapped table) applies the same transforms."""
-    family = FAMILIES[name]
-    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
-    torch.manual_seed(0)
-    model = family.build()
-    plain = initialize(copy.deepcopy(model), ds_config(0))
-    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32, lm_head={
-        "enabled": True, "placement": "cpu", "chunk_rows": 96})))
+    batches, plain, ours = _plain_and_ours(FAMILIES[name], {"enabled": True, "placement": "cpu", "chunk_rows": 96})
     torch.testing.assert_close(torch.tensor(train(ours, batches)), torch.tensor(train(plain, batches)),
                                rtol=1e-4, atol=1e-6)
     # the numbers the model's own statements read are back after the calls
@@ -295,13 +289,8 @@ def _loss_from_head_weight(engine, inputs):
 def test_a_loss_from_the_heads_weight_trains_like_plain_deepspeed(tie, head):
     """TRL's SFTTrainer read ``lm_head.weight`` of a swapped head and got an AttributeError (a tied head, and a
     CPU-placed one, own no Parameter). ``weight`` is now the whole table, differentiable into the rows."""
-    family = FAMILIES["llama_tied" if tie else "llama"]
-    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
-    torch.manual_seed(0)
-    model = family.build()
-    plain = initialize(copy.deepcopy(model), ds_config(0))
     lm = None if head is None else {"enabled": True, "placement": head, "chunk_rows": 96}
-    ours = initialize(model, ds_config(0, maximus_section(family.modules, 32, lm_head=lm)))
+    batches, plain, ours = _plain_and_ours(FAMILIES["llama_tied" if tie else "llama"], lm)
     ref = train(plain, batches, _loss_from_head_weight)
     got = train(ours, batches, _loss_from_head_weight)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
