@@ -127,11 +127,13 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         # (else the experts' layer-0 module: every layer's backward feeds its anchor)
         hosts = runtime.of_role(ModuleRole.ROWS) or runtime.of_role(ModuleRole.EXPERTS) or list(modules.values())
         carrier = attach_carrier(hosts[0].grad_anchor_host(), runtime)
+        # into the first group, not a group of its own: an LR scheduler the user built on this optimizer before
+        # initialize (accelerate's loop: get_scheduler, then prepare) counts its groups, and a group more breaks
+        # its step. The carrier's value is never read, so that group's lr and decay do not matter.
         if model_parameters is not None:
             model_parameters = _add_param(model_parameters, carrier)
         if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer.add_param_group({**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
-                                       "params": [carrier]})
+            optimizer.param_groups[0]["params"].append(carrier)
     from deepspeed.accelerator import get_accelerator
     rows_on_gpu = bool(plan.swapped) and get_accelerator().device_name() == "cuda"
     ds_config = _unsynchronized_throughput_timer({k: v for k, v in ds_config.items() if k != SECTION}, cfg,
@@ -200,9 +202,12 @@ def _filter_params(params, gone):
 
 
 def _add_param(params, carrier):
+    """``params`` (tensors, or parameter-group dicts) with the carrier added: to the first group where there are
+    groups (their count stays the user's; the dicts are copied, not changed)."""
     params = list(params)
     if params and isinstance(params[0], dict):
-        return params + [{"params": [carrier]}]
+        first = {**params[0], "params": list(params[0]["params"]) + [carrier]}
+        return [first] + params[1:]
     return params + [carrier]
 
 

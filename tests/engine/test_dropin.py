@@ -121,3 +121,33 @@ def test_logs_the_streamed_head(capfd):
     ds_maximus.initialize(model=model, model_parameters=model.parameters(), config=ds_config(0, maximus=sec))
     text = "".join(capfd.readouterr())
     assert f"ds_maximus: lm_head (Linear, {VOCAB} rows x 32): loss streamed 128 rows a chunk" in text
+
+
+def _grouped_optimizer_and_scheduler(model):
+    """What accelerate's loops and many DeepSpeed scripts build before ``initialize``: AdamW with a decay and a
+    no-decay group, and an LR scheduler on it (it counts the groups)."""
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_client_optimizer_groups_and_scheduler_built_before_initialize(stage):
+    """A user's scheduler built on a two-group optimizer before ``initialize`` keeps working: the norm carrier joins
+    the first group instead of adding a third (which broke the scheduler's step, "zip() argument 2 is shorter than
+    argument 1", in DeepSpeed's engine.step and in accelerate's loop), and the losses are plain DeepSpeed's."""
+    cfg = ds_config(stage, scheduler=False)
+    del cfg["optimizer"]
+    runs = {}
+    for name, init, section in (("plain", deepspeed.initialize, None),
+                                ("ours", ds_maximus.initialize, maximus_section(cache_rows=64))):
+        model = tiny_llama(0)
+        opt, sched = _grouped_optimizer_and_scheduler(model)
+        engine, _, _, engine_sched = init(model=model, optimizer=opt, lr_scheduler=sched,
+                                          config=dict(cfg, **({"maximus": section} if section else {})))
+        assert engine_sched is sched and len(opt.param_groups) == 2
+        runs[name] = (train(engine, zipf_batches(4, 2, 8)), [g["lr"] for g in opt.param_groups])
+    assert runs["ours"][1] == runs["plain"][1] == [1e-2 / 5] * 2          # the scheduler stepped 4 times
+    torch.testing.assert_close(runs["ours"][0], runs["plain"][0], rtol=1e-5, atol=1e-5)
