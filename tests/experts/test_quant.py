@@ -215,3 +215,15 @@ def test_bench_moe_quant_error_small_runs(capsys):
     for bits in SUPPORTED_BITS:
         assert f"| ours int{bits} |" in out and f"| hqq int{bits} |" in out
     assert "rel_err_text" in out
+
+
+def test_bench_moe_quant_agreement_small_runs(tmp_path, capsys):
+    """The trained-model agreement benchmark end to end at its smoke size: a tokenizer and a 2-layer Mixtral trained
+    for a few steps in ``tmp_path``, then rows for the bf16 reference, fp32 and each width through offload_experts."""
+    from benchmarks.bench_moe_quant_agreement import main
+    assert main(["--small", "--steps", "4", "--bits", "8,4", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 model (the reference) | - | - | 1 | 1 | 0 |" in out
+    for bits in (8, 4):
+        assert f"| ours int{bits} (offload_experts, moe.quant) |" in out and f"| ours int{bits}, weights |" in out
+    assert any(tmp_path.rglob("model.safetensors"))
