@@ -58,7 +58,8 @@ def streamed_head_line(model: nn.Module, modules: Dict[str, nn.Module], cfg: Max
         return []
     rows, dim = getattr(head, "vocab_size", None), getattr(head, "hidden_size", None)
     if rows is None and isinstance(getattr(head, "weight", None), torch.Tensor):
-        rows, dim = head.weight.shape
+        w = head.weight
+        rows, dim = getattr(w, "ds_shape", w.shape)  # ZeRO-3 leaves a partitioned [0] view; ds_shape is the whole
     return [f"ds_maximus: lm_head ({type(head).__name__}, {rows} rows x {dim}): loss streamed "
             f"{cfg.lm_head.chunk_rows} rows a chunk (no full logits), weight where the model keeps it"]
 
