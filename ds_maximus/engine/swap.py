@@ -103,6 +103,8 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True)
                               f"copy instead ('{name.rsplit('.', 1)[0]}.modules_to_save.default')",
                               "maximus.embedding.modules")
         if training and not old.weight.requires_grad:
+            if not cfg.embedding.modules:  # chosen by min_rows: it stays the model's, and the wiring lines say why
+                continue
             raise ConfigError(f"{name} is frozen (requires_grad=False; PEFT freezes the base model's weights) and "
                               "maximus trains every row of a table it swaps; leave it out of maximus.embedding "
                               "(embedding.modules, or a min_rows above its rows), or train it (PEFT: "

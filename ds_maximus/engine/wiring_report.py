@@ -64,10 +64,14 @@ def streamed_head_line(model: nn.Module, modules: Dict[str, nn.Module], cfg: Max
             f"{cfg.lm_head.chunk_rows} rows a chunk (no full logits), weight where the model keeps it"]
 
 
-def _why_left_alone(name: str, rows: int, cfg: MaximusConfig) -> str:
+def _why_left_alone(name: str, rows: int, cfg: MaximusConfig, frozen: bool = False) -> str:
     e = cfg.embedding
     if not e.enabled:
         return "embedding.enabled is false; set it true to swap it"
+    if frozen and not e.modules and rows >= e.min_rows:
+        return ("frozen (requires_grad=False, as PEFT's LoRA leaves the base model's weights), and maximus trains "
+                "every row of a table it swaps; to train it, PEFT modules_to_save=['embed_tokens', ...] (maximus "
+                "then swaps the trained copy)")
     if e.modules:
         return (f"not in embedding.modules {e.modules}; add \"{name}\" there to swap it")
     return (f"{rows} rows < embedding.min_rows={e.min_rows}; set \"min_rows\": {rows} (or list \"{name}\" in "
@@ -90,7 +94,8 @@ def left_alone_lines(model: nn.Module, cfg: MaximusConfig) -> List[str]:
         if m.num_embeddings < LARGE_ROWS and m is not inputs:
             continue
         why = ("the frozen original beside the trained copy its wrapper calls (PEFT modules_to_save), which maximus "
-               "swaps instead" if bypassed_original(model, name, m) else _why_left_alone(name, m.num_embeddings, cfg))
+               "swaps instead" if bypassed_original(model, name, m)
+               else _why_left_alone(name, m.num_embeddings, cfg, frozen=not m.weight.requires_grad))
         lines.append(f"ds_maximus: left alone: {name} ({m.num_embeddings} rows x {m.embedding_dim}): " + why)
     return lines
 

@@ -113,10 +113,19 @@ def test_naming_the_frozen_original_is_refused():
         initialize(lora_llama(), cfg)
 
 
-def test_frozen_table_is_refused():
-    """LoRA without modules_to_save: PEFT froze the embedding, and maximus would train its rows."""
+def test_frozen_table_named_is_refused_and_chosen_by_min_rows_is_left_alone(capfd):
+    """LoRA without modules_to_save: PEFT froze the embedding, and maximus trains every row of a table it swaps. Named
+    in embedding.modules it is refused; chosen by min_rows (a section for the streamed head, say) it stays the
+    model's, a wiring line says why, and the run is plain DeepSpeed's (head streamed)."""
+    named = section(modules=["base_model.model.model.embed_tokens"])
     with pytest.raises(ConfigError, match=r"embed_tokens is frozen.*modules_to_save"):
-        initialize(lora_llama(modules_to_save=()), ds_config(0, maximus=section()))
+        initialize(lora_llama(modules_to_save=()), ds_config(0, maximus=named))
+    data = _batches(4)
+    l_ref = train(initialize(lora_llama(modules_to_save=()), ds_config(0)), data)
+    got = initialize(lora_llama(modules_to_save=()), ds_config(0, maximus=section("gpu")))
+    assert type(got.module.get_submodule("base_model.model.model.embed_tokens")) is torch.nn.Embedding
+    assert "embed_tokens" in capfd.readouterr().out.split("left alone:")[1].split("frozen")[0]
+    assert train(got, data) == pytest.approx(l_ref, rel=1e-6)
 
 
 def test_frozen_head_on_the_cpu_tier_is_refused():

@@ -166,13 +166,21 @@ def test_untied_llama_and_peft_default_untie(tmp_path):
         torch.testing.assert_close(out["merged"], out["logits"], rtol=1e-4, atol=1e-4)
 
 
-def test_trainable_token_indices_is_refused():
+def test_trainable_token_indices_table_is_left_alone_or_refused():
     """PEFT's trainable_token_indices trains chosen rows of a frozen table: maximus (which trains every row of a
-    table it swaps) refuses it loudly rather than train rows PEFT froze."""
+    table it swaps) leaves it to PEFT where min_rows chose it, and refuses it by name in embedding.modules rather
+    than train rows PEFT froze."""
     from peft import LoraConfig, get_peft_model
-    model = get_peft_model(gemma3(), LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5]))
+
+    def model():
+        return get_peft_model(gemma3(), LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5]))
+    engine = initialize(model(), ds_config(0, maximus=section(head=False)))
+    assert not any(isinstance(m, ShardedEmbedding) for m in engine.module.modules())
+    emb = [n for n, m in model().named_modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings == VOCAB][0]
+    named = section(head=False)
+    named["embedding"]["modules"] = [emb]
     with pytest.raises(ConfigError, match="frozen"):
-        initialize(model, ds_config(0, maximus=section(head=False)))
+        initialize(model(), ds_config(0, maximus=named))
 
 
 def test_save_peft_refuses_a_model_without_adapters(tmp_path):
