@@ -142,7 +142,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                                                        optimizer=optimizer, model_parameters=model_parameters,
                                                        config=ds_config, **kwargs)
     if runtime is not None:
-        from ds_maximus.integrations.zero_to_fp32 import install
+        from ds_maximus.engine.zero_to_fp32 import install
         install()  # DeepSpeed's zero_to_fp32 functions then convert this engine's checkpoints whole
         from ds_maximus.engine.lookahead import wrap_loader
         loader = wrap_loader(loader, plan.swapped.values())
@@ -218,7 +218,7 @@ def enable() -> None:
     and run the model adapters' ``on_enable`` hooks: with transformers installed, every later ``Trainer`` then
     logs the maximus figures with its own logs (the Hugging Face adapter's Trainer callback)."""
     deepspeed.initialize = initialize
-    from ds_maximus.integrations.zero_to_fp32 import install
+    from ds_maximus.engine.zero_to_fp32 import install
     install()  # DeepSpeed's zero_to_fp32 functions then convert maximus checkpoints whole
     adapters.run_enable_hooks()
 

@@ -266,7 +266,7 @@ class MaximusRuntime:
             out = self._orig["save_checkpoint"](save_dir, tag=tag, client_state=client_state,
                                                 save_latest=save_latest, **kwargs)
         if e.global_rank == 0:  # DeepSpeed's zero_to_fp32.py copy would leave the tables out: ours puts them in
-            from ds_maximus.integrations.zero_to_fp32 import write_recovery_script
+            from ds_maximus.engine.zero_to_fp32 import write_recovery_script
             write_recovery_script(save_dir)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()

@@ -67,11 +67,11 @@ def bypassed_original(model: nn.Module, name: str, m: nn.Module) -> bool:
     parent = model.get_submodule(name.rsplit(".", 1)[0])
     if "weight" in parent._parameters:
         return False
-    w = getattr(parent, "weight", None)
+    from ds_maximus.vocab import ShardedEmbedding, plain_weight
+    w = plain_weight(parent)
     if isinstance(w, torch.Tensor):
         return w is not m.weight
     # once the copy is swapped the wrapper forwards to a ShardedEmbedding, which has no plain weight
-    from ds_maximus.vocab import ShardedEmbedding
     forwards = type(parent).__getattr__ is not nn.Module.__getattr__
     return forwards and any(isinstance(c, ShardedEmbedding) for c in parent.modules())
 
@@ -84,7 +84,7 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True)
     subclass's own forward is reproduced or refused (:mod:`ds_maximus.engine.fidelity`). For ``training``, a
     frozen table is refused: maximus would train its rows.
     """
-    from ds_maximus.vocab import ShardedEmbedding
+    from ds_maximus.vocab import ShardedEmbedding, plain_weight
 
     plan = SwapPlan({}, [], {})
     if not (cfg.enabled and cfg.embedding.enabled):
@@ -115,7 +115,7 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True)
         # trained copy this way, for the table and, with ensure_weight_tying, for the tied head) calls that
         # module in forward, so it follows the swap and holds nothing of its own
         holders = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
-                   if getattr(m, "weight", None) is old.weight]
+                   if plain_weight(m) is old.weight]
         owners = [n for n, m in holders if "weight" in m._parameters]
         holders = [(n, m) for n, m in holders
                    if "weight" in m._parameters or not any(o.startswith(n + ".") for o in owners)]
@@ -134,6 +134,7 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True)
         new = _make_sharded(old, cfg)
         if scale is not None:
             scale.attach(new, old)
+        carry_hooks(old, new)
         for n in (name, *aliases):
             parent, attr = _parent(model, n)
             setattr(parent, attr, new)
@@ -151,6 +152,35 @@ def swap_embeddings(model: nn.Module, cfg: MaximusConfig, training: bool = True)
                   if any(m is s for s in plan.swapped.values())]
         _skip_hf_ties(model, shared + list(plan.tied_heads))
     return plan
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs")
+
+
+def carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """The forward hooks and pre-hooks registered on ``old`` before ``initialize`` run on its replacement ``new``:
+    HF Trainer adds NEFTune's noise to the input embedding's output that way (``neftune_noise_alpha``, registered in
+    ``train()`` before DeepSpeed is set up), PEFT's ``enable_input_require_grads`` its ``requires_grad_``. ``new``
+    takes ``old``'s hook dicts themselves, so the handles their owners hold still remove them, and its own hooks
+    (the embedding scale, which ``old`` computes inside its forward) run before them. The plain attributes such a
+    hook reads from its module (``neftune_noise_alpha``) come along."""
+    if not any(getattr(old, a) for a in _HOOK_DICTS):
+        return
+    ours = list(new._forward_hooks.items())
+    if any(getattr(new, a) for a in _HOOK_DICTS if a != "_forward_hooks") or any(
+            k in new._forward_hooks_with_kwargs or k in new._forward_hooks_always_called for k, _ in ours):
+        raise ConfigError(f"{type(new).__name__} has hooks of its own that maximus cannot order before the "
+                          f"{type(old).__name__}'s; leave the table unswapped", "maximus.embedding.modules")
+    for a in _HOOK_DICTS:
+        new.__dict__[a] = getattr(old, a)
+    for key, fn in reversed(ours):
+        new._forward_hooks[key] = fn
+        new._forward_hooks.move_to_end(key, last=False)
+    for k, v in vars(old).items():
+        if not k.startswith("_") and k not in vars(new) and not hasattr(type(new), k) \
+                and isinstance(v, (bool, int, float, str)):
+            setattr(new, k, v)
 
 
 def _skip_hf_ties(model: nn.Module, names: List[str]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-import torch
 from torch import nn
 
 from ds_maximus.config import MaximusConfig, OffloadConfig, OffloadDevice
@@ -57,8 +56,9 @@ def streamed_head_line(model: nn.Module, modules: Dict[str, nn.Module], cfg: Max
     if not cfg.lm_head.enabled or driven or not isinstance(head, nn.Module):
         return []
     rows, dim = getattr(head, "vocab_size", None), getattr(head, "hidden_size", None)
-    if rows is None and isinstance(getattr(head, "weight", None), torch.Tensor):
-        w = head.weight
+    from ds_maximus.vocab import plain_weight
+    w = plain_weight(head)   # (a tied ShardedLMHead's .weight would build the whole table to print its shape)
+    if rows is None and w is not None:
         rows, dim = getattr(w, "ds_shape", w.shape)  # ZeRO-3 leaves a partitioned [0] view; ds_shape is the whole
     return [f"ds_maximus: lm_head ({type(head).__name__}, {rows} rows x {dim}): loss streamed "
             f"{cfg.lm_head.chunk_rows} rows a chunk (no full logits), weight where the model keeps it"]

@@ -129,7 +129,7 @@ def _dense_from_checkpoint(ckpt_dir: str, tag: str, trust: bool = False) -> Dict
     if any(f.endswith("optim_states.pt") for f in os.listdir(folder)):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as fp32_state_dict
         check_deepspeed_folder(folder, trust=trust)
-        # DeepSpeed's own function, not the wrapper ds_maximus.integrations.zero_to_fp32 installs (the caller adds
+        # DeepSpeed's own function, not the wrapper ds_maximus.engine.zero_to_fp32 installs (the caller adds
         # the tables, and has checked the files with its own trust)
         dense = getattr(fp32_state_dict, "__wrapped__", fp32_state_dict)
         sd = dense(ckpt_dir, tag=tag)
@@ -138,24 +138,9 @@ def _dense_from_checkpoint(ckpt_dir: str, tag: str, trust: bool = False) -> Dict
         if not files:
             raise ConfigError(f"{folder} holds no *model_states.pt: it is not a DeepSpeed checkpoint folder")
         sd = safe_torch_load(os.path.join(folder, files[0]), trust=trust, allow_deepspeed=True)["module"]
+    from ds_maximus.engine.zero_to_fp32 import drop_carrier
     return drop_carrier(sd)
 
-
-def drop_carrier(sd: dict) -> dict:
-    """``sd`` without the engine's norm carrier (engine plumbing, not the model's)."""
-    return {k: v for k, v in sd.items() if k.split(".")[-1] != CARRIER_NAME}
-
-
-def _table(d: dict, module_name: str, path: str) -> Dict[str, torch.Tensor]:
-    tensors = d.get("tensors", d) if isinstance(d, dict) else None  # embedding: d["tensors"]; LM head: d
-    if not isinstance(tensors, dict) or not isinstance(tensors.get("weight"), torch.Tensor):
-        raise ConfigError(f"{path}: the state of {module_name!r} has no tensors['weight'] (keys "
-                          f"{sorted(d) if isinstance(d, dict) else type(d).__name__}); it was written by another "
-                          "ds_maximus version: export it from the live engine with ds_maximus.export_hf")
-    out = {"weight": tensors["weight"]}
-    if isinstance(tensors.get("bias"), torch.Tensor):
-        out["bias"] = tensors["bias"]
-    return out
 
 
 def checkpoint_state_dict(ckpt_dir: str, tag: Optional[str] = None,
@@ -169,30 +154,9 @@ def checkpoint_state_dict(ckpt_dir: str, tag: Optional[str] = None,
     folder = os.path.join(ckpt_dir, tag)
     if not os.path.isdir(folder):
         raise ConfigError(f"checkpoint tag {tag!r} not found in {ckpt_dir}; tags there: {sorted(_tags(ckpt_dir))}")
+    from ds_maximus.engine.zero_to_fp32 import add_tables
     sd = _dense_from_checkpoint(ckpt_dir, tag, trust_checkpoint)
     add_tables(sd, folder, trust_checkpoint)
-    return sd
-
-
-def add_tables(sd: dict, folder: str, trust_checkpoint: bool = False) -> dict:
-    """Put the sharded tables of the tag folder ``folder`` (its ``maximus_states.pt``) into ``sd`` in fp32, under
-    the model's own keys (``model.embed_tokens.weight``); returns ``sd``. The dense part's reader (``maximus-export``
-    and DeepSpeed's ``zero_to_fp32`` through :mod:`ds_maximus.integrations.zero_to_fp32`) share it."""
-    from ds_maximus.errors import ShardStoreError
-    from ds_maximus.safe_load import safe_torch_load
-    path = os.path.join(folder, "maximus_states.pt")
-    if not os.path.isfile(path):
-        ranks = [f for f in os.listdir(folder) if f.startswith("maximus_states_rank")]
-        if ranks:
-            raise ShardStoreError(f"{folder} was saved in partitioned shard mode ({len(ranks)} rank files); "
-                                  "maximus-export and zero_to_fp32 read replicated checkpoints only: export from "
-                                  "the live engine with ds_maximus.export_hf instead", folder)
-        raise ShardStoreError(f"{folder} has no maximus_states.pt: it was not saved by a maximus engine (a plain "
-                              "DeepSpeed checkpoint needs DeepSpeed's zero_to_fp32.py, not maximus-export)", path)
-    state = safe_torch_load(path, trust=trust_checkpoint)
-    for name, d in state["modules"].items():
-        for k, t in _table(d, name, path).items():
-            sd[f"{name}.{k}"] = t.detach().float()
     return sd
 
 

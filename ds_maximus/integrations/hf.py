@@ -58,8 +58,8 @@ def _head_owner(model: nn.Module, cfg: MaximusConfig) -> nn.Module:
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Module):
         return model
-    from ds_maximus.vocab import ShardedLMHead
-    w = None if isinstance(head, ShardedLMHead) else getattr(head, "weight", None)   # (no table built to look)
+    from ds_maximus.vocab import plain_weight
+    w = plain_weight(head)   # (no table built to look)
     if (cfg.lm_head.placement in (HeadPlacement.CPU, HeadPlacement.CPU_OPTIMIZER) and isinstance(w, torch.Tensor)
             and not w.requires_grad):
         raise ConfigError(f"the LM head ({type(head).__name__}) is frozen (requires_grad=False; PEFT freezes the base "

@@ -122,14 +122,14 @@ def _lm_cfg(config) -> LMHeadConfig:
 
 def _build_cpu_head(model: nn.Module, cfg: LMHeadConfig, config):
     """A ``placement: cpu`` head replacing ``model.lm_head`` (tied to a ShardedEmbedding when the model ties)."""
-    from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead
+    from ds_maximus.vocab import ShardedEmbedding, ShardedLMHead, plain_weight
     parent, attr = _head_slot(model)
     old = getattr(parent, attr)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tie and isinstance(emb, ShardedEmbedding):
         head = ShardedLMHead(tied_to=emb, config=config if isinstance(config, MaximusConfig) else cfg)
-    elif tie and emb is not None and getattr(emb, "weight", None) is getattr(old, "weight", None):
+    elif tie and emb is not None and plain_weight(emb) is not None and plain_weight(emb) is plain_weight(old):
         raise ConfigError("lm_head.placement is 'cpu' but the head is tied to an ordinary nn.Embedding; swap the "
                           "embedding too (maximus.embedding) or use placement 'gpu'", "maximus.lm_head.placement")
     else:
@@ -150,8 +150,8 @@ def _head_slot(model: nn.Module):
     head = model.lm_head
     if "weight" in head._parameters or isinstance(head, nn.Linear) or _is_sharded_head(head):
         return model, "lm_head"   # (a ShardedLMHead's .weight of a tied or CPU head is the whole table, built)
-    w = getattr(head, "weight", None)
-    w = w if isinstance(w, torch.Tensor) else None
+    from ds_maximus.vocab import plain_weight
+    w = plain_weight(head)
     for name, m in head.named_modules():
         if m is not head and (_is_sharded_head(m) or (w is not None and m._parameters.get("weight") is w)):
             owner, _, attr = name.rpartition(".")

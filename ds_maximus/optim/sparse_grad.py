@@ -116,7 +116,7 @@ class SparseRowGrad:
         from ds_maximus.ops import row_ops as ops
         from ds_maximus.ops import to_device
         ids = ids.to("cpu", torch.long)
-        rows = rows.float()
+        rows = rows.float().contiguous()  # a broadcast gradient (of a sum) has one element for many: later adds write
         a = ids.numpy()  # numpy: the torch comparison and reduction cost ~40 us a step on the host
         ascending = a.size <= 1 or bool((a[1:] > a[:-1]).all())
         if self._ids is None:

@@ -3,4 +3,4 @@
 >>> from ds_maximus.vocab import ShardedEmbedding
 """
 from ds_maximus.vocab.lm_head import ShardedLMHead, linear_cross_entropy  # noqa: F401
-from ds_maximus.vocab.sharded_embedding import ShardedEmbedding  # noqa: F401
+from ds_maximus.vocab.sharded_embedding import ShardedEmbedding, plain_weight  # noqa: F401

@@ -334,13 +334,15 @@ class TiedSource:
     """Rows of a ``ShardedEmbedding`` as a ChunkSource (``rows_for_compute`` in, its sparse gradient out).
 
     ``reuse`` (``lm_head.reuse_rows``): the table's step leaves the new weights of the rows it steps outside its
-    cache on the device for the head's next forward and backward (``ShardedEmbedding.keep_step_rows``)."""
+    cache on the device for the head's next forward and backward (``ShardedEmbedding.keep_step_rows``); None
+    leaves that as it is (a read of ``emb.weight``, beside a tied head that set it)."""
 
-    def __init__(self, emb, reuse: str = "off"):
+    def __init__(self, emb, reuse: Optional[str] = "off"):
         self.emb = emb
         self.vocab_size = int(emb.num_embeddings)
         self.dim = int(emb.embedding_dim)
-        emb.keep_step_rows(reuse)
+        if reuse is not None:
+            emb.keep_step_rows(reuse)
 
     def fetch(self, lo, hi, device, dtype):
         return self.emb.rows_for_compute(lo, hi, device, dtype)

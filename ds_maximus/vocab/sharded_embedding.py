@@ -378,6 +378,33 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         """A tied head's gradient reaches the ``padding_idx`` row: the row optimizer updates it too."""
         self.optimizer.frozen_row = None
 
+    #: rows a ``weight`` read brings to the device at once (its gradient goes back in chunks of the same size)
+    WEIGHT_CHUNK_ROWS = 16384
+
+    def __getattr__(self, name: str):
+        # ``emb.weight``: no Parameter holds the table, and code written for nn.Embedding reads it (Llama-4's forward
+        # moves the ids to ``embed_tokens.weight.device``; Gemma-4's multimodal forward reads the pad row)
+        if name == "weight":
+            return self.compute_weight()
+        return super().__getattr__(name)
+
+    def compute_weight(self) -> Tensor:
+        """The whole ``[V, d]`` table as it is now, on the compute device in the dtype the model computes in; under
+        grad mode its gradient goes into the rows (as a tied head's does). It costs a dense table's memory while
+        it is held, and every row crosses the link: what ``emb.weight`` gives code that reads it."""
+        from ds_maximus.vocab.lm_head_stream import streamed_weight
+        from ds_maximus.vocab.lm_head_tier import TiedSource
+        source = TiedSource(self, reuse=None)
+        if not torch.is_grad_enabled():
+            w = source.fetch(0, self.num_embeddings, self.compute_device, self.out_dtype)
+        else:
+            anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
+            w = streamed_weight(source, self.WEIGHT_CHUNK_ROWS, anchor, self.compute_device, self.out_dtype)
+        # not a ZeRO-3 partitioned parameter: it says it is gathered (a gather helper reads ds_status)
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        w.ds_status = ZeroParamStatus.AVAILABLE
+        return w
+
     def set_grad_anchor(self, fn) -> None:
         """Use ``fn()`` as the autograd anchor of each lookup (its backward runs after this module's)."""
         self._anchor_fn = fn
@@ -807,3 +834,19 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     def stats(self) -> dict:
         """Cumulative figures, and ``"last_step"``: the same for the last optimizer step."""
         return self.stats_tracker.as_dict(self.cache)
+
+
+def plain_weight(m: nn.Module) -> Optional[Tensor]:
+    """``m.weight`` where reading it builds nothing: None for a maximus table (``ShardedEmbedding`` or
+    ``ShardedLMHead``, whose ``.weight`` is the whole table, made on each read) and for a wrapper that forwards
+    ``.weight`` to one inside it (PEFT's ModulesToSaveWrapper). For the scans that compare modules' weights."""
+    from ds_maximus.vocab.lm_head import ShardedLMHead
+    maximus = (ShardedEmbedding, ShardedLMHead)
+    if isinstance(m, maximus):
+        return None
+    if "weight" in m._parameters:
+        return m._parameters["weight"]
+    if any(isinstance(c, maximus) for c in m.modules()):
+        return None
+    w = getattr(m, "weight", None)
+    return w if isinstance(w, Tensor) else None

@@ -25,9 +25,12 @@ class Family:
     modules: List[str]                       # maximus.embedding.modules
     kind: str = "causal"                     # causal | mlm | seq2seq
     auto: str = "AutoModelForCausalLM"       # the transformers Auto class that reloads a saved folder
+    text_ids: int = VOCAB                    # ids at and above it are special (a multimodal model's image tokens)
+    reload: tuple = ()                       # from_pretrained keyword arguments the saved folders reload with
 
     def batch(self, ids: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The forward inputs of one training step for the token ids ``ids`` [batch, seq]."""
+        ids = ids.clamp(max=self.text_ids - 1)
         if self.kind == "mlm":
             labels = ids.clone()
             labels[:, ::3] = -100                    # a masked-LM loss covers some positions only
@@ -156,6 +159,69 @@ def _gemma3_multimodal():
         image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2))
 
 
+def _llama4():
+    """Llama-4's text model (202,048 rows): its forward reads ``embed_tokens.weight.device``."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    return Llama4ForCausalLM(Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+        max_position_embeddings=64, attn_implementation="eager"))
+
+
+def _gemma4_text(**kw):
+    """A tiny Gemma-4 text config. ``rms_norm_eps`` 0.1: Gemma-4 normalizes the small outputs of its attention (values
+    too), MLP and per-layer branches, and at the default 1e-6 these random 32-wide layers amplify a 4e-9 change of the
+    embedding into 0.37 of the logits (plain against plain): no comparison could pass. 0.1 damps that to ~1e-5."""
+    return dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=HIDDEN, hidden_size_per_layer_input=8,
+                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                max_position_embeddings=64, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                final_logit_softcapping=3.0, rms_norm_eps=0.1, **kw)
+
+
+def _gemma4():
+    """Gemma-4 (262,144 rows, tied, scaled) with its per-layer embedding, a second 262,144-row table."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    return Gemma4ForCausalLM(Gemma4TextConfig(**_gemma4_text(attn_implementation="eager")))
+
+
+GEMMA4_SPECIAL = 8  # the multimodal config's image, video, audio and boundary tokens: the top ids
+
+
+def _gemma4_multimodal():
+    """The class Gemma-4 checkpoints load as: its forward reads the pad row of ``embed_tokens.weight``."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    v = VOCAB
+    return Gemma4ForConditionalGeneration(Gemma4Config(
+        text_config=_gemma4_text(), audio_config=None,
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=8, position_embedding_size=64),
+        boi_token_id=v - 5, eoi_token_id=v - 4, image_token_id=v - 3, video_token_id=v - 2, boa_token_id=v - 6,
+        eoa_token_index=v - 7, audio_token_id=v - 8, attn_implementation="eager"))
+
+
+def _qwen2_vl():
+    """Qwen2-VL (151,936 rows): the language model under a vision tower."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    return Qwen2VLForConditionalGeneration(Qwen2VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=HIDDEN, num_heads=2), attn_implementation="eager"))
+
+
+def _paligemma():
+    """PaliGemma (257,216 rows): a Gemma language model with scaled embeddings under a SigLIP tower."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+    cfg = PaliGemmaConfig(
+        text_config=dict(model_type="gemma", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14, projection_dim=HIDDEN),
+        image_token_index=VOCAB - 1, projection_dim=HIDDEN, attn_implementation="eager")
+    cfg.text_config.vocab_size = VOCAB
+    return PaliGemmaForConditionalGeneration(cfg)
+
+
 def _mbart():
     """mBART-50 (250,054 rows): tied encoder, decoder and head, scaled embeddings."""
     from transformers import MBartConfig, MBartForConditionalGeneration
@@ -225,6 +291,15 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("gemma", _gemma, ["model.embed_tokens"]),
     Family("gemma3_multimodal", _gemma3_multimodal, ["model.language_model.embed_tokens"],
            auto="AutoModelForImageTextToText"),
+    Family("llama4", _llama4, ["model.embed_tokens"]),
+    Family("gemma4", _gemma4, ["model.embed_tokens", "model.embed_tokens_per_layer"]),
+    Family("gemma4_multimodal", _gemma4_multimodal,
+           ["model.language_model.embed_tokens", "model.language_model.embed_tokens_per_layer"],
+           auto="AutoModelForImageTextToText", text_ids=VOCAB - GEMMA4_SPECIAL),
+    Family("qwen2_vl", _qwen2_vl, ["model.language_model.embed_tokens"], auto="AutoModelForImageTextToText"),
+    # reloaded eager, as built: PaliGemma's sdpa and eager prefix masks give other logits (0.42 apart, plain alone)
+    Family("paligemma", _paligemma, ["model.language_model.embed_tokens"], auto="AutoModelForImageTextToText",
+           text_ids=VOCAB - 1, reload=(("attn_implementation", "eager"),)),
     Family("gpt2", _gpt2, ["transformer.wte"]),
     Family("gpt_neox", _neox, ["gpt_neox.embed_in"]),
     Family("opt", _opt, ["model.decoder.embed_tokens"]),

@@ -87,7 +87,8 @@ def test_zero3_training(name):
 def test_saved_folders_reload_without_ds_maximus(tmp_path):
     if not _SAVED:
         pytest.skip("no family ran test_forward_training_and_save in this session")
-    jobs = {f"{name}|{d}": {"dir": d, "auto": s["auto"], "kwargs": s["batch"]}
+    jobs = {f"{name}|{d}": {"dir": d, "auto": s["auto"], "kwargs": s["batch"],
+                            "load_kwargs": dict(FAMILIES[name].reload)}
             for name, s in _SAVED.items() for d in s["dirs"]}
     out = load_in_fresh_process(tmp_path, jobs)
     for key, job in jobs.items():

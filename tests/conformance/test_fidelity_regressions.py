@@ -313,3 +313,32 @@ def test_transformers_resize_after_initialize_is_a_clear_error():
     with pytest.raises(ConfigError, match="before initialize.*ds_maximus.resize_token_embeddings"):
         engine.module.resize_token_embeddings(VOCAB + 8)
     assert engine.module.get_input_embeddings().num_embeddings == VOCAB
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_hooks_registered_on_the_embedding_before_initialize_still_run(name):
+    """A forward hook on the input embedding registered before ``initialize`` (HF Trainer's NEFTune noise is one: it
+    is registered in ``train()`` before DeepSpeed is set up, and was silently dropped by the swap) runs on the swapped
+    table, after the embedding scale; the attribute it reads comes along; its handle removes it."""
+    family = FAMILIES[name]
+    batches = [family.batch(ids) for ids in zipf_ids(STEPS, 2, 16, VOCAB)]
+
+    def noise(module, args, output):   # NEFTune's shape: reads an attribute of its module, changes the output
+        return output + module.noise_alpha * torch.sin(output * 7.0)
+
+    def engine(section):
+        torch.manual_seed(0)
+        model = family.build()
+        emb = model.get_input_embeddings()
+        emb.noise_alpha = 0.3
+        handle = emb.register_forward_hook(noise)
+        cfg = ds_config(0, maximus_section(family.modules, 32)) if section else ds_config(0)
+        return initialize(model, cfg), handle
+
+    (plain, _), (ours, handle) = engine(False), engine(True)
+    assert type(ours.module.get_input_embeddings()).__name__ == "ShardedEmbedding"
+    torch.testing.assert_close(torch.tensor(train(ours, batches)), torch.tensor(train(plain, batches)),
+                               rtol=1e-4, atol=1e-6)
+    handle.remove()
+    emb = ours.module.get_input_embeddings()
+    assert noise not in emb._forward_hooks.values() and len(emb._forward_hooks) == (name == "gemma3")  # scale stays

@@ -25,7 +25,7 @@ jobs = torch.load(sys.argv[1])
 out = {}
 for key, job in jobs.items():
     cls = getattr(transformers, job.get("auto", "AutoModelForCausalLM"))
-    model, info = cls.from_pretrained(job["dir"], output_loading_info=True)
+    model, info = cls.from_pretrained(job["dir"], output_loading_info=True, **job.get("load_kwargs", {}))
     model.eval()
     got = {"info": {k: sorted(v) if isinstance(v, (set, list)) else v for k, v in info.items()},
            "tie": getattr(model.config, "tie_word_embeddings", None), "dtype": str(model.dtype),

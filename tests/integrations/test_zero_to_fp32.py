@@ -1,7 +1,7 @@
 """DeepSpeed's own converters on a maximus checkpoint: the ``zero_to_fp32.py`` / ``zero_to_torch.py`` a ZeRO
 checkpoint folder holds, run as a user runs them, and ``deepspeed.utils.zero_to_fp32``'s Python functions.
 
-Before ``ds_maximus.integrations.zero_to_fp32``, DeepSpeed's script wrote a state dict without the swapped embedding
+Before ``ds_maximus.engine.zero_to_fp32``, DeepSpeed's script wrote a state dict without the swapped embedding
 (and with the engine's norm carrier): a model loaded from it had a random embedding. Now each gives the model's
 whole state dict (what ``maximus-export`` reads), which loads strictly into the plain model and gives the engine's
 logits."""

@@ -229,3 +229,27 @@ def test_exact_adamw_with_the_next_batch_prefetched_equals_dense(device, policy)
     assert emb.stats()["rows_evicted"] > 50
     emb.prefetch(batches[0])  # rows in flight when the whole table is read: it waits for them
     torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_weight_is_the_whole_table_and_trains_like_nn_embedding():
+    """``emb.weight`` (code written for nn.Embedding reads it: Llama-4 its device, Gemma-4 its pad row): the whole
+    table in the compute dtype; under grad mode a loss through it sends nn.Embedding's gradient to the rows, beside the
+    lookup's. ``plain_weight``, for our own scans, builds nothing."""
+    from ds_maximus.vocab import plain_weight
+    torch.manual_seed(3)
+    ref = nn.Embedding(30, 5)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=8))
+    with torch.no_grad():
+        w = emb.weight
+    assert w.shape == (30, 5) and w.device == emb.compute_device and torch.equal(w, ref.weight)
+    assert emb.weight.requires_grad and plain_weight(emb) is None
+    ids = torch.tensor([[1, 2, 2, 7]])
+    x = torch.randn(1, 4, 5)
+
+    def loss(m):  # a lookup, and a row read through .weight (as Gemma-4's pad embedding)
+        return (m(ids) * x).sum() + (m.weight[3] * x[0, 0]).sum() + m.weight.sum() * 0.5
+    loss(ref).backward()
+    loss(emb).backward()
+    rows = torch.zeros(30, 5)
+    rows[emb.grad.ids] = emb.grad.rows
+    torch.testing.assert_close(rows, ref.weight.grad)

@@ -25,7 +25,11 @@ import argparse
 import functools
 import os
 import stat
-from typing import Optional
+from typing import Dict, Optional
+
+import torch
+
+from ds_maximus.engine.norm_carrier import CARRIER_NAME
 
 #: what a maximus engine's save_checkpoint writes as ``<save_dir>/zero_to_fp32.py`` (over DeepSpeed's copy)
 SCRIPT = '''#!/usr/bin/env python
@@ -39,7 +43,7 @@ SCRIPT = '''#!/usr/bin/env python
 import sys
 
 try:
-    from ds_maximus.integrations.zero_to_fp32 import deepspeed_module, main
+    from ds_maximus.engine.zero_to_fp32 import deepspeed_module, main
 except ImportError as e:
     sys.exit(f"this checkpoint was written by ds_maximus and needs it to convert ({e}): pip install ds_maximus, "
              "or run maximus-export")
@@ -81,7 +85,6 @@ def _complete(orig):
         if not _is_maximus(folder):
             return orig(checkpoint_dir, tag=tag, exclude_frozen_parameters=exclude_frozen_parameters,
                         lazy_mode=lazy_mode)
-        from ds_maximus.integrations.export import add_tables, drop_carrier
         from ds_maximus.safe_load import check_deepspeed_folder
         check_deepspeed_folder(folder, trust=_TRUST["value"])
         sd = orig(checkpoint_dir, tag=tag, exclude_frozen_parameters=exclude_frozen_parameters, lazy_mode=lazy_mode)
@@ -143,3 +146,44 @@ def main(argv=None) -> None:
                                                  max_shard_size=args.max_shard_size,
                                                  safe_serialization=args.safe_serialization, tag=args.tag,
                                                  exclude_frozen_parameters=args.exclude_frozen_parameters)
+
+
+# ---- the tables of a checkpoint folder (maximus-export reads them too) ------------------------------------
+def drop_carrier(sd: dict) -> dict:
+    """``sd`` without the engine's norm carrier (engine plumbing, not the model's)."""
+    return {k: v for k, v in sd.items() if k.split(".")[-1] != CARRIER_NAME}
+
+
+def _table(d: dict, module_name: str, path: str) -> Dict[str, torch.Tensor]:
+    tensors = d.get("tensors", d) if isinstance(d, dict) else None  # embedding: d["tensors"]; LM head: d
+    if not isinstance(tensors, dict) or not isinstance(tensors.get("weight"), torch.Tensor):
+        from ds_maximus.errors import ConfigError
+        raise ConfigError(f"{path}: the state of {module_name!r} has no tensors['weight'] (keys "
+                          f"{sorted(d) if isinstance(d, dict) else type(d).__name__}); it was written by another "
+                          "ds_maximus version: export it from the live engine with ds_maximus.export_hf")
+    out = {"weight": tensors["weight"]}
+    if isinstance(tensors.get("bias"), torch.Tensor):
+        out["bias"] = tensors["bias"]
+    return out
+
+
+def add_tables(sd: dict, folder: str, trust_checkpoint: bool = False) -> dict:
+    """Put the sharded tables of the tag folder ``folder`` (its ``maximus_states.pt``) into ``sd`` in fp32, under
+    the model's own keys (``model.embed_tokens.weight``); returns ``sd``. The dense part's reader (``maximus-export``
+    and DeepSpeed's ``zero_to_fp32`` through this module) share it."""
+    from ds_maximus.errors import ShardStoreError
+    from ds_maximus.safe_load import safe_torch_load
+    path = os.path.join(folder, "maximus_states.pt")
+    if not os.path.isfile(path):
+        ranks = [f for f in os.listdir(folder) if f.startswith("maximus_states_rank")]
+        if ranks:
+            raise ShardStoreError(f"{folder} was saved in partitioned shard mode ({len(ranks)} rank files); "
+                                  "maximus-export and zero_to_fp32 read replicated checkpoints only: export from "
+                                  "the live engine with ds_maximus.export_hf instead", folder)
+        raise ShardStoreError(f"{folder} has no maximus_states.pt: it was not saved by a maximus engine (a plain "
+                              "DeepSpeed checkpoint needs DeepSpeed's zero_to_fp32.py, not maximus-export)", path)
+    state = safe_torch_load(path, trust=trust_checkpoint)
+    for name, d in state["modules"].items():
+        for k, t in _table(d, name, path).items():
+            sd[f"{name}.{k}"] = t.detach().float()
+    return sd
