@@ -178,7 +178,7 @@ def carry_hooks(old: nn.Module, new: nn.Module) -> None:
         new._forward_hooks[key] = fn
         new._forward_hooks.move_to_end(key, last=False)
     for k, v in vars(old).items():
-        if not k.startswith("_") and k not in vars(new) and not hasattr(type(new), k) \
+        if not k.startswith("_") and k not in vars(new) and k not in dir(type(new)) \
                 and isinstance(v, (bool, int, float, str)):
             setattr(new, k, v)
 
