@@ -384,8 +384,9 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     def __getattr__(self, name: str):
         # ``emb.weight``: no Parameter holds the table, and code written for nn.Embedding reads it (Llama-4's forward
         # moves the ids to ``embed_tokens.weight.device``; Gemma-4's multimodal forward reads the pad row)
-        if name == "weight":
-            return self.compute_weight()
+        if name == "weight":  # the table's metadata and the rows it indexes, building only what is read
+            from ds_maximus.vocab.table_view import TableView
+            return TableView(self)
         return super().__getattr__(name)
 
     def compute_weight(self) -> Tensor:

@@ -232,24 +232,36 @@ def test_exact_adamw_with_the_next_batch_prefetched_equals_dense(device, policy)
 
 
 def test_weight_is_the_whole_table_and_trains_like_nn_embedding():
-    """``emb.weight`` (code written for nn.Embedding reads it: Llama-4 its device, Gemma-4 its pad row): the whole
-    table in the compute dtype; under grad mode a loss through it sends nn.Embedding's gradient to the rows, beside the
-    lookup's. ``plain_weight``, for our own scans, builds nothing."""
+    """``emb.weight`` (code written for nn.Embedding reads it: Llama-4 its device, Gemma-4 its pad row) behaves as
+    nn.Embedding's weight: its metadata, the rows it indexes, and any other use; under grad mode a loss through it
+    sends nn.Embedding's gradient to the rows, beside the lookup's (the padding row's too: indexing is no lookup).
+    Metadata and row reads build no table; ``plain_weight``, for our own scans, builds nothing."""
     from ds_maximus.vocab import plain_weight
     torch.manual_seed(3)
-    ref = nn.Embedding(30, 5)
+    ref = nn.Embedding(30, 5, padding_idx=0)
     emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=8))
+    w = emb.weight
+    assert (w.shape, w.dtype, w.device, w.requires_grad, w.dim(), len(w)) == ((30, 5), torch.float32,
+                                                                            emb.compute_device, True, 2, 30)
+    assert plain_weight(emb) is None
     with torch.no_grad():
-        w = emb.weight
-    assert w.shape == (30, 5) and w.device == emb.compute_device and torch.equal(w, ref.weight)
-    assert emb.weight.requires_grad and plain_weight(emb) is None
+        assert torch.equal(emb.weight[4], ref.weight[4]) and torch.equal(emb.weight[-1, :], ref.weight[-1])
+        assert torch.equal(emb.weight[torch.tensor([2, 9, 2])], ref.weight[[2, 9, 2]])
+        assert torch.equal(emb.weight.t(), ref.weight.t()) and torch.equal(emb.weight[3:7], ref.weight[3:7])
+    with pytest.raises(IndexError):
+        emb.weight[30]
+    built = []
+    emb.compute_weight = lambda f=emb.compute_weight: built.append(1) or f()
     ids = torch.tensor([[1, 2, 2, 7]])
     x = torch.randn(1, 4, 5)
 
-    def loss(m):  # a lookup, and a row read through .weight (as Gemma-4's pad embedding)
-        return (m(ids) * x).sum() + (m.weight[3] * x[0, 0]).sum() + m.weight.sum() * 0.5
+    def loss(m):  # a lookup, rows read through .weight (Gemma-4's pad row), and a use of the whole table
+        w = m.weight
+        return ((m(ids) * x).sum() + (w[0, :] * x[0, 0]).sum() + (w[torch.tensor([3, 3, 8])] * x[0, 1:]).sum()
+                + w.sum() * 0.5)
     loss(ref).backward()
     loss(emb).backward()
+    assert len(built) == 1   # only w.sum() built the table
     rows = torch.zeros(30, 5)
     rows[emb.grad.ids] = emb.grad.rows
     torch.testing.assert_close(rows, ref.weight.grad)
