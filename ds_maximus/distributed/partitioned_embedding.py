@@ -196,6 +196,14 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
                                    "every rank")
 
     # -- nn.Module plumbing -------------------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        if name == "weight":  # an AttributeError, so that getattr(module, "weight", None) still answers None
+            raise AttributeError(
+                f"{type(self).__name__} (maximus.distributed.shard_mode 'partitioned' or 'broadcast') has no .weight: "
+                "no rank holds the whole table. A model whose forward reads embed_tokens.weight (Llama-4's device, "
+                "Gemma-4 multimodal's pad row) needs shard_mode 'replicated', where .weight reads the rows it indexes")
+        return super().__getattr__(name)
+
     @property
     def compute_device(self) -> torch.device:
         return self.local.compute_device
