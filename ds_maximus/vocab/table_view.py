@@ -13,7 +13,9 @@ each forward, and its gradient would touch every row, so the sparse step would b
   and under grad mode their gradient goes to those rows (the padding row's included: indexing a weight is not a
   lookup, whose ``padding_idx`` rule stops it);
 - anything else (a matmul, ``.t()``, a reduction, printing) gets the whole table
-  (:meth:`ShardedEmbedding.compute_weight`, differentiable into the rows) in its place.
+  (:meth:`ShardedEmbedding.compute_weight`, differentiable into the rows) in its place;
+- a write (``w[ids] = rows``, ``w.data[...] = ...``, ``w.normal_()``, ``nn.init.*``) raises a ``TypeError``: it would
+  go to a copy of the table and be lost. ``.data`` is the view itself, so a write through it raises too.
 """
 from __future__ import annotations
 
@@ -113,6 +115,18 @@ class TableView(Tensor):
         if func in _META:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func == Tensor.data.__get__:
+            return args[0]
+        name = getattr(func, "__name__", "")
+        if name == "requires_grad_":
+            raise TypeError("requires_grad_ on a swapped table's .weight: maximus trains every row of a table it "
+                            "swaps; freeze the nn.Embedding before ds_maximus.initialize (it is then left alone)")
+        if func is Tensor.__setitem__ or (name.endswith("_") and not name.startswith("__")) or \
+                kwargs.get("out") is not None:
+            raise TypeError(f"{name or func}: the rows of a swapped table (ShardedEmbedding) live in its tiers, and "
+                            "its .weight is a read-only view; a write here would be lost. Set rows before "
+                            "ds_maximus.initialize (on the nn.Embedding), or grow the vocabulary with "
+                            "ds_maximus's resize (embedding.new_row_init)")
         if func is Tensor.__getitem__ and isinstance(args[0], TableView):
             rows = args[0]._rows(args[1])
             if rows is not None:

@@ -250,6 +250,12 @@ def test_weight_is_the_whole_table_and_trains_like_nn_embedding():
         assert torch.equal(emb.weight.t(), ref.weight.t()) and torch.equal(emb.weight[3:7], ref.weight[3:7])
     with pytest.raises(IndexError):
         emb.weight[30]
+    with torch.no_grad():   # writes would go to a copy: refused, never lost
+        for write in (lambda w: w.__setitem__(2, 0.0), lambda w: w.data.__setitem__(slice(0, 2), 1.0),
+                      lambda w: w.normal_(), lambda w: nn.init.zeros_(w), lambda w: w.copy_(ref.weight)):
+            with pytest.raises(TypeError, match="read-only view"):
+                write(emb.weight)
+        assert torch.equal(emb.weight[2], ref.weight[2]) and torch.equal(emb.weight.data[5], ref.weight[5])
     built = []
     emb.compute_weight = lambda f=emb.compute_weight: built.append(1) or f()
     ids = torch.tensor([[1, 2, 2, 7]])
