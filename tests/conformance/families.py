@@ -184,6 +184,19 @@ def _gemma4():
     return Gemma4ForCausalLM(Gemma4TextConfig(**_gemma4_text(attn_implementation="eager")))
 
 
+def _gemma3n():
+    """Gemma-3n (262,144 rows, tied, scaled) with its per-layer embedding (262,144 x layers x 256 in E2B). Its pad
+    row is zero, and a batch holding the pad id gives NaN gradients in the plain model, so the pad id is the last row
+    and the batches leave it out (``text_ids``)."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+    return Gemma3nForCausalLM(Gemma3nTextConfig(
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=HIDDEN, hidden_size_per_layer_input=8,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=64, sliding_window=8, laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=0,
+        layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.0, 0.0],
+        pad_token_id=VOCAB - 1, rms_norm_eps=0.1, attn_implementation="eager"))
+
+
 GEMMA4_SPECIAL = 8  # the multimodal config's image, video, audio and boundary tokens: the top ids
 
 
@@ -296,6 +309,7 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("gemma4_multimodal", _gemma4_multimodal,
            ["model.language_model.embed_tokens", "model.language_model.embed_tokens_per_layer"],
            auto="AutoModelForImageTextToText", text_ids=VOCAB - GEMMA4_SPECIAL),
+    Family("gemma3n", _gemma3n, ["model.embed_tokens", "model.embed_tokens_per_layer"], text_ids=VOCAB - 1),
     Family("qwen2_vl", _qwen2_vl, ["model.language_model.embed_tokens"], auto="AutoModelForImageTextToText"),
     # reloaded eager, as built: PaliGemma's sdpa and eager prefix masks give other logits (0.42 apart, plain alone)
     Family("paligemma", _paligemma, ["model.language_model.embed_tokens"], auto="AutoModelForImageTextToText",
