@@ -57,16 +57,20 @@ if __name__ == "__main__":
 '''
 
 
+def latest_tag(checkpoint_dir: str) -> Optional[str]:
+    """The tag DeepSpeed's ``latest`` file in ``checkpoint_dir`` names, or None where there is none."""
+    latest = os.path.join(checkpoint_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
 def _tag_folder(checkpoint_dir: str, tag: Optional[str]) -> Optional[str]:
     """``checkpoint_dir/tag`` (the tag from ``latest`` when not given), as DeepSpeed resolves it; None when it cannot
     (DeepSpeed then raises its own error)."""
-    if tag is None:
-        latest = os.path.join(checkpoint_dir, "latest")
-        if not os.path.isfile(latest):
-            return None
-        with open(latest) as f:
-            tag = f.read().strip()
-    return os.path.join(checkpoint_dir, str(tag))
+    tag = latest_tag(checkpoint_dir) if tag is None else tag
+    return None if tag is None else os.path.join(checkpoint_dir, str(tag))
 
 
 def _is_maximus(folder: Optional[str]) -> bool:

@@ -107,12 +107,12 @@ def model_state_dict(model: nn.Module) -> Tuple[Dict[str, torch.Tensor], Dict[st
 def _resolve_tag(ckpt_dir: str, tag: Optional[str]) -> str:
     if tag is not None:
         return str(tag)
-    latest = os.path.join(ckpt_dir, "latest")
-    if not os.path.isfile(latest):
+    from ds_maximus.engine.zero_to_fp32 import latest_tag
+    found = latest_tag(ckpt_dir)
+    if found is None:
         raise ConfigError(f"{ckpt_dir} has no 'latest' file naming the checkpoint tag; pass the tag "
                           f"(--tag global_stepN), one of {sorted(_tags(ckpt_dir))}")
-    with open(latest) as f:
-        return f.read().strip()
+    return found
 
 
 def _tags(ckpt_dir: str):

@@ -129,7 +129,7 @@ def _build_cpu_head(model: nn.Module, cfg: LMHeadConfig, config):
     tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tie and isinstance(emb, ShardedEmbedding):
         head = ShardedLMHead(tied_to=emb, config=config if isinstance(config, MaximusConfig) else cfg)
-    elif tie and emb is not None and plain_weight(emb) is not None and plain_weight(emb) is plain_weight(old):
+    elif tie and emb is not None and (w := plain_weight(emb)) is not None and w is plain_weight(old):
         raise ConfigError("lm_head.placement is 'cpu' but the head is tied to an ordinary nn.Embedding; swap the "
                           "embedding too (maximus.embedding) or use placement 'gpu'", "maximus.lm_head.placement")
     else:

@@ -199,16 +199,8 @@ class ShardedLMHead(MaximusModule, nn.Module):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
             dtype = self.__dict__.get("out_dtype") or torch.float32
-        if not torch.is_grad_enabled():
-            w = self.source.fetch(0, self.vocab_size, device, dtype)
-        else:
-            anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
-            w = streamed_weight(self.source, self.chunk_rows, anchor, device, dtype)
-        # not a ZeRO-3 partitioned parameter: it says it is gathered, so a caller's gather helper (TRL's
-        # maybe_gather_lm_head_ctx reads ds_status) leaves it alone instead of failing on a missing attribute
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        w.ds_status = ZeroParamStatus.AVAILABLE
-        return w
+        anchor = self._anchor_fn() if torch.is_grad_enabled() and self._anchor_fn is not None else self._anchor
+        return streamed_weight(self.source, self.chunk_rows, anchor, device, dtype)
 
     # -- maximus module protocol (CPU-placed heads) ---------------------------------------------
     role = ModuleRole.HEAD

@@ -307,8 +307,16 @@ class _StreamedWeight(torch.autograd.Function):
 
 
 def streamed_weight(source: ChunkSource, chunk_rows: int, anchor: torch.Tensor, device, dtype) -> torch.Tensor:
-    """``source``'s whole table on ``device`` in ``dtype``, differentiable (gradients to ``source.add_grad_``)."""
-    return _StreamedWeight.apply(anchor, source, int(chunk_rows), torch.device(device), dtype)
+    """``source``'s whole table on ``device`` in ``dtype``; under grad mode differentiable (gradients to
+    ``source.add_grad_``). It is no ZeRO-3 partitioned parameter and says it is gathered (``ds_status``), so a
+    caller's gather helper (TRL's ``maybe_gather_lm_head_ctx``) leaves it alone instead of failing."""
+    if torch.is_grad_enabled():
+        w = _StreamedWeight.apply(anchor, source, int(chunk_rows), torch.device(device), dtype)
+    else:
+        w = source.fetch(0, source.vocab_size, device, dtype)
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    w.ds_status = ZeroParamStatus.AVAILABLE
+    return w
 
 
 def streamed_logits(hidden: torch.Tensor, source: ChunkSource, chunk_rows: int, anchor: torch.Tensor,

@@ -395,16 +395,9 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         it is held, and every row crosses the link: what ``emb.weight`` gives code that reads it."""
         from ds_maximus.vocab.lm_head_stream import streamed_weight
         from ds_maximus.vocab.lm_head_tier import TiedSource
-        source = TiedSource(self, reuse=None)
-        if not torch.is_grad_enabled():
-            w = source.fetch(0, self.num_embeddings, self.compute_device, self.out_dtype)
-        else:
-            anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
-            w = streamed_weight(source, self.WEIGHT_CHUNK_ROWS, anchor, self.compute_device, self.out_dtype)
-        # not a ZeRO-3 partitioned parameter: it says it is gathered (a gather helper reads ds_status)
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        w.ds_status = ZeroParamStatus.AVAILABLE
-        return w
+        anchor = self._anchor_fn() if torch.is_grad_enabled() and self._anchor_fn is not None else self._anchor
+        return streamed_weight(TiedSource(self, reuse=None), self.WEIGHT_CHUNK_ROWS, anchor, self.compute_device,
+                               self.out_dtype)
 
     def set_grad_anchor(self, fn) -> None:
         """Use ``fn()`` as the autograd anchor of each lookup (its backward runs after this module's)."""

@@ -78,8 +78,7 @@ class TableView(Tensor):
     def _row_ids(self, index) -> Optional[tuple]:
         """``(ids, squeeze)`` when ``index`` picks a few whole rows, else None."""
         first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
-        if not all(r is Ellipsis or r == slice(None) for r in rest if not isinstance(r, Tensor)) or \
-                any(isinstance(r, Tensor) for r in rest):
+        if not all(r is Ellipsis or (isinstance(r, slice) and r == slice(None)) for r in rest):
             return None
         rows = self._emb.num_embeddings
         if isinstance(first, int) or (isinstance(first, Tensor) and first.dim() == 0 and not first.is_floating_point()
