@@ -231,7 +231,7 @@ def test_exact_adamw_with_the_next_batch_prefetched_equals_dense(device, policy)
     torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
 
 
-def test_weight_is_the_whole_table_and_trains_like_nn_embedding():
+def test_weight_is_the_whole_table_and_trains_like_nn_embedding(device):
     """``emb.weight`` (code written for nn.Embedding reads it: Llama-4 its device, Gemma-4 its pad row) behaves as
     nn.Embedding's weight: its metadata, the rows it indexes, and any other use; under grad mode a loss through it
     sends nn.Embedding's gradient to the rows, beside the lookup's (the padding row's too: indexing is no lookup).
@@ -239,7 +239,8 @@ def test_weight_is_the_whole_table_and_trains_like_nn_embedding():
     from ds_maximus.vocab import plain_weight
     torch.manual_seed(3)
     ref = nn.Embedding(30, 5, padding_idx=0)
-    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=8))
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=8)).to(device)
+    ref = ref.to(device)
     w = emb.weight
     assert (w.shape, w.dtype, w.device, w.requires_grad, w.dim(), len(w)) == ((30, 5), torch.float32,
                                                                             emb.compute_device, True, 2, 30)
@@ -258,8 +259,8 @@ def test_weight_is_the_whole_table_and_trains_like_nn_embedding():
         assert torch.equal(emb.weight[2], ref.weight[2]) and torch.equal(emb.weight.data[5], ref.weight[5])
     built = []
     emb.compute_weight = lambda f=emb.compute_weight: built.append(1) or f()
-    ids = torch.tensor([[1, 2, 2, 7]])
-    x = torch.randn(1, 4, 5)
+    ids = torch.tensor([[1, 2, 2, 7]], device=device)
+    x = torch.randn(1, 4, 5).to(device)
 
     def loss(m):  # a lookup, rows read through .weight (Gemma-4's pad row), and a use of the whole table
         w = m.weight
@@ -268,6 +269,6 @@ def test_weight_is_the_whole_table_and_trains_like_nn_embedding():
     loss(ref).backward()
     loss(emb).backward()
     assert len(built) == 1   # only w.sum() built the table
-    rows = torch.zeros(30, 5)
-    rows[emb.grad.ids] = emb.grad.rows
-    torch.testing.assert_close(rows, ref.weight.grad)
+    rows = torch.zeros(30, 5, device=emb.grad.rows.device)
+    rows[emb.grad.ids.to(rows.device)] = emb.grad.rows
+    torch.testing.assert_close(rows, ref.weight.grad.to(rows.device))

@@ -123,3 +123,64 @@ def test_stats_and_log_line(caplog):
         assert k in s and k in s["last_step"]
     assert 0 < s["hit_rate"] < 1 and 0 < s["row_sparsity"] < 1 and s["steps"] == 4
     assert s["bytes_h2d"] == s["rows_fetched"] * 4 * 4 * 3
+
+
+@pytest.mark.parametrize("cache_rows", [6, 12])
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "at-step"])
+def test_tied_step_deferred_to_the_first_block_equals_dense(device, defer, cache_rows):
+    """``defer_step_to(block)`` (the runtime passes the model's first block): the staged step of the rows outside the
+    cache is prepared at ``sparse_step`` and issued on a worker thread when the block's next forward starts. In a
+    training loop's order (the next batch prefetched right after the step, as the look-ahead loader does; the lookup;
+    the block; the tied head's chunks) it trains as dense AdamW does, with or without the deferral. A lookup that
+    misses issues it first (a cache of 6 rows of 24 drops the prefetched rows, and the lookups miss); with 12 the
+    prefetched lookups hit and the steps wait for the block. The prefetch that came while a step waited is staged
+    after it, never inside the cache operation that issued it (a lookup's acquire)."""
+    g = torch.Generator().manual_seed(11)
+    ref = nn.Embedding(24, 4)
+    emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=cache_rows)).to(device)
+    emb.staged_tier_update = True    # the pipeline a GPU runs (on a CPU its synchronous twin)
+    block = nn.Identity()
+    assert emb.defer_step_to(block) if defer else True
+    ref = ref.to(device)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    batches = [torch.randint(0, 24, (5,), generator=g) for _ in range(7)]
+    issued_later = []
+    for step in range(len(batches)):
+        h = torch.randn(3, 4, generator=g).to(device)
+        ids = batches[step].to(device)
+        opt.zero_grad()
+        (ref(ids).sum() + (h @ ref.weight.t()).pow(2).sum()).backward()
+        opt.step()
+        if step + 1 < len(batches):
+            emb.prefetch(batches[step + 1])
+        x = block(emb(ids))
+        issued_later.append(emb._deferred is not None and emb._deferred.launched)
+        for lo in range(0, 24, 10):
+            hi = min(24, lo + 10)
+            w = emb.rows_for_compute(lo, hi, device, torch.float32).requires_grad_(True)
+            (h @ w.t()).pow(2).sum().backward()
+            emb.add_dense_row_grad_(lo, hi, w.grad)
+        x.sum().backward()
+        emb.sparse_step(lr=1e-2, weight_decay=0.1)
+        assert (emb._deferred is not None) == defer   # prepared, not issued
+    torch.testing.assert_close(emb.full_weight(), ref.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+    assert emb._deferred is None and not emb._deferred_prefetch
+    assert any(issued_later) == (defer and cache_rows == 12)   # steps that waited for the block
+
+
+def test_a_deferred_steps_error_reaches_the_caller(monkeypatch):
+    """An error while the worker thread issues a deferred step is raised where the step is next needed."""
+    emb = ShardedEmbedding.from_embedding(nn.Embedding(24, 4), make_config(cache_rows=6))
+    emb.staged_tier_update = True
+    block = nn.Identity()
+    emb.defer_step_to(block)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+    monkeypatch.setattr(emb, "_issue_tier_windows", broken)
+    emb(torch.tensor([1, 2])).sum().backward()
+    emb.add_dense_row_grad_(0, 24, torch.ones(24, 4))
+    emb.sparse_step(lr=1e-2)
+    block(torch.zeros(1))            # the worker thread starts and fails
+    with pytest.raises(RuntimeError, match="copy failed"):
+        emb.full_weight()
