@@ -54,11 +54,12 @@ class _Exchange(torch.autograd.Function):
 class _Plan:
     """One lookup's routing: what this rank asked for and what it was asked for."""
 
-    __slots__ = ("order", "send_splits", "recv_splits", "recv_local", "world")
+    __slots__ = ("order", "send_splits", "recv_splits", "recv_local", "world", "pad_grad")
 
-    def __init__(self, order, send_splits, recv_splits, recv_local, world):
+    def __init__(self, order, send_splits, recv_splits, recv_local, world, pad_grad=False):
         self.order, self.send_splits, self.recv_splits = order, send_splits, recv_splits
         self.recv_local, self.world = recv_local, world
+        self.pad_grad = pad_grad   # the padding row takes its gradient (a read of .weight, not a lookup)
 
 
 @dataclasses.dataclass
@@ -197,12 +198,32 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
 
     # -- nn.Module plumbing -------------------------------------------------------------------------------
     def __getattr__(self, name: str):
-        if name == "weight":  # an AttributeError, so that getattr(module, "weight", None) still answers None
-            raise AttributeError(
-                f"{type(self).__name__} (maximus.distributed.shard_mode 'partitioned' or 'broadcast') has no .weight: "
-                "no rank holds the whole table. A model whose forward reads embed_tokens.weight (Llama-4's device, "
-                "Gemma-4 multimodal's pad row) needs shard_mode 'replicated', where .weight reads the rows it indexes")
+        # ``emb.weight`` (Llama-4's forward reads its device, Gemma-4 multimodal's its pad row): the view that
+        # ShardedEmbedding gives, its metadata local, its rows read from their owners (read_rows, collective)
+        if name == "weight":
+            from ds_maximus.vocab.table_view import TableView
+            return TableView(self)
         return super().__getattr__(name)
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self.local.out_dtype
+
+    def read_rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (CPU long, in range) of the whole table on the compute device in the output dtype, from their
+        owners; under grad mode their gradient goes back to the owners, the padding row's too (a read of the
+        weight, not a lookup). Collective, as a lookup is: every rank reads (model code reads the same rows on every
+        rank; the ids may differ)."""
+        if self.comm.single:
+            return self.local.weight[ids]
+        uniq, inverse = torch.unique(ids.to("cpu", torch.long), sorted=True, return_inverse=True)
+        rows = self._rows_from_owners(uniq, torch.is_grad_enabled(), pad_grad=True)
+        return rows.index_select(0, inverse.to(rows.device))
+
+    def compute_weight(self) -> Tensor:
+        """The whole ``[V, d]`` table on the compute device (every row from its owner; differentiable into the
+        owners' rows): what ``.weight`` gives code that uses it as a tensor. Collective; costs a dense table."""
+        return self.read_rows(torch.arange(self.num_embeddings))
 
     @property
     def compute_device(self) -> torch.device:
@@ -236,16 +257,21 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
 
     # -- forward / backward --------------------------------------------------------------------------------
     def forward(self, input: Tensor) -> Tensor:
-        from ds_maximus.vocab.function import lookup
         if self.comm.single:
             return self._forward_local(input)
         dev = self.compute_device
         flat = input.reshape(-1).to(dev, torch.long)
         uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        uniq = uniq.cpu()
+        rows_uniq = self._rows_from_owners(uniq.cpu(), torch.is_grad_enabled())
+        return rows_uniq.index_select(0, inverse).view(*input.shape, self.embedding_dim)
+
+    def _rows_from_owners(self, uniq: Tensor, track: bool, pad_grad: bool = False) -> Tensor:
+        """Rows of sorted unique ids ``uniq`` (CPU) from their owners (collective), in ``uniq``'s order; ``track``:
+        their gradient goes back to the owners (``pad_grad``: the padding row's too)."""
+        from ds_maximus.vocab.function import lookup
+        dev = self.compute_device
         self.comm.step = self.local.optimizer.step
         order, send_splits, recv_splits, recv_local = self._route(uniq, "")
-        track = torch.is_grad_enabled()
         if recv_local.numel():
             t0 = time.perf_counter()
             self.owner.asked(self.local.cache, recv_local)
@@ -257,10 +283,10 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         rows_uniq = torch.empty_like(got)
         rows_uniq[order.to(dev)] = got
         if track:
-            plan = _Plan(order, send_splits, recv_splits, recv_local, self.world)
+            plan = _Plan(order, send_splits, recv_splits, recv_local, self.world, pad_grad)
             anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
             rows_uniq = _Exchange.apply(anchor, rows_uniq, self, plan)
-        return rows_uniq.index_select(0, inverse).view(*input.shape, self.embedding_dim)
+        return rows_uniq
 
     def _forward_local(self, input: Tensor) -> Tensor:
         """One rank owns every row: the local table's own lookup and backward. Its cache serves this rank alone,
@@ -311,7 +337,7 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         rows = torch.zeros(uniq.numel(), self.embedding_dim, dtype=torch.float32, device=got.device)
         rows.index_add_(0, inv.to(got.device), got)
         pad = self.local.padding_idx
-        if pad is not None:
+        if pad is not None and not plan.pad_grad:
             keep = uniq != pad
             uniq, rows = uniq[keep], rows_where(rows, keep)
         self.local._accumulate(uniq, rows)

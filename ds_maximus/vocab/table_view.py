@@ -101,7 +101,10 @@ class TableView(Tensor):
             return None
         ids, squeeze = picked
         emb = self._emb
-        if torch.is_grad_enabled():
+        read_rows = getattr(emb, "read_rows", None)   # a table cut over ranks reads rows from their owners
+        if read_rows is not None:
+            out = read_rows(ids)
+        elif torch.is_grad_enabled():
             anchor = emb._anchor_fn() if emb._anchor_fn is not None else emb._anchor
             out = _Rows.apply(anchor, emb, ids, emb.compute_device, emb.out_dtype)
         else:

@@ -56,6 +56,50 @@ def equal(rank, world, out):
                     "backend": dist.get_backend(), "device": str(emb.compute_device)}, out)
 
 
+def weight_view(rank, world, out, emb=None):
+    """``emb.weight`` of a partitioned table: metadata with no collective; row reads (different rows on each rank)
+    from their owners; the whole table by any other use; a step after a loss through the padding row read as a
+    weight (Gemma-4 multimodal's ``weight[pad_id, :]``) and a lookup. Rank 0 saves what it saw."""
+    from ds_maximus.distributed import collectives
+    torch.manual_seed(0)
+    w = torch.randn(VOCAB, DIM)
+    emb = emb if emb is not None else make(world)[0]
+    called = []
+    real = dist.all_to_all_single
+    dist.all_to_all_single = lambda *a, **k: called.append(1) or real(*a, **k)
+    assert collectives.dist is dist
+    v = emb.weight
+    meta = (tuple(v.shape), v.dtype, str(v.device), v.requires_grad, len(v))
+    meta_calls = len(called)
+    with torch.no_grad():
+        mine = [5, 9, 5] if rank == 0 else [70]
+        rows = v[torch.tensor(mine)].cpu()
+        row = v[-1].cpu()
+        whole = emb.weight.t().t().cpu()
+    ids = batches(world)[0][rank * 2:(rank + 1) * 2].to(device())
+    x = torch.linspace(-1, 1, DIM, device=device())
+    loss = (emb(ids) * x).pow(2).mean() + (emb.weight[1, :] * x * (rank + 1)).sum()
+    loss.backward()
+    emb.sparse_step()
+    after = emb.full_weight()
+    if rank == 0:
+        torch.save({"meta": meta, "meta_calls": meta_calls, "rows": rows, "row": row, "mine": mine, "whole": whole,
+                    "w": w, "after": after}, out)
+
+
+def weight_view_broadcast(rank, world, out):
+    """``weight_view`` of a broadcast table (the last rank the master, holding every row)."""
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.distributed.broadcast import BroadcastEmbedding
+    master = world - 1
+    torch.manual_seed(0)
+    w = torch.randn(VOCAB, DIM)
+    emb = BroadcastEmbedding(VOCAB, DIM, padding_idx=1, device=device(), master_rank=master,
+                             config=EmbeddingConfig(gpu_cache_rows=16, optimizer={"lr": 0.05, "weight_decay": 0.1}),
+                             _weight=w if rank == master else torch.zeros(VOCAB, DIM))
+    weight_view(rank, world, out, emb)
+
+
 def train(emb, rank, world, steps, start=0):
     """Train ``emb`` on this rank's share of batches ``[start, steps)``; returns the mean losses over the ranks."""
     losses = []

@@ -106,3 +106,36 @@ def test_one_rank_takes_the_plain_path_without_collectives(tmp_path):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), **tol)
     torch.testing.assert_close(got["weight"], ref.full_weight().cpu(), **tol)
     torch.testing.assert_close(got["rows"], ref.rows_for_compute(0, 8, "cpu"), **tol)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["partitioned", "broadcast"])
+def test_weight_reads_rows_from_their_owners(tmp_path, mode):
+    """``.weight`` of a table cut over 2 ranks, or held by a master (Llama-4 reads its device, Gemma-4 multimodal its
+    pad row): metadata
+    with no collective; rows read from their owners; the whole table by any other use; and a loss through the pad
+    row read as a weight sends that row its gradient (a lookup's would not), so the step equals one ShardedEmbedding
+    trained on both ranks' losses."""
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.vocab import ShardedEmbedding
+    from tests.distributed import rank_worker as rw
+    rcs, outs, _ = run_ranks(2, WORKER, "weight_view" if mode == "partitioned" else "weight_view_broadcast",
+                             tmp_path / "w.pt")
+    assert rcs == [0, 0], "\n".join(outs)
+    got = torch.load(tmp_path / "w.pt", weights_only=False)
+    dev = "cuda:0" if on_gpus() else "cpu"
+    assert got["meta"] == ((rw.VOCAB, rw.DIM), torch.float32, dev, True, rw.VOCAB) and got["meta_calls"] == 0
+    w = got["w"]
+    assert torch.equal(got["rows"], w[got["mine"]]) and torch.equal(got["row"], w[-1])
+    assert torch.equal(got["whole"], w)
+    ref = ShardedEmbedding(rw.VOCAB, rw.DIM, padding_idx=1, _weight=w,
+                           config=EmbeddingConfig(gpu_cache_rows=16, optimizer={"lr": 0.05, "weight_decay": 0.1}))
+    ref.train_padding_row()
+    x = torch.linspace(-1, 1, rw.DIM)
+    ids = rw.batches(2)[0]
+    # DeepSpeed averages the ranks' gradients: the mean of the two ranks' losses
+    loss = sum((ref(ids[r * 2:(r + 1) * 2]) * x).pow(2).mean() + (ref.weight[1, :] * x * (r + 1)).sum()
+               for r in range(2)) / 2
+    loss.backward()
+    ref.sparse_step()
+    torch.testing.assert_close(got["after"], ref.full_weight(), rtol=1e-5, atol=1e-6)
