@@ -496,7 +496,7 @@ def main(argv=None) -> int:
                          "(ShardedEmbedding.KEEP_GRAD_BUFFER; default on)")
     ap.add_argument("--defer-tier-steps", choices=("on", "off"), default=None,
                     help="ours: a tied table's staged step issued at the first block's next forward, not at the "
-                         "step (ShardedEmbedding.DEFER_TIER_STEPS; default on)")
+                         "step (ShardedEmbedding.DEFER_TIER_STEPS; default off until measured)")
     ap.add_argument("--bucket-elems", type=int, default=50_000_000,
                     help="ZeRO-2 reduce/allgather bucket (elements), every bf16 peer alike")
     ap.add_argument("--lr", type=float, default=1e-4)

@@ -174,8 +174,10 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         module.register_forward_pre_hook(launch)
         return True
 
-    #: defer_step_to takes effect (False: the step is issued at engine.step(), for comparisons)
-    DEFER_TIER_STEPS = True
+    #: defer_step_to takes effect. Off until its GPU comparison (``scripts/gpu/peft_defer_ab.sh``) has run: it is
+    #: tested on the CPU (the staged pipeline's synchronous twin) but not yet timed on a GPU, and options that are not
+    #: measured faster than the default do not become it
+    DEFER_TIER_STEPS = False
 
     def launch_deferred_step(self) -> None:
         """Start issuing a deferred step on its worker thread (no-op when none is waiting); returns at once."""

@@ -127,7 +127,7 @@ def test_stats_and_log_line(caplog):
 
 @pytest.mark.parametrize("cache_rows", [6, 12])
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred", "at-step"])
-def test_tied_step_deferred_to_the_first_block_equals_dense(device, defer, cache_rows):
+def test_tied_step_deferred_to_the_first_block_equals_dense(device, defer, cache_rows, monkeypatch):
     """``defer_step_to(block)`` (the runtime passes the model's first block): the staged step of the rows outside the
     cache is prepared at ``sparse_step`` and issued on a worker thread when the block's next forward starts. In a
     training loop's order (the next batch prefetched right after the step, as the look-ahead loader does; the lookup;
@@ -135,6 +135,7 @@ def test_tied_step_deferred_to_the_first_block_equals_dense(device, defer, cache
     misses issues it first (a cache of 6 rows of 24 drops the prefetched rows, and the lookups miss); with 12 the
     prefetched lookups hit and the steps wait for the block. The prefetch that came while a step waited is staged
     after it, never inside the cache operation that issued it (a lookup's acquire)."""
+    monkeypatch.setattr(ShardedEmbedding, "DEFER_TIER_STEPS", True)   # off by default until timed on a GPU
     g = torch.Generator().manual_seed(11)
     ref = nn.Embedding(24, 4)
     emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=cache_rows)).to(device)
@@ -170,6 +171,7 @@ def test_tied_step_deferred_to_the_first_block_equals_dense(device, defer, cache
 
 def test_a_deferred_steps_error_reaches_the_caller(monkeypatch):
     """An error while the worker thread issues a deferred step is raised where the step is next needed."""
+    monkeypatch.setattr(ShardedEmbedding, "DEFER_TIER_STEPS", True)
     emb = ShardedEmbedding.from_embedding(nn.Embedding(24, 4), make_config(cache_rows=6))
     emb.staged_tier_update = True
     block = nn.Identity()
