@@ -10,7 +10,7 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 build_ops cuda cpu
 timeout "${TEST_S:-170}" bash scripts/gpu/pytest_shards.sh 8 "$OUT/tests" tests/vocab/test_sharded_embedding_module.py \
   tests/vocab/test_sharded_embedding_state.py tests/engine/test_dropin.py tests/integrations/test_zero_to_fp32.py \
-  tests/conformance/test_fidelity_regressions.py tests/vocab/test_sharded_embedding_gpu.py
+  tests/conformance/test_fidelity_regressions.py tests/vocab/test_sharded_embedding_gpu.py tests/engine/test_lookahead.py
 echo "tests rc=$?"
 grep -h -A25 "^_____" "$OUT"/tests.* | head -120
 run() {  # NAME PEER OPTIONS...

@@ -75,8 +75,11 @@ def _tied_run(defer: bool, monkeypatch):
 def test_tied_table_step_deferred_to_the_first_decoder_layer_trains_the_same(monkeypatch):
     """initialize defers a tied table's staged step to the model's first decoder layer (``first_block``): the step is
     prepared at ``engine.step()`` and issued when ``model.layers[0]``'s next forward starts, after the lookup and
-    transformers' mask checks. Losses and the table are bit-identical to the step issued at ``engine.step()``."""
+    transformers' mask checks. Losses and the table are bit-identical to the step issued at ``engine.step()`` (on a
+    GPU, where the worker thread issues real streams and events, within the kernels' own run-to-run order)."""
     loss_on, w_on, launched = _tied_run(True, monkeypatch)
     loss_off, w_off, not_hooked = _tied_run(False, monkeypatch)
-    assert torch.equal(loss_on, loss_off) and torch.equal(w_on, w_off)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if torch.cuda.is_available() else {"rtol": 0, "atol": 0}  # GPU kernel order
+    torch.testing.assert_close(loss_on, loss_off, **tol)
+    torch.testing.assert_close(w_on, w_off, **tol)
     assert sum(launched) >= 3 and not not_hooked   # the layer's pre-hook issued the deferred steps
