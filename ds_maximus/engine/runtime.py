@@ -18,7 +18,6 @@ import time
 from typing import Dict, List, Optional
 
 import torch
-from torch import nn
 
 from ds_maximus.config import MaximusConfig, ShardMode
 from ds_maximus.engine.checkpoint_space import (
@@ -47,18 +46,6 @@ def _atomic_torch_save(obj, path: str) -> None:
         remove_quietly(tmp)  # a failed write (disk full) leaves no partial file behind
         raise
 
-
-
-def first_block(model: nn.Module) -> Optional[nn.Module]:
-    """The first module of the model's largest stack (the ``nn.ModuleList`` holding the most parameters: a
-    transformer's decoder layers), or None where the model has none."""
-    best, size = None, 0
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m):
-            n = sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters())   # ZeRO-3 partitions numel
-            if n > size:
-                best, size = m, n
-    return best[0] if best is not None else None
 
 class MaximusRuntime:
     """Owns the engine hooks. ``engine.maximus`` points at it. Every module it drives is a
@@ -131,12 +118,6 @@ class MaximusRuntime:
             return
         for head in self.of_role(ModuleRole.HEAD):
             head.defer_step_to(embs[0])
-        # a table's own staged step (the rows outside its cache: a tied head's gradient reaches them all) starts at
-        # the model's first block, after the forward's first host reads (the lookup's ids, transformers' mask checks)
-        block = first_block(self.engine.module)
-        if block is not None:
-            for emb in embs:
-                emb.defer_step_to(block)
 
     # -- groups / scalars ---------------------------------------------------------------------
     def _dp_group(self):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -183,8 +183,6 @@ class PartitionCache(CacheCore):
         self._waited_seq = 0
         self._wb_event = None
         self._tier_event = None   # copies on other streams write the tier until this event (tier_written_until)
-        # called before any use of the tier (a deferred step's copies, not issued yet, write it): the owner's settle
-        self.before_tier_access: Optional[Callable[[], None]] = None
         self._uva_pending: List[Tuple[Tensor, object]] = []   # (ids, event) of UVA write-backs in flight
         self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
@@ -291,16 +289,9 @@ class PartitionCache(CacheCore):
         on the host: the compute stream goes on meanwhile."""
         self._tier_event = event
 
-    def _settle_tier(self) -> None:
-        """Copies that will write the tier but are not issued yet (a deferred step, :attr:`before_tier_access`) are
-        issued first: what comes next orders itself after them through :meth:`tier_written_until`'s event."""
-        if self.before_tier_access is not None:
-            self.before_tier_access()
-
     def tier_sync(self) -> None:
         """Wait on the host for the copies of :meth:`tier_written_until` (the tier is read or written on the host
         next)."""
-        self._settle_tier()
         ev, self._tier_event = self._tier_event, None
         if ev is not None and not ev.query():
             t0 = time.perf_counter()
@@ -311,7 +302,6 @@ class PartitionCache(CacheCore):
         """Order ``stream`` after every write of the tier in flight (the copies of :meth:`tier_written_until`, UVA
         write-backs), so that a copy queued on it next may read the tier's host memory; False where a write is
         still to be made on the host (the staged write-backs of a cache without UVA)."""
-        self._settle_tier()
         if self._pending:
             return False
         self._tier_stream_wait(stream)
@@ -321,7 +311,6 @@ class PartitionCache(CacheCore):
 
     def _tier_stream_wait(self, stream) -> None:
         """Order ``stream`` (a fill or write-back stream) after the tier's copies in flight."""
-        self._settle_tier()
         if self._tier_event is not None:
             if self._tier_event.query():
                 self._tier_event = None

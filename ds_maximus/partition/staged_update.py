@@ -87,47 +87,6 @@ class BackgroundStep:
         return self._result
 
 
-class DeferredIssue:
-    """Work whose issue waits for a trigger: :meth:`launch` starts ``fn`` on a worker thread (a
-    :class:`BackgroundStep`, on ``device`` where it is a CUDA device: a thread's current device is its own);
-    :meth:`settle` launches it if it has not started, waits until ``fn`` has returned and re-raises its error.
-    Called from inside ``fn`` (the work reaching code that settles), :meth:`settle` returns at once.
-
-    >>> d = DeferredIssue(lambda: 7)
-    >>> d.launched, d.settle(), d.launched
-    (False, 7, True)
-    """
-
-    def __init__(self, fn, device=None, name: str = "maximus-deferred-step"):
-        self._fn, self._name = fn, name
-        self._device = torch.device(device) if device is not None else None
-        self._bg: Optional[BackgroundStep] = None
-
-    @property
-    def launched(self) -> bool:
-        return self._bg is not None
-
-    def _run(self):
-        if self._device is not None and self._device.type == "cuda":
-            with torch.cuda.device(self._device):
-                return self._fn()
-        return self._fn()
-
-    def launch(self) -> None:
-        if self._bg is None:
-            self._bg = BackgroundStep(self._run, name=self._name)
-
-    def inside(self) -> bool:
-        """Whether the caller is the worker thread running the work."""
-        return self._bg is not None and threading.current_thread() is self._bg._thread
-
-    def settle(self):
-        if self.inside():
-            return None
-        self.launch()
-        return self._bg.event()
-
-
 class StagedUpdate:
     """Streams and two staging sets of one update device (see module docstring); buffers are made on first
     use, kept between steps and grown when a piece needs more.

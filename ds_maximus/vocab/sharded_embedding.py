@@ -19,7 +19,7 @@ from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_wit
 from ds_maximus.ops import rows_where
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
 from ds_maximus.partition import PartitionCache, TensorTier
-from ds_maximus.partition.staged_update import DeferredIssue, StagedUpdate, device_with_index
+from ds_maximus.partition.staged_update import StagedUpdate, device_with_index
 from ds_maximus.partition.transfer import CudaTransfer, device_bytes_free
 from ds_maximus.vocab.function import BatchPlan, BatchPlanner, ids_on_host
 from ds_maximus.vocab.sharded_state import ShardedStateMixin
@@ -79,10 +79,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self.compute_device = torch.device(device) if device is not None else torch.device("cpu")
         self.out_dtype = dtype or torch.get_default_dtype()
         self.optimizer = RowOptimizer(self.config.optimizer, self.num_embeddings, frozen_row=padding_idx)
-        # defer_step_to: the staged step of the rows outside the cache is issued at the trigger module's next forward
-        self.defer_tier_steps = False
-        self._deferred: Optional[DeferredIssue] = None   # that step, prepared, not issued or not joined yet
-        self._deferred_prefetch: collections.deque = collections.deque()  # (flat ids, plan) that came meanwhile
         self.tier = self._make_tier(_weight)
         self.cache = self._make_cache(self.compute_device)
         self.grad = SparseRowGrad()
@@ -148,54 +144,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
 
     def _make_cache(self, device) -> PartitionCache:
         rows = min(int(self.config.gpu_cache_rows), self.num_embeddings)
-        cache = PartitionCache(rows, self.tier, device=device, policy=self.config.cache_policy,
-                               names=("weight", *self.optimizer.state_names))
-        # a deferred step writes the tier: issued before any use of it (the prefetches that came meanwhile are staged
-        # later, outside the cache operation that asked)
-        cache.before_tier_access = lambda: self._settle(prefetch=False)
-        return cache
-
-    # -- a step deferred to the next forward (defer_step_to) --------------------------------------------------------
-    def defer_step_to(self, module: nn.Module) -> bool:
-        """The staged step of the rows outside the cache (a tied head's gradient reaches every row: the whole
-        table's weights and moments cross the link both ways) is issued on a worker thread when ``module``'s next
-        forward starts (the model's first block), not at ``engine.step()``. Issued there it held the compute
-        stream idle while the host queued it (~30 ms at the Gemma-3-4B shape), and its device-to-host copies were
-        queued ahead of the small reads the next forward starts with (the lookup's ids, transformers' mask
-        checks), which then waited for them. Anything that needs the step first (a lookup that misses, the head's
-        rows, a gradient, a checkpoint, the next step) issues it and waits until it is issued; prefetches that
-        come meanwhile are staged after it. Only the staged pipeline (``staged_tier_update``) defers."""
-        if not self.DEFER_TIER_STEPS:
-            return False
-        self.defer_tier_steps = True
-
-        def launch(*_):   # a pre-hook returning anything but None would replace the block's inputs
-            self.launch_deferred_step()
-        module.register_forward_pre_hook(launch)
-        return True
-
-    #: defer_step_to takes effect. Off until its GPU comparison (``scripts/gpu/peft_defer_ab.sh``) has run: it is
-    #: tested on the CPU (the staged pipeline's synchronous twin) but not yet timed on a GPU, and options that are not
-    #: measured faster than the default do not become it
-    DEFER_TIER_STEPS = False
-
-    def launch_deferred_step(self) -> None:
-        """Start issuing a deferred step on its worker thread (no-op when none is waiting); returns at once."""
-        if self._deferred is not None:
-            self._deferred.launch()
-
-    def _settle(self, launch: bool = True, prefetch: bool = True) -> None:
-        """Issue a deferred step (``launch=False``: only one already launched) and wait until the worker thread has
-        issued it, re-raising its error; nothing to do from inside that thread. Then (``prefetch``) stage the
-        prefetches that came while it waited: they read the tier it writes."""
-        d = self._deferred
-        if d is not None:
-            if d.inside() or not (launch or d.launched):
-                return
-            self._deferred = None
-            d.settle()
-        while prefetch and self._deferred_prefetch:
-            self._stage_prefetch(*self._deferred_prefetch.popleft())
+        return PartitionCache(rows, self.tier, device=device, policy=self.config.cache_policy,
+                              names=("weight", *self.optimizer.state_names))
 
     def _tables(self):
         st = self.cache.storage
@@ -204,7 +154,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     # -- nn.Module plumbing -----------------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """``.to()/.cuda()/.half()/.bfloat16()`` move the cache and set the output dtype; the fp32 table stays."""
-        self._settle()
         probe = fn(torch.zeros(1, dtype=self.out_dtype, device=self.compute_device))
         if probe.is_floating_point():
             self.out_dtype = probe.dtype
@@ -226,7 +175,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------------
     def forward(self, input: Tensor) -> Tensor:
-        self._settle(launch=False)  # a deferred step not launched yet waits (its trigger comes later)
         from ds_maximus.vocab.function import ShardedEmbeddingFunction, lookup
         if input.dtype not in (torch.long, torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"ShardedEmbedding expects integer token ids, got {input.dtype}")
@@ -337,17 +285,9 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         The batch is planned here too (unique ids, inverse, order; uploaded at once), so the forward of the
         same ids only brings them to the host to compare.
         """
+        from ds_maximus.errors import CapacityError
         flat = ids_on_host(ids.detach().reshape(-1))
         host = self._planner.plan_host(flat, pin=self.compute_device.type == "cuda")  # IndexError on a bad id
-        if self._deferred is not None and not self._deferred.launched:
-            self._deferred_prefetch.append((flat, host))   # its fills read the tier the deferred step writes
-            return
-        self._settle()
-        self._stage_prefetch(flat, host)
-
-    def _stage_prefetch(self, flat: np.ndarray, host) -> None:
-        """The prefetch of a planned batch: its rows acquired (fills queued), pinned, the plan uploaded."""
-        from ds_maximus.errors import CapacityError
         while len(self._prefetched) >= 2:
             self.cache.unpin(self._prefetched.popleft().slots)
         try:  # counted here: a lookup of exactly these ids adopts them without a second count
@@ -415,7 +355,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         self._prefetched = keep
 
     def _accumulate(self, ids: Tensor, rows: Tensor) -> None:
-        self._settle()
         self.grad.add(ids, rows)
 
     # -- the maximus module protocol ---------------------------------------------------------------------
@@ -454,7 +393,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         """The whole ``[V, d]`` table as it is now, on the compute device in the dtype the model computes in; under
         grad mode its gradient goes into the rows (as a tied head's does). It costs a dense table's memory while
         it is held, and every row crosses the link: what ``emb.weight`` gives code that reads it."""
-        self._settle()
         from ds_maximus.vocab.lm_head_stream import streamed_weight
         from ds_maximus.vocab.lm_head_tier import TiedSource
         anchor = self._anchor_fn() if torch.is_grad_enabled() and self._anchor_fn is not None else self._anchor
@@ -467,7 +405,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
 
     def sparse_grads(self):
         """The accumulated sparse gradient as ``(ids [U] CPU long, rows [U, d] fp32)`` (empty when none)."""
-        self._settle()
         if not self.grad:
             return (torch.zeros(0, dtype=torch.long),
                     torch.zeros(0, self.embedding_dim, device=self.compute_device))
@@ -475,26 +412,21 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
 
     def set_sparse_grads_(self, ids: Tensor, rows: Tensor) -> None:
         """Replace the accumulated sparse gradient (unique ids), e.g. after combining across ranks."""
-        self._settle()
         self.grad.clear()
         if ids.numel():
             self.grad.add(ids.to("cpu", torch.long), rows.to(self.compute_device, torch.float32))
 
     def sparse_grad_norm_sq(self) -> Tensor:
         """Sum of squares of the accumulated sparse gradient (fp32 scalar on the compute device)."""
-        self._settle()
         return self.grad.norm_sq(self.compute_device)
 
     def scale_sparse_grads_(self, factor: float) -> None:
-        self._settle()
         self.grad.scale_(factor)
 
     def sparse_grads_finite(self) -> bool:
-        self._settle()
         return self.grad.finite()
 
     def zero_sparse_grads(self) -> None:
-        self._settle()
         self.grad.clear()
         self._unpin_step()
 
@@ -508,7 +440,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
 
         On a GPU the rows outside the cache are stepped by copies and kernels on side streams that run on into the
         next forward (the last step's, if still in flight, is waited for here first)."""
-        self._settle()
         self.cache.tier_sync()
         self._rows_changed()
         self.optimizer.begin_step(lr, weight_decay)
@@ -622,22 +553,8 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         if upd is not None:  # read on the update stream after the caller drops them
             rows.record_stream(upd)
             where_d.record_stream(upd)
-        after = torch.cuda.current_stream(dev).record_event() if pl.cuda else None  # the gradient is complete
-
-        def issue():
-            self._issue_tier_windows(pl, windows, names, ids, rows, where, where_d, table, step, after)
-        if self.defer_tier_steps:
-            self._deferred = DeferredIssue(issue, dev, name="maximus-tier-step")
-        else:
-            issue()
-        return True
-
-    def _issue_tier_windows(self, pl: StagedUpdate, windows, names, ids: Tensor, rows: Tensor, where: Tensor,
-                            where_d: Tensor, table: Optional[Tensor], step: int, after) -> None:
-        """Issue the staged pipeline of :meth:`_tier_update_in_place` (see there), returning before a GPU has run it."""
-        upd = pl.update if pl.cuda else None
-        dev = pl.device
         width = step * self.embedding_dim
+        after = torch.cuda.current_stream(dev) if pl.cuda else None
         for s, (host, a, b, first) in pl.pieces(windows, after=after):
             n = host["weight"].shape[0]
             bufs = {nm: pl.buffer(s, nm, width, host[nm].dtype)[:n * self.embedding_dim].view(n, -1) for nm in names}
@@ -669,6 +586,7 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
             table.record_stream(upd)
         self._keep_step_rows(table, ids, ready)
         pl.release(wait=False)
+        return True
 
     def _keep_step_rows(self, table: Optional[Tensor], ids: Tensor, ready) -> None:
         if table is None:
@@ -705,7 +623,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
 
     def _rows_changed(self) -> None:
         """The tier's rows change outside a step (a load): nothing copied or kept from them before is current."""
-        self._settle()
         self._staged_spans.clear()
         self._step_rows = None
 
@@ -749,7 +666,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         range's span of the tier's host memory (a GPU device, no row with steps to replay, one piece holding the
         range), that copy starts now on a side stream, after the tier's writes in flight, so the compute stream
         waits for no copy of its own and the host for none of the tier's writes."""
-        self._settle()
         device = torch.device(device) if device is not None else self.compute_device
         key = (lo, hi, device_with_index(device)) if device.type == "cuda" else None
         if key is None or key in self._staged_spans:
@@ -792,7 +708,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         time for the head's forward, whose GPU work was 19 ms). Until the next step no row changes: steps, loads
         (:meth:`_rows_changed`) and the replays of skipped steps change rows, and the table's rows were all
         stepped in the last step, so none has a step to replay."""
-        self._settle()
         device = torch.device(device) if device is not None else self.compute_device
         dtype = dtype or self.out_dtype
         kept = self._step_rows_for(lo, hi, device, dtype)
@@ -894,7 +809,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
 
     def add_dense_row_grad_(self, lo: int, hi: int, grad: Tensor) -> None:
         """Add a gradient for the contiguous rows ``[lo, hi)`` to the accumulated sparse gradient."""
-        self._settle()
         if tuple(grad.shape) != (hi - lo, self.embedding_dim):
             raise ValueError(f"grad has shape {tuple(grad.shape)}, expected ({hi - lo}, {self.embedding_dim})")
         ids = torch.arange(lo, hi)
@@ -908,7 +822,6 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
         before it). Each step's chunks together cover every row: on a GPU they are written into memory kept from step
         to step (:attr:`KEEP_GRAD_BUFFER`), as a new ``[V, d]`` fp32 gradient each step would not fit beside the
         chunks under a capped allocator without it freeing its cache (a wait for every stream)."""
-        self._settle()
         self.grad.keep_buffer = self.KEEP_GRAD_BUFFER and self.compute_device.type == "cuda"
         self.grad.add(ids, grad.detach().to(self.compute_device, torch.float32))
 

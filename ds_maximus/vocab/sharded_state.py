@@ -24,7 +24,6 @@ class ShardedStateMixin:
 
     def _catch_up_all(self) -> None:
         """Exact mode: bring every row to the current step (cache rows first, then the tier's)."""
-        self._settle()
         if self.optimizer.lazy or self.optimizer.step == 0:
             return
         resident = self.cache.map.resident_ids()
@@ -40,19 +39,16 @@ class ShardedStateMixin:
 
     def flush(self) -> None:
         """Write every dirty cached row back to the tier (and the tier to disk)."""
-        self._settle()
         self.cache.flush()
 
     def full_weight(self) -> Tensor:
         """The whole table on CPU in fp32, exact-mode catch-up applied."""
-        self._settle()
         self._catch_up_all()
         self.cache.flush()
         return self.tier.materialize("weight")
 
     def maximus_state_dict(self) -> dict:
         """Table + optimizer state + step counters + lr history (exact catch-up applied, cache flushed)."""
-        self._settle()
         self._catch_up_all()
         self.cache.flush()
         names = ("weight", *self.optimizer.state_names)
@@ -61,7 +57,6 @@ class ShardedStateMixin:
                 "optimizer": self.optimizer.state_dict()}
 
     def load_maximus_state_dict(self, d: dict) -> None:
-        self._settle()
         from ds_maximus.errors import ConfigError
         if (d["num_embeddings"], d["embedding_dim"]) != (self.num_embeddings, self.embedding_dim):
             raise ConfigError(f"checkpoint table is {d['num_embeddings']}x{d['embedding_dim']}, this module is "

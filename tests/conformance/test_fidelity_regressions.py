@@ -184,7 +184,7 @@ def test_lm_head_enabled_tied_model_saves_tied(name, tmp_path):
     assert keys["saved"] == keys["plain"] and "lm_head.weight" not in keys["saved"]
     ids = batches[0]["input_ids"]
     with torch.no_grad():
-        want = ours(input_ids=ids).logits.float()
+        want = ours(input_ids=ids).logits.float().cpu()   # the fresh process loads on the CPU
     out = load_in_fresh_process(tmp_path, {"m": {"dir": str(tmp_path / "saved"), "kwargs": {"input_ids": ids}}})
     assert out["m"]["tie"] is True and not out["m"]["info"]["missing_keys"] and not out["m"]["info"]["unexpected_keys"]
     torch.testing.assert_close(out["m"]["logits"].float(), want, rtol=1e-5, atol=1e-5)

@@ -26,7 +26,7 @@ def _checkpoint(stage, tie, path, head=True):
     ids = zipf_batches(1, 2, 8, seed=5)[0]
     engine.eval()
     with torch.no_grad():
-        logits = engine(input_ids=ids).logits.float()
+        logits = engine(input_ids=ids).logits.float().cpu()   # compared with the plain model on the CPU
     return engine, ids, logits
 
 
