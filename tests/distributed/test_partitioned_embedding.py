@@ -139,3 +139,27 @@ def test_weight_reads_rows_from_their_owners(tmp_path, mode):
     loss.backward()
     ref.sparse_step()
     torch.testing.assert_close(got["after"], ref.full_weight(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["llama4", "gemma4_multimodal"])
+def test_families_reading_the_weight_train_with_the_table_cut_over_ranks(tmp_path, name):
+    """Llama-4 reads ``embed_tokens.weight.device`` and Gemma-4 multimodal ``embed_tokens.weight[pad_id, :]`` in
+    every forward: under the ``deepspeed`` launcher on 2 ranks with ``shard_mode: partitioned`` they train as plain
+    DeepSpeed does on one rank with the same global batch."""
+    from tests.conformance.families import FAMILIES
+    from tests.conformance.helpers import ds_config
+    from tests.distributed import family_worker as fw
+    from tests.distributed.ranks import launch
+    from tests.helpers.models import train
+    launch(2, Path(fw.__file__), "--out", tmp_path / "f.pt", "--family", name, "--mode", "partitioned")
+    got = torch.load(tmp_path / "f.pt", weights_only=False)
+    import deepspeed
+    family = FAMILIES[name]
+    torch.manual_seed(0)
+    model = family.build()
+    plain, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                     config=ds_config(2, micro=fw.GLOBAL_BATCH))
+    want = train(plain, fw.batches(family))
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), rtol=1e-4, atol=1e-6)
