@@ -35,6 +35,7 @@ from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_wit
 from ds_maximus.errors import DistributedError
 from ds_maximus.ops import rows_where
 from ds_maximus.vocab.sharded_state import whole_table
+from ds_maximus.vocab.table_view import WeightView
 
 
 class _Exchange(torch.autograd.Function):
@@ -119,7 +120,7 @@ class _HeadGrads:
             m._keep_head_grads(lo, hi, total)
 
 
-class PartitionedEmbedding(MaximusModule, nn.Module):
+class PartitionedEmbedding(WeightView, MaximusModule, nn.Module):
     """Row-partitioned embedding over the data-parallel group; implements the maximus module protocol.
 
     ``group`` defaults to DeepSpeed's data-parallel group; ``block_rows`` to about 16 blocks per rank.
@@ -197,14 +198,6 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
                                    "every rank")
 
     # -- nn.Module plumbing -------------------------------------------------------------------------------
-    def __getattr__(self, name: str):
-        # ``emb.weight`` (Llama-4's forward reads its device, Gemma-4 multimodal's its pad row): the view that
-        # ShardedEmbedding gives, its metadata local, its rows read from their owners (read_rows, collective)
-        if name == "weight":
-            from ds_maximus.vocab.table_view import TableView
-            return TableView(self)
-        return super().__getattr__(name)
-
     @property
     def out_dtype(self) -> torch.dtype:
         return self.local.out_dtype
@@ -215,7 +208,7 @@ class PartitionedEmbedding(MaximusModule, nn.Module):
         weight, not a lookup). Collective, as a lookup is: every rank reads (model code reads the same rows on every
         rank; the ids may differ)."""
         if self.comm.single:
-            return self.local.weight[ids]
+            return self.local.read_rows(ids)
         uniq, inverse = torch.unique(ids.to("cpu", torch.long), sorted=True, return_inverse=True)
         rows = self._rows_from_owners(uniq, torch.is_grad_enabled(), pad_grad=True)
         return rows.index_select(0, inverse.to(rows.device))

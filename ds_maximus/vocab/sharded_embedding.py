@@ -24,6 +24,7 @@ from ds_maximus.partition.transfer import CudaTransfer, device_bytes_free
 from ds_maximus.vocab.function import BatchPlan, BatchPlanner, ids_on_host
 from ds_maximus.vocab.sharded_state import ShardedStateMixin
 from ds_maximus.vocab.stats import EmbeddingStats, format_line
+from ds_maximus.vocab.table_view import WeightView, sharded_rows
 
 logger = logging.getLogger("ds_maximus")
 
@@ -40,7 +41,7 @@ def _masked(t: Tensor, mask: Tensor) -> Tensor:
     return torch.from_numpy(t.numpy()[mask.numpy()])
 
 
-class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
+class ShardedEmbedding(ShardedStateMixin, WeightView, MaximusModule, nn.Module):
     """Embedding table with a row cache on the compute device and a row-sparse optimizer.
 
     Example::
@@ -381,13 +382,10 @@ class ShardedEmbedding(ShardedStateMixin, MaximusModule, nn.Module):
     #: rows a ``weight`` read brings to the device at once (its gradient goes back in chunks of the same size)
     WEIGHT_CHUNK_ROWS = 16384
 
-    def __getattr__(self, name: str):
-        # ``emb.weight``: no Parameter holds the table, and code written for nn.Embedding reads it (Llama-4's forward
-        # moves the ids to ``embed_tokens.weight.device``; Gemma-4's multimodal forward reads the pad row)
-        if name == "weight":  # the table's metadata and the rows it indexes, building only what is read
-            from ds_maximus.vocab.table_view import TableView
-            return TableView(self)
-        return super().__getattr__(name)
+    def read_rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (CPU long, in range) as they are now, on the compute device in the output dtype; under grad
+        mode their gradient goes to those rows, the padding row's too (a read of ``.weight``, not a lookup)."""
+        return sharded_rows(self, ids)
 
     def compute_weight(self) -> Tensor:
         """The whole ``[V, d]`` table as it is now, on the compute device in the dtype the model computes in; under

@@ -61,6 +61,27 @@ def _fetch(emb, ids: Tensor, device, dtype) -> Tensor:
     return torch.cat([emb.rows_for_compute(i, i + 1, device, dtype) for i in ids.tolist()])
 
 
+def sharded_rows(emb, ids: Tensor) -> Tensor:
+    """Rows ``ids`` of a ``ShardedEmbedding`` on its compute device in its output dtype; under grad mode their
+    gradient goes to those rows (``ShardedEmbedding.read_rows``)."""
+    if torch.is_grad_enabled():
+        anchor = emb._anchor_fn() if emb._anchor_fn is not None else emb._anchor
+        return _Rows.apply(anchor, emb, ids, emb.compute_device, emb.out_dtype)
+    return _fetch(emb, ids, emb.compute_device, emb.out_dtype)
+
+
+class WeightView:
+    """``module.weight`` as a :class:`TableView` for a maximus table module, which provides ``num_embeddings``,
+    ``embedding_dim``, ``out_dtype``, ``compute_device``, ``read_rows(ids)`` and ``compute_weight()``. A mixin placed
+    before ``nn.Module``: no Parameter holds the table, and code written for ``nn.Embedding`` reads ``.weight``
+    (Llama-4's forward moves the ids to its ``.device``; Gemma-4's multimodal forward reads the pad row)."""
+
+    def __getattr__(self, name: str):
+        if name == "weight":  # the table's metadata and the rows it indexes, building only what is read
+            return TableView(self)
+        return super().__getattr__(name)
+
+
 class TableView(Tensor):
     """See the module docstring. ``TableView(emb)``: a view of ``emb``'s whole table."""
 
@@ -100,15 +121,7 @@ class TableView(Tensor):
         if picked is None:
             return None
         ids, squeeze = picked
-        emb = self._emb
-        read_rows = getattr(emb, "read_rows", None)   # a table cut over ranks reads rows from their owners
-        if read_rows is not None:
-            out = read_rows(ids)
-        elif torch.is_grad_enabled():
-            anchor = emb._anchor_fn() if emb._anchor_fn is not None else emb._anchor
-            out = _Rows.apply(anchor, emb, ids, emb.compute_device, emb.out_dtype)
-        else:
-            out = _fetch(emb, ids, emb.compute_device, emb.out_dtype)
+        out = self._emb.read_rows(ids)
         return out[0] if squeeze else out
 
     @classmethod
