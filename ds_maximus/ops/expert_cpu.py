@@ -6,9 +6,10 @@ and the calls run without the GIL. Where the host has AVX512-BF16 (checked at ru
 and quantized weights (:mod:`ds_maximus.experts.quant`: codes are integers, exact in bf16) take ``vdpbf16ps`` dot
 products, whose products are exact, against x split into bf16 ``hi + lo`` (one product a weight when x is exactly
 bf16, as a bf16 model's hidden state is; two otherwise, ~16 bits of x), a quantized group adding
-``scale * dot(codes, x) + zero * sum(x)``. Elsewhere, and for fp32 weights, rows are decoded a chunk at a time to
-fp32 in L1. One token through an expert reads the expert once from host memory, which is what lets a missed expert
-be computed where it lives instead of being copied to the GPU.
+``scale * dot(codes, x) + zero * sum(x)`` (the codes decoded in registers: :func:`quant_decode`). Elsewhere, and
+for fp32 weights, rows are decoded a chunk at a time to fp32 in L1. One token through an expert reads the expert
+once from host memory, which is what lets a missed expert be computed where it lives instead of being copied to
+the GPU.
 
 The op is built (JIT, cached) and loaded once per process. There is no fallback: where it cannot be built,
 every call raises :class:`ds_maximus.errors.OpBuildError` with the compiler's log and the fix. The plain-PyTorch
@@ -123,6 +124,13 @@ def kernel_isa() -> str:
     """The path this host runs: ``"avx512_bf16"`` (bf16 dot products) or ``"fp32"`` (a host without AVX512-BF16,
     or ``MAXIMUS_EXPERT_CPU_FP32=1`` in the environment when the op first loads)."""
     return load_op().kernel_isa()
+
+
+def quant_decode(bits: int, group_size: int, tokens: int) -> str:
+    """How the op decodes ``bits``-wide codes of ``group_size`` groups in a call of ``tokens`` tokens: ``"words"``
+    (4- and 2-bit codes a 16-bit word at a time, a shift and a bit-select a vector: 4 bits below 4 tokens, group
+    sizes that tile 64-byte blocks), ``"lookup"`` (a byte-table lookup) or ``"fp32"`` (the fp32 path)."""
+    return load_op().quant_decode(bits, group_size, tokens)
 
 
 def max_threads() -> int:

@@ -71,6 +71,52 @@ def test_quantized_rows_decode_exactly(bits):
     assert torch.equal(expert_cpu.linear(eye, w), w.float().t())
 
 
+# (bits, group size, columns): groups that tile a 64-byte block of codes (128 4-bit or 256 2-bit codes) and groups
+# that span several blocks, each with a last block cut short by the row's end
+WORD_SHAPES = [(4, 8, 136), (4, 64, 320), (4, 256, 768), (2, 16, 272), (2, 64, 320), (2, 512, 1536)]
+
+
+@pytest.mark.parametrize("bits,group_size,cols", WORD_SHAPES)
+def test_word_decode_reads_the_reference_bits(bits, group_size, cols):
+    """The word decode (a code becomes bf16 2^bits + code, the 2^bits * sum(x) taken back lane by lane): a one-hot x
+    of 1, 2 and 3 tokens reads each column of the dequantized weight bit for bit, as the byte lookup does."""
+    if expert_cpu.kernel_isa() != "avx512_bf16":
+        pytest.skip("the word decode is part of the AVX512-BF16 path")
+    w = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols)).to(torch.bfloat16)
+    q = quantize(w, bits, group_size)
+    want = dequantize(q).t()
+    eye = torch.eye(cols)
+    for tokens in (1, 2, 3):
+        assert expert_cpu.quant_decode(bits, group_size, tokens) == "words"
+        for c0 in range(0, cols - tokens + 1, 5):
+            assert torch.equal(expert_cpu.linear(eye[c0:c0 + tokens], q), want[c0:c0 + tokens])
+
+
+@pytest.mark.parametrize("bits,group_size,cols", WORD_SHAPES)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("x_exact", [True, False], ids=["x-bf16-exact", "x-fp32"])
+def test_word_decode_equals_reference(bits, group_size, cols, tokens, x_exact):
+    """Random x through the word decode (and, for 4 bits from 4 tokens, the byte lookup) equals the reference."""
+    g = torch.Generator().manual_seed(bits * tokens + cols)
+    q = quantize(torch.randn(40, cols, generator=g).to(torch.bfloat16), bits, group_size)
+    x = 3 * torch.randn(tokens, cols, generator=g)
+    if x_exact:
+        x = x.to(torch.bfloat16).float()
+    _close(expert_cpu.linear(x, q), x @ dequantize(q).t())
+
+
+def test_decode_choice():
+    """Which decode a call takes: the word decode where it measured faster, the byte lookup elsewhere."""
+    if expert_cpu.kernel_isa() != "avx512_bf16":
+        assert expert_cpu.quant_decode(4, 64, 1) == "fp32"
+        return
+    assert [expert_cpu.quant_decode(4, 64, t) for t in (1, 3, 4, 8)] == ["words", "words", "lookup", "lookup"]
+    assert [expert_cpu.quant_decode(2, 64, t) for t in (1, 8, 64)] == ["words"] * 3
+    assert expert_cpu.quant_decode(4, 40, 1) == "lookup"  # groups of 40 neither tile nor fill 128-code blocks
+    assert expert_cpu.quant_decode(2, 8, 1) == "lookup"  # a 2-bit lane holds 16 codes: groups of 8 split it
+    assert expert_cpu.quant_decode(8, 64, 1) == expert_cpu.quant_decode(3, 64, 1) == "lookup"
+
+
 @pytest.mark.parametrize("cols", [1, 15, 16, 17, 100])
 def test_linear_odd_lengths(cols):
     g = torch.Generator().manual_seed(cols)

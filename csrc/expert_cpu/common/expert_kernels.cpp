@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -153,7 +154,8 @@ inline float silu(float a) { return a / (1.f + std::exp(-a)); }
 // ---------------------------------------------------------------------------------------------------------------
 // AVX512-BF16 path. vdpbf16ps multiplies bf16 pairs and adds them to fp32 lanes; a product of two bf16 values is
 // exact in fp32, so only the fp32 sums round. Weights are bf16 already, and quantized codes (integers < 256) are
-// exact in bf16. x is split once a call into x = hi + lo (both bf16, hi = rne(x), lo = rne(x - hi)): one dot product
+// exact in bf16: a byte lookup decodes them (decode32), or for 4- and 2-bit codes at few tokens a shift and a
+// bit-select (WordCodes). x is split once a call into x = hi + lo (both bf16, hi = rne(x), lo = rne(x - hi)): one dot product
 // per weight vector when x is exactly bf16 (lo == 0 everywhere, as in a bf16 model's decode), two otherwise, which
 // keeps ~16 of fp32 x's mantissa bits. A quantized row is, group by group, scale_g * dot(codes_g, x_g) + zero_g *
 // sum(x_g), the group sums of x taken once a call. Each output is one row's sums in a fixed order, done by one
@@ -195,13 +197,51 @@ struct SplitX {
     std::vector<float> group_sum;  // [tokens, groups]
     int64_t ld = 0, groups = 0;
     bool exact = true;  // lo == 0: x is exactly bf16
+    // word layout (word_codes(w)): hi and lo permuted block by block to the order the words' codes are decoded in,
+    // and run_sum [tokens, wblocks * 16]: base * the sum of hi + lo over each fp32 lane's codes
+    bool words = false;
+    int64_t wblocks = 0;
+    std::vector<float> run_sum;
 };
+
+// 4- and 2-bit rows decoded a 16-bit word at a time, without a lookup: shifted so that code j lands in the top BITS
+// bits of a bf16 mantissa and OR-ed with the exponent of base = 2^BITS, a code becomes the bf16 value base + code,
+// exactly (a shift and a vpternlog for 32 codes). A 64-byte load is 32 words of K codes; vector j of a block holds
+// code j of every word, so x is permuted to that order once a call. After vdpbf16ps, fp32 lane l of a block holds
+// words 2l and 2l + 1, i.e. 2K consecutive codes, all in one group when group_size % 2K == 0: subtracting base * the
+// lane's sum of x leaves the lane's dot(codes, x) (exact where that dot is: a one-hot x reads the reference's bits),
+// which the lane's group scale then multiplies.
+template <int BITS>
+struct WordCodes {
+    static constexpr int K = 16 / BITS;   // codes a word
+    static constexpr int kBlock = 32 * K;  // codes a 64-byte load
+    static constexpr uint16_t kMask = ((1u << BITS) - 1) << (7 - BITS);
+    static constexpr uint16_t kBase = BITS == 4 ? 0x4180 : 0x4080;  // bf16 16.0 and 4.0
+    static constexpr int shift(int j) { return (7 - BITS) - j * BITS; }  // > 0: left
+};
+
+// Whether a call takes the word layout: 4- and 2-bit weights whose groups hold whole lanes and either fill whole
+// blocks or tile a block (a block's lane scales are then one in-register permute of its first groups' scales).
+// 4-bit codes take it for fewer than 4 tokens only: in blocks of 4 tokens the byte-lookup decode (dots_quant) is
+// the faster one, while 2-bit codes are faster this way at every token count (docs/bench/moe_offload.md).
+inline bool word_codes(const WeightView& w, int64_t tokens) {
+    if (w.kind != WeightKind::kQuant || (w.bits != 4 && w.bits != 2) || (w.bits == 4 && tokens >= 4)) return false;
+    const int64_t gs = w.group_size, block = 512 / w.bits, lane = 32 / w.bits;
+    return gs % lane == 0 && (gs % block == 0 || block % gs == 0);
+}
 
 SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
     SplitX s;
-    // a group's last vector may start less than kVec before the row's end: one vector of zeros past it, so its
-    // loads stay in the row (0 * anything finite, where the masked-off codes and weights read as 0)
-    s.ld = (w.cols + kVec - 1) / kVec * kVec + kVec;
+    s.words = bf16_isa() && word_codes(w, tokens);
+    const int64_t block = s.words ? 512 / w.bits : 0, per_word = s.words ? 16 / w.bits : 0;
+    if (s.words) {
+        s.wblocks = (w.cols + block - 1) / block;
+        s.ld = s.wblocks * block;  // whole blocks, zeros past the row
+    } else {
+        // a group's last vector may start less than kVec before the row's end: one vector of zeros past it, so its
+        // loads stay in the row (0 * anything finite, where the masked-off codes and weights read as 0)
+        s.ld = (w.cols + kVec - 1) / kVec * kVec + kVec;
+    }
     s.hi.assign(tokens * s.ld, 0);
     s.lo.assign(tokens * s.ld, 0);
     const int64_t n = tokens * w.cols;
@@ -212,11 +252,31 @@ SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
         const float v = x[i];
         const uint16_t h = float_to_bf16_rne(v);
         const uint16_t l = float_to_bf16_rne(v - bf16_to_float(h));
-        s.hi[t * s.ld + k] = h;
-        s.lo[t * s.ld + k] = l;
+        int64_t pos = k;
+        if (s.words) {  // block b, word i, code j -> b * block + j * 32 + i
+            const int64_t r = k % block;
+            pos = k - r + (r % per_word) * 32 + r / per_word;
+        }
+        s.hi[t * s.ld + pos] = h;
+        s.lo[t * s.ld + pos] = l;
         inexact |= (l & 0x7fff) != 0;
     }
     s.exact = !inexact;
+    if (s.words) {
+        const float base = static_cast<float>(1 << w.bits);
+        const int64_t lanes = s.wblocks * 16, run = 2 * per_word;
+        s.run_sum.assign(tokens * lanes, 0.f);
+#pragma omp parallel for collapse(2) schedule(static) if (n > 16384)
+        for (int64_t t = 0; t < tokens; ++t)
+            for (int64_t l = 0; l < lanes; ++l) {
+                float sum = 0.f;  // what the dot products saw: hi + lo, in column order
+                for (int64_t k = l * run; k < std::min((l + 1) * run, w.cols); ++k) {
+                    const int64_t r = k % block, pos = t * s.ld + k - r + (r % per_word) * 32 + r / per_word;
+                    sum += bf16_to_float(s.hi[pos]) + bf16_to_float(s.lo[pos]);
+                }
+                s.run_sum[t * lanes + l] = base * sum;
+            }
+    }
     if (w.kind == WeightKind::kQuant) {
         s.groups = w.cols / w.group_size;
         s.group_sum.assign(tokens * s.groups, 0.f);
@@ -375,6 +435,107 @@ MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const Split
         for (int t = 0; t < T; ++t) out[i * ld + t] = _mm512_reduce_add_ps(acc[i][t]) + zsum[i][t];
 }
 
+template <int S>
+MAXIMUS_BF16_TARGET inline __m512i shift_words(__m512i v) {
+    if constexpr (S > 0) return _mm512_slli_epi16(v, S);
+    else if constexpr (S < 0) return _mm512_srli_epi16(v, -S);
+    else return v;
+}
+
+// code J of each of a row's 32 words (wv) as bf16 base + code, its products with T tokens of x added to d
+template <int BITS, int J, int R, int T, bool LO>
+MAXIMUS_BF16_TARGET inline void word_codes_dot(__m512 (&d)[R][T], const __m512i (&wv)[R], __m512i mask, __m512i base,
+                                               const uint16_t* xh, const uint16_t* xl, int64_t xld) {
+    __m512bh c[R];
+    for (int i = 0; i < R; ++i)  // (word & mask) | base: vpternlog truth table 0xEA
+        c[i] = as_bh(_mm512_ternarylogic_epi32(shift_words<WordCodes<BITS>::shift(J)>(wv[i]), mask, base, 0xEA));
+    for (int t = 0; t < T; ++t) {
+        const __m512bh h = load_bh(xh + t * xld + J * 32);
+        for (int i = 0; i < R; ++i) d[i][t] = _mm512_dpbf16_ps(d[i][t], c[i], h);
+        if constexpr (LO) {
+            const __m512bh l = load_bh(xl + t * xld + J * 32);
+            for (int i = 0; i < R; ++i) d[i][t] = _mm512_dpbf16_ps(d[i][t], c[i], l);
+        }
+    }
+}
+
+template <int BITS, int R, int T, bool LO, int... J>
+MAXIMUS_BF16_TARGET inline void word_block(std::integer_sequence<int, J...>, __m512 (&d)[R][T],
+                                           const __m512i (&wv)[R], __m512i mask, __m512i base,
+                                           const uint16_t* xh, const uint16_t* xl, int64_t xld) {
+    (word_codes_dot<BITS, J, R, T, LO>(d, wv, mask, base, xh, xl, xld), ...);
+}
+
+// dots_quant for 4- and 2-bit rows in the word layout (WordCodes): per 64-byte block, d = dot(base + codes, x) lane
+// by lane, minus base * the lane's x sum, times the lane's group scale, into acc; the zero term as in dots_quant
+template <int BITS, int R, int T, bool LO>
+MAXIMUS_BF16_TARGET void dots_words(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
+                                    float* out, int64_t ld) {
+    using WC = WordCodes<BITS>;
+    const int64_t gs = w.group_size, groups = x.groups, nblk = x.wblocks, lanes = nblk * 16, sld = groups + 16;
+    const int64_t row_bytes = w.cols * BITS / 8;
+    const __m512i mask = _mm512_set1_epi16(static_cast<short>(WC::kMask)),
+                  base = _mm512_set1_epi16(static_cast<short>(WC::kBase));
+    // a block's lanes, when it holds several groups: lane l is in the block's group (l * 2K) / gs
+    const bool tiled = gs < WC::kBlock;
+    alignas(64) int32_t lane_group[16];
+    for (int l = 0; l < 16; ++l) lane_group[l] = static_cast<int32_t>(tiled ? l * 2 * WC::K / gs : 0);
+    const __m512i lane_idx = _mm512_load_si512(lane_group);
+    const uint8_t* row[R];
+    float zsum[R][T];
+    for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        row[i] = static_cast<const uint8_t*>(w.data) + r * row_bytes;
+        const uint16_t* sc = w.scales + r * groups;
+        const uint16_t* zr = w.zeros + r * groups;
+        __m512 zacc[T];
+        for (int t = 0; t < T; ++t) zacc[t] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g += 16) {
+            const int64_t n = std::min<int64_t>(16, groups - g);
+            const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+            const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zr + g));
+            _mm512_storeu_ps(scale_buf + i * sld + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g)));
+            for (int t = 0; t < T; ++t)
+                zacc[t] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, x.group_sum.data() + (t0 + t) * groups + g),
+                                          zacc[t]);
+        }
+        for (int t = 0; t < T; ++t) zsum[i][t] = _mm512_reduce_add_ps(zacc[t]);
+    }
+    __m512 acc[R][T];
+    for (int i = 0; i < R; ++i)
+        for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+    const uint16_t* xh = x.hi.data() + t0 * x.ld;
+    const uint16_t* xl = x.lo.data() + t0 * x.ld;
+    const float* rsum = x.run_sum.data() + t0 * lanes;
+    const int64_t blocks_a_group = gs < WC::kBlock ? 1 : gs / WC::kBlock, groups_a_block = WC::kBlock / gs;
+    int64_t g0 = 0, in_group = 0;  // the block's first group (groups start at block starts), blocks into it
+    for (int64_t b = 0; b < nblk; ++b) {
+        const int64_t off = b * 64, left = row_bytes - off;
+        const __mmask64 m = left >= 64 ? ~0ull : (1ull << left) - 1;  // the tail: zero words past the row
+        __m512i wv[R];
+        for (int i = 0; i < R; ++i) {
+            _mm_prefetch(reinterpret_cast<const char*>(row[i] + off) + kPrefetch, _MM_HINT_T0);
+            wv[i] = _mm512_maskz_loadu_epi8(m, row[i] + off);
+        }
+        __m512 d[R][T];
+        for (int i = 0; i < R; ++i)
+            for (int t = 0; t < T; ++t) d[i][t] = _mm512_setzero_ps();
+        word_block<BITS, R, T, LO>(std::make_integer_sequence<int, WC::K>{}, d, wv, mask, base, xh + b * WC::kBlock,
+                                   xl + b * WC::kBlock, x.ld);
+        for (int t = 0; t < T; ++t) {
+            const __m512 rs = _mm512_loadu_ps(rsum + t * lanes + b * 16);
+            for (int i = 0; i < R; ++i) d[i][t] = _mm512_sub_ps(d[i][t], rs);
+        }
+        for (int i = 0; i < R; ++i) {  // lane l's scale: group g0 + lane_idx[l] (all g0 when a group fills blocks)
+            const __m512 s = _mm512_permutexvar_ps(lane_idx, _mm512_loadu_ps(scale_buf + i * sld + g0));
+            for (int t = 0; t < T; ++t) acc[i][t] = _mm512_fmadd_ps(d[i][t], s, acc[i][t]);
+        }
+        if (++in_group == blocks_a_group) g0 += groups_a_block == 0 ? 1 : groups_a_block, in_group = 0;
+    }
+    for (int i = 0; i < R; ++i)
+        for (int t = 0; t < T; ++t) out[i * ld + t] = _mm512_reduce_add_ps(acc[i][t]) + zsum[i][t];
+}
+
 // rows a block: a loaded x vector serves this many rows (bf16 rows need no decode, so more of them fit the registers)
 inline int rows_per_block(const WeightView& w) { return w.kind == WeightKind::kBF16 ? 4 : 2; }
 
@@ -382,6 +543,9 @@ template <int R, int T, bool LO>
 MAXIMUS_BF16_TARGET void dots_block(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
                                     float* out, int64_t ld) {
     if (w.kind == WeightKind::kBF16) return dots_bf16<R, T, LO>(w, r0, x, t0, out, ld);
+    if (x.words)
+        return w.bits == 4 ? dots_words<4, R, T, LO>(w, r0, x, t0, scale_buf, out, ld)
+                           : dots_words<2, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
     switch (w.bits) {
         case 8: return dots_quant<8, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
         case 4: return dots_quant<4, R, T, LO>(w, r0, x, t0, scale_buf, out, ld);
@@ -465,6 +629,12 @@ void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const We
 }
 }  // namespace
 const char* kernel_isa() { return bf16_isa() ? "avx512_bf16" : "fp32"; }
+
+const char* quant_decode(int bits, int64_t group_size, int64_t tokens) {
+    if (!bf16_isa()) return "fp32";
+    const WeightView w{WeightKind::kQuant, nullptr, nullptr, nullptr, bits, group_size, 0, 0};
+    return word_codes(w, tokens) ? "words" : "lookup";
+}
 
 float half_to_float(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
