@@ -7,8 +7,9 @@ scales with the thread count (the kernel table's 1-token rows did not scale past
 2. the op's build flags (its build.ninja under TORCH_EXTENSIONS_DIR);
 3. a C++ argument error (expert shapes that disagree) raised in a child process, for the expert op and for the row
    op's CPU build: the child's exit code and the last lines of its stderr (a crash shows as a negative code);
-4. one Mixtral expert (H 4096, F 14336) at 1 and 8 tokens, bf16 and int4 (group 64), ours and torch's bf16
-   ``linear``, at each thread count: min and median ms of ``--repeat`` runs after 3 warm-ups.
+4. one Mixtral expert (H 4096, F 14336) at 1, 2 and 8 tokens, bf16, int4 and int2 (group 64, with the decode each
+   call takes: ``expert_cpu.quant_decode``), ours and torch's bf16 ``linear``, at each thread count: min and median
+   ms of ``--repeat`` runs after 3 warm-ups.
 """
 from __future__ import annotations
 
@@ -85,11 +86,14 @@ def main():
     w2 = (torch.randn(H, F, generator=g) * 0.02).to(torch.bfloat16)
     q13, q2 = quantize(w13, 4, 64), quantize(w2, 4, 64)
     q1, q3 = q13.rows(0, F), q13.rows(F, 2 * F)
+    p13, p2 = quantize(w13, 2, 64), quantize(w2, 2, 64)
+    p1, p3 = p13.rows(0, F), p13.rows(F, 2 * F)
     print("\n## one Mixtral expert on the host: min / median ms")
-    print("| threads | tokens | ours bf16 | ours int4 | torch bf16 linear |\n|---|---|---|---|---|")
+    print("| threads | tokens | ours bf16 | ours int4 | ours int2 | torch bf16 linear | int4 / int2 decode |\n"
+          "|---|---|---|---|---|---|---|")
     for n in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(n)
-        for T in (1, 8):
+        for T in (1, 2, 8):
             x = torch.randn(T, H, generator=g).to(torch.bfloat16).float()
             xb = x.to(torch.bfloat16)
 
@@ -97,8 +101,11 @@ def main():
                 h = torch.nn.functional.linear(xb, w13)
                 return torch.nn.functional.linear(torch.nn.functional.silu(h[:, :F]) * h[:, F:], w2)
             cells = [timed(lambda: expert_cpu.swiglu(x, w13[:F], w13[F:], w2), a.repeat),
-                     timed(lambda: expert_cpu.swiglu(x, q1, q3, q2), a.repeat), timed(torch_expert, a.repeat)]
-            print(f"| {n} | {T} | " + " | ".join(f"{lo:.2f} / {med:.2f}" for lo, med in cells) + " |", flush=True)
+                     timed(lambda: expert_cpu.swiglu(x, q1, q3, q2), a.repeat),
+                     timed(lambda: expert_cpu.swiglu(x, p1, p3, p2), a.repeat), timed(torch_expert, a.repeat)]
+            decode = f"{expert_cpu.quant_decode(4, 64, T)} / {expert_cpu.quant_decode(2, 64, T)}"
+            print(f"| {n} | {T} | " + " | ".join(f"{lo:.2f} / {med:.2f}" for lo, med in cells) + f" | {decode} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

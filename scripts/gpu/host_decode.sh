@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# #37, one call (~8 min): the host expert's word decode (4- and 2-bit codes a 16-bit word at a time) on the H200
+# host's cores, then what it does to cpu_compute at the real Mixtral-8x7B shape.
+#   1. the ops built (row_ops cuda, expert_cpu);
+#   2. tests/ops/test_expert_cpu.py on this host (the word decode's exact one-hot reads and reference checks);
+#   3. scripts/gpu/probe_expert_cpu.py at 16 and 8 threads: one Mixtral expert, bf16 / int4 / int2 at 1, 2 and 8
+#      tokens, with the decode each call takes;
+#   4. moe_scale.sh at the 32-layer Mixtral shape, GPU capped at 16 GiB: full, int4, int4+auto (PEERS, EXTRA and
+#      TOTAL_S as there; agreement over 64 tokens by default).
+# Run as `timeout 580 bash scripts/gpu/host_decode.sh; . scripts/gpu/common.sh; pack_out`.
+set -x
+. "$(dirname "$0")/common.sh"
+build_ops cuda expert
+timeout 90 python -m pytest -q -p no:cacheprovider tests/ops/test_expert_cpu.py > "$OUT/expert_cpu_tests.log" 2>&1
+echo "expert_cpu tests rc=$?"; tail -3 "$OUT/expert_cpu_tests.log"
+timeout 120 python -u scripts/gpu/probe_expert_cpu.py --threads 16,8 --repeat 9 > "$OUT/probe_expert_cpu.md" 2>&1
+echo "probe rc=$?"; grep -E "^\|" "$OUT/probe_expert_cpu.md"
+PEERS="${PEERS:-full,int4,int4+auto}" EXTRA="${EXTRA:---agree-tokens 64}" TOTAL_S="${TOTAL_S:-300}" \
+  bash scripts/gpu/moe_scale.sh
