@@ -104,7 +104,7 @@ def main(argv=None):
                               warmup=1, repeat=a.host_repeat)
             if r.ms:
                 r.extra["GB/s"] = round((qbytes(q13) + qbytes(q2)) / r.ms / 1e6, 1)
-                r.extra["config"] = f"decode {expert_cpu.quant_decode(b, q2.group_size, T)}"
+                r.extra["config"] = f"decode {expert_cpu.quant_decode(b, q2.group_size)}"
         progress(f"host rows at {T} tokens done")
     text = bench.checkpoint(a.out)
     print(text, flush=True)

@@ -111,8 +111,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "x"_a, "w1"_a, "w3"_a, "w2"_a, "bits"_a, "group_size"_a, "ffn"_a);
     m.def("kernel_isa", [] { return std::string(ec::kernel_isa()); },
           "the path this host runs: avx512_bf16 (bf16 dot products) or fp32");
-    m.def("quant_decode", [](int64_t bits, int64_t group_size, int64_t tokens) {
-              return std::string(ec::quant_decode(static_cast<int>(bits), group_size, tokens));
-          }, "how quantized codes are decoded for a call: words, lookup or fp32", "bits"_a, "group_size"_a, "tokens"_a);
+    m.def("quant_decode", [](int64_t bits, int64_t group_size) {
+              return std::string(ec::quant_decode(static_cast<int>(bits), group_size));
+          }, "how quantized codes are decoded: words, lookup or fp32", "bits"_a, "group_size"_a);
     m.def("omp_max_threads", [] { return omp_get_max_threads(); }, "OpenMP threads a call uses");
 }

@@ -126,11 +126,11 @@ def kernel_isa() -> str:
     return load_op().kernel_isa()
 
 
-def quant_decode(bits: int, group_size: int, tokens: int) -> str:
-    """How the op decodes ``bits``-wide codes of ``group_size`` groups in a call of ``tokens`` tokens: ``"words"``
-    (4- and 2-bit codes a 16-bit word at a time, a shift and a bit-select a vector: 4 bits below 4 tokens, group
-    sizes that tile 64-byte blocks), ``"lookup"`` (a byte-table lookup) or ``"fp32"`` (the fp32 path)."""
-    return load_op().quant_decode(bits, group_size, tokens)
+def quant_decode(bits: int, group_size: int) -> str:
+    """How the op decodes ``bits``-wide codes in groups of ``group_size``: ``"words"`` (4- and 2-bit codes a 16-bit
+    word at a time, a shift and a bit-select a vector, at group sizes that tile 64-byte blocks of codes),
+    ``"lookup"`` (a byte-table lookup) or ``"fp32"`` (the fp32 path)."""
+    return load_op().quant_decode(bits, group_size)
 
 
 def max_threads() -> int:

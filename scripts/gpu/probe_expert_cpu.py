@@ -103,7 +103,7 @@ def main():
             cells = [timed(lambda: expert_cpu.swiglu(x, w13[:F], w13[F:], w2), a.repeat),
                      timed(lambda: expert_cpu.swiglu(x, q1, q3, q2), a.repeat),
                      timed(lambda: expert_cpu.swiglu(x, p1, p3, p2), a.repeat), timed(torch_expert, a.repeat)]
-            decode = f"{expert_cpu.quant_decode(4, 64, T)} / {expert_cpu.quant_decode(2, 64, T)}"
+            decode = f"{expert_cpu.quant_decode(4, 64)} / {expert_cpu.quant_decode(2, 64)}"
             print(f"| {n} | {T} | " + " | ".join(f"{lo:.2f} / {med:.2f}" for lo, med in cells) + f" | {decode} |",
                   flush=True)
 

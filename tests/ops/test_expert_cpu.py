@@ -63,11 +63,14 @@ def test_bf16_dot_products_equal_reference(bits, tokens, x_exact):
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_quantized_rows_decode_exactly(bits):
-    """One token of a one-hot x reads one column of W: the op's decode equals the reference's bits."""
+    """One token of a one-hot x reads one column of W: the op's decode equals the reference's bits (in calls of up
+    to 3 tokens: from 4 the word decode takes 2^bits * sum(x) back once a row, within an ulp or two; see
+    test_word_decode_from_four_tokens_is_within_two_ulps)."""
     w = torch.randn(24, 64, generator=torch.Generator().manual_seed(bits)).to(torch.bfloat16)
     q = quantize(w, bits, 16)
-    eye = torch.eye(64)
-    assert torch.equal(expert_cpu.linear(eye, q), dequantize(q).t())
+    eye, want = torch.eye(64), dequantize(q).t()
+    for c0 in range(0, 64, 3):
+        assert torch.equal(expert_cpu.linear(eye[c0:c0 + 3], q), want[c0:c0 + 3])
     assert torch.equal(expert_cpu.linear(eye, w), w.float().t())
 
 
@@ -86,17 +89,32 @@ def test_word_decode_reads_the_reference_bits(bits, group_size, cols):
     q = quantize(w, bits, group_size)
     want = dequantize(q).t()
     eye = torch.eye(cols)
+    assert expert_cpu.quant_decode(bits, group_size) == "words"
     for tokens in (1, 2, 3):
-        assert expert_cpu.quant_decode(bits, group_size, tokens) == "words"
         for c0 in range(0, cols - tokens + 1, 5):
             assert torch.equal(expert_cpu.linear(eye[c0:c0 + tokens], q), want[c0:c0 + tokens])
+
+
+@pytest.mark.parametrize("bits,group_size,cols", WORD_SHAPES)
+def test_word_decode_from_four_tokens_is_within_two_ulps(bits, group_size, cols):
+    """From 4 tokens the word decode takes 2^bits * sum(x) back once a row and token, with the zero term: a one-hot
+    x then reads round(scale * (2^bits + code)) + round(zero - 2^bits * scale), an ulp or two of 2^bits * scale
+    from the reference's code * scale + zero."""
+    w = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols)).to(torch.bfloat16)
+    q = quantize(w, bits, group_size)
+    want = dequantize(q).t()
+    got = expert_cpu.linear(torch.eye(cols), q)
+    ulp = 2.0 ** (bits + 1 - 23) * q.scales.float().abs().max().item()  # an ulp of 2^(bits+1) * the largest scale
+    torch.testing.assert_close(got, want, rtol=0, atol=2 * ulp)
+    assert not torch.equal(got, torch.zeros_like(got))
 
 
 @pytest.mark.parametrize("bits,group_size,cols", WORD_SHAPES)
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("x_exact", [True, False], ids=["x-bf16-exact", "x-fp32"])
 def test_word_decode_equals_reference(bits, group_size, cols, tokens, x_exact):
-    """Random x through the word decode (and, for 4 bits from 4 tokens, the byte lookup) equals the reference."""
+    """Random x through the word decode (its lane-by-lane form below 4 tokens, the folded one from 4) equals the
+    reference."""
     g = torch.Generator().manual_seed(bits * tokens + cols)
     q = quantize(torch.randn(40, cols, generator=g).to(torch.bfloat16), bits, group_size)
     x = 3 * torch.randn(tokens, cols, generator=g)
@@ -106,15 +124,17 @@ def test_word_decode_equals_reference(bits, group_size, cols, tokens, x_exact):
 
 
 def test_decode_choice():
-    """Which decode a call takes: the word decode where it measured faster, the byte lookup elsewhere."""
+    """Which decode the op takes: the word decode for 4- and 2-bit codes whose groups tile its blocks, the byte
+    lookup elsewhere."""
     if expert_cpu.kernel_isa() != "avx512_bf16":
-        assert expert_cpu.quant_decode(4, 64, 1) == "fp32"
+        assert expert_cpu.quant_decode(4, 64) == "fp32"
         return
-    assert [expert_cpu.quant_decode(4, 64, t) for t in (1, 3, 4, 8)] == ["words", "words", "lookup", "lookup"]
-    assert [expert_cpu.quant_decode(2, 64, t) for t in (1, 8, 64)] == ["words"] * 3
-    assert expert_cpu.quant_decode(4, 40, 1) == "lookup"  # groups of 40 neither tile nor fill 128-code blocks
-    assert expert_cpu.quant_decode(2, 8, 1) == "lookup"  # a 2-bit lane holds 16 codes: groups of 8 split it
-    assert expert_cpu.quant_decode(8, 64, 1) == expert_cpu.quant_decode(3, 64, 1) == "lookup"
+    assert [expert_cpu.quant_decode(4, gs) for gs in (8, 64, 128, 256)] == ["words"] * 4
+    assert [expert_cpu.quant_decode(2, gs) for gs in (16, 64, 256, 512)] == ["words"] * 4
+    assert expert_cpu.quant_decode(4, 40) == "lookup"  # groups of 40 neither tile nor fill 128-code blocks
+    assert expert_cpu.quant_decode(4, 192) == "lookup"
+    assert expert_cpu.quant_decode(2, 8) == "lookup"  # a 2-bit lane holds 16 codes: groups of 8 split it
+    assert expert_cpu.quant_decode(8, 64) == expert_cpu.quant_decode(3, 64) == "lookup"
 
 
 @pytest.mark.parametrize("cols", [1, 15, 16, 17, 100])

@@ -160,8 +160,8 @@ inline float silu(float a) { return a / (1.f + std::exp(-a)); }
 // keeps ~16 of fp32 x's mantissa bits. A quantized row is, group by group, scale_g * dot(codes_g, x_g) + zero_g *
 // sum(x_g), the group sums of x taken once a call. Each output is one row's sums in a fixed order, done by one
 // thread, so the result does not depend on the thread count. Rows go in sub-blocks of 4 (bf16) or 2 (quantized) and
-// tokens in blocks of 4: each weight vector is decoded once and used by every token of the
-// block, and each x vector by every row of it, from registers. (Column chunks with the accumulators in L1 between
+// tokens in blocks of 4 (then one of the 3, 2 or 1 left): each weight vector is decoded once and used by every token
+// of the block, and each x vector by every row of it, from registers. (Column chunks with the accumulators in L1 between
 // them, to keep x in L1 at many tokens, measured slower.)
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -202,6 +202,7 @@ struct SplitX {
     bool words = false;
     int64_t wblocks = 0;
     std::vector<float> run_sum;
+    std::vector<float> base_group_sum;  // [tokens, groups]: base * the sum of hi + lo over each group
 };
 
 // 4- and 2-bit rows decoded a 16-bit word at a time, without a lookup: shifted so that code j lands in the top BITS
@@ -222,17 +223,15 @@ struct WordCodes {
 
 // Whether a call takes the word layout: 4- and 2-bit weights whose groups hold whole lanes and either fill whole
 // blocks or tile a block (a block's lane scales are then one in-register permute of its first groups' scales).
-// 4-bit codes take it for fewer than 4 tokens only: in blocks of 4 tokens the byte-lookup decode (dots_quant) is
-// the faster one, while 2-bit codes are faster this way at every token count (docs/bench/moe_offload.md).
-inline bool word_codes(const WeightView& w, int64_t tokens) {
-    if (w.kind != WeightKind::kQuant || (w.bits != 4 && w.bits != 2) || (w.bits == 4 && tokens >= 4)) return false;
+inline bool word_codes(const WeightView& w) {
+    if (w.kind != WeightKind::kQuant || (w.bits != 4 && w.bits != 2)) return false;
     const int64_t gs = w.group_size, block = 512 / w.bits, lane = 32 / w.bits;
     return gs % lane == 0 && (gs % block == 0 || block % gs == 0);
 }
 
 SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
     SplitX s;
-    s.words = bf16_isa() && word_codes(w, tokens);
+    s.words = bf16_isa() && word_codes(w);
     const int64_t block = s.words ? 512 / w.bits : 0, per_word = s.words ? 16 / w.bits : 0;
     if (s.words) {
         s.wblocks = (w.cols + block - 1) / block;
@@ -275,6 +274,15 @@ SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
                     sum += bf16_to_float(s.hi[pos]) + bf16_to_float(s.lo[pos]);
                 }
                 s.run_sum[t * lanes + l] = base * sum;
+            }
+        // a group's lanes in order (the lanes of a group are consecutive, 2K codes each)
+        const int64_t groups = w.cols / w.group_size, per_group = w.group_size / run;
+        s.base_group_sum.assign(tokens * groups, 0.f);
+        for (int64_t t = 0; t < tokens; ++t)
+            for (int64_t g = 0; g < groups; ++g) {
+                float sum = 0.f;
+                for (int64_t l = g * per_group; l < (g + 1) * per_group; ++l) sum += s.run_sum[t * lanes + l];
+                s.base_group_sum[t * groups + g] = sum;
             }
     }
     if (w.kind == WeightKind::kQuant) {
@@ -472,6 +480,12 @@ template <int BITS, int R, int T, bool LO>
 MAXIMUS_BF16_TARGET void dots_words(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
                                     float* out, int64_t ld) {
     using WC = WordCodes<BITS>;
+    // From 4 tokens the base * sum(x) is taken back once a row and token, over the groups with the zero term
+    // (sum over groups of scale * base * the group's x sum), not lane by lane in every block: one multiply-add per
+    // 16 groups instead of a subtract per block and token, which the 4-token blocks are bound by. The lane-by-lane
+    // form keeps a one-hot x's result bit-exact (the lane's dot is the code itself); the folded form rounds
+    // scale * (base + code) and takes scale * base back, within an ulp or two of it.
+    constexpr bool kFold = T >= 4;
     const int64_t gs = w.group_size, groups = x.groups, nblk = x.wblocks, lanes = nblk * 16, sld = groups + 16;
     const int64_t row_bytes = w.cols * BITS / 8;
     const __m512i mask = _mm512_set1_epi16(static_cast<short>(WC::kMask)),
@@ -494,10 +508,15 @@ MAXIMUS_BF16_TARGET void dots_words(const WeightView& w, int64_t r0, const Split
             const int64_t n = std::min<int64_t>(16, groups - g);
             const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
             const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zr + g));
-            _mm512_storeu_ps(scale_buf + i * sld + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g)));
-            for (int t = 0; t < T; ++t)
+            const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g));
+            _mm512_storeu_ps(scale_buf + i * sld + g, sv);
+            for (int t = 0; t < T; ++t) {
                 zacc[t] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, x.group_sum.data() + (t0 + t) * groups + g),
                                           zacc[t]);
+                if constexpr (kFold)
+                    zacc[t] = _mm512_fnmadd_ps(
+                        sv, _mm512_maskz_loadu_ps(m, x.base_group_sum.data() + (t0 + t) * groups + g), zacc[t]);
+            }
         }
         for (int t = 0; t < T; ++t) zsum[i][t] = _mm512_reduce_add_ps(zacc[t]);
     }
@@ -522,10 +541,11 @@ MAXIMUS_BF16_TARGET void dots_words(const WeightView& w, int64_t r0, const Split
             for (int t = 0; t < T; ++t) d[i][t] = _mm512_setzero_ps();
         word_block<BITS, R, T, LO>(std::make_integer_sequence<int, WC::K>{}, d, wv, mask, base, xh + b * WC::kBlock,
                                    xl + b * WC::kBlock, x.ld);
-        for (int t = 0; t < T; ++t) {
-            const __m512 rs = _mm512_loadu_ps(rsum + t * lanes + b * 16);
-            for (int i = 0; i < R; ++i) d[i][t] = _mm512_sub_ps(d[i][t], rs);
-        }
+        if constexpr (!kFold)
+            for (int t = 0; t < T; ++t) {
+                const __m512 rs = _mm512_loadu_ps(rsum + t * lanes + b * 16);
+                for (int i = 0; i < R; ++i) d[i][t] = _mm512_sub_ps(d[i][t], rs);
+            }
         for (int i = 0; i < R; ++i) {  // lane l's scale: group g0 + lane_idx[l] (all g0 when a group fills blocks)
             const __m512 s = _mm512_permutexvar_ps(lane_idx, _mm512_loadu_ps(scale_buf + i * sld + g0));
             for (int t = 0; t < T; ++t) acc[i][t] = _mm512_fmadd_ps(d[i][t], s, acc[i][t]);
@@ -554,15 +574,16 @@ MAXIMUS_BF16_TARGET void dots_block(const WeightView& w, int64_t r0, const Split
     }
 }
 
-// dots[i * tokens + t] = w[r0 + i] . x[t] for i < R and every token, in token blocks of 4, 2 and 1: the
+// dots[i * tokens + t] = w[r0 + i] . x[t] for i < R and every token, in token blocks of 4, then 3, 2 or 1: the
 // accumulators stay in the 32 vector registers
 template <int R, bool LO>
 MAXIMUS_BF16_TARGET void rows_dots_t(const WeightView& w, int64_t r0, const SplitX& x, int64_t tokens,
                                      float* scale_buf, float* dots) {
     int64_t t = 0;
     for (; t + 4 <= tokens; t += 4) dots_block<R, 4, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
-    if (t + 2 <= tokens) dots_block<R, 2, LO>(w, r0, x, t, scale_buf, dots + t, tokens), t += 2;
-    if (t < tokens) dots_block<R, 1, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+    if (tokens - t == 3) dots_block<R, 3, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+    else if (tokens - t == 2) dots_block<R, 2, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
+    else if (tokens - t == 1) dots_block<R, 1, LO>(w, r0, x, t, scale_buf, dots + t, tokens);
 }
 
 // dots for rows [r0, r0 + n), n <= rows_per_block(w); a row's sums are the same in a block of any size
@@ -630,10 +651,10 @@ void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const We
 }  // namespace
 const char* kernel_isa() { return bf16_isa() ? "avx512_bf16" : "fp32"; }
 
-const char* quant_decode(int bits, int64_t group_size, int64_t tokens) {
+const char* quant_decode(int bits, int64_t group_size) {
     if (!bf16_isa()) return "fp32";
     const WeightView w{WeightKind::kQuant, nullptr, nullptr, nullptr, bits, group_size, 0, 0};
-    return word_codes(w, tokens) ? "words" : "lookup";
+    return word_codes(w) ? "words" : "lookup";
 }
 
 float half_to_float(uint16_t h) {

@@ -38,10 +38,9 @@ void swiglu(const float* x, int64_t tokens, const WeightView& w1, const WeightVi
 // The path this host runs: "avx512_bf16", or "fp32" (no AVX512-BF16, or MAXIMUS_EXPERT_CPU_FP32=1).
 const char* kernel_isa();
 
-// How the bf16 path decodes quantized codes for a call of `tokens` tokens: "words" (WordCodes: 4 and 2 bits at
-// group sizes that tile its 64-byte blocks; 4 bits below 4 tokens), "lookup" (the byte lookup), or "fp32" (the
-// fp32 path: no AVX512-BF16).
-const char* quant_decode(int bits, int64_t group_size, int64_t tokens);
+// How the bf16 path decodes quantized codes: "words" (WordCodes: 4 and 2 bits at group sizes that tile its 64-byte
+// blocks), "lookup" (the byte lookup), or "fp32" (the fp32 path: no AVX512-BF16).
+const char* quant_decode(int bits, int64_t group_size);
 
 // The fp16 bit pattern's value (exact).
 float half_to_float(uint16_t h);
