@@ -5,7 +5,11 @@
 #   2. tests/ops/test_expert_cpu.py on this host (the word decode's exact one-hot reads and reference checks);
 #   3. scripts/gpu/probe_expert_cpu.py at 16 and 8 threads: one Mixtral expert, bf16 / int4 / int2 at 1, 2 and 8
 #      tokens, with the decode each call takes;
-#   4. moe_scale.sh at the 32-layer Mixtral shape, GPU capped at 16 GiB: full, int4, int4+auto (PEERS, EXTRA and
+#   4. with OVERHEAD=1 (~60 s): 8 Mixtral layers with every expert resident (8 slots a layer, no cap): full, int4,
+#      ours bf16. No stalls and no copies after the warm-up, so the gap to `full` is the offload path's own cost a
+#      layer (the layer's sync, the bookkeeping, the packed kernels), which at the 32-layer shape is ~26 ms a token
+#      beyond the stalls (docs/bench/moe_offload.md);
+#   5. moe_scale.sh at the 32-layer Mixtral shape, GPU capped at 16 GiB: full, int4, int4+auto (PEERS, EXTRA and
 #      TOTAL_S as there; agreement over 64 tokens by default).
 # Run as `timeout 580 bash scripts/gpu/host_decode.sh; . scripts/gpu/common.sh; pack_out`.
 set -x
@@ -15,5 +19,11 @@ timeout 90 python -m pytest -q -p no:cacheprovider tests/ops/test_expert_cpu.py 
 echo "expert_cpu tests rc=$?"; tail -3 "$OUT/expert_cpu_tests.log"
 timeout 120 python -u scripts/gpu/probe_expert_cpu.py --threads 16,8 --repeat 9 > "$OUT/probe_expert_cpu.md" 2>&1
 echo "probe rc=$?"; grep -E "^\|" "$OUT/probe_expert_cpu.md"
+if [ "${OVERHEAD:-0}" = 1 ]; then
+  timeout 150 python -u -m benchmarks.bench_moe_offload --family mixtral --layers 8 --slots 8 --tokens 32 \
+    --agree-tokens 32 --peers full,int4,ours --ours-variants default --budget-s 120 --out "$OUT/resident_8l.md" \
+    > "$OUT/resident_8l.log" 2>&1
+  echo "resident rc=$?"; cat "$OUT/resident_8l.md"
+fi
 PEERS="${PEERS:-full,int4,int4+auto}" EXTRA="${EXTRA:---agree-tokens 64}" TOTAL_S="${TOTAL_S:-300}" \
   bash scripts/gpu/moe_scale.sh
