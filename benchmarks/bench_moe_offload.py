@@ -587,6 +587,8 @@ def main(argv=None):
     p.add_argument("--prefill-len", type=int, default=None, help="also time one prefill of a prompt of this many "
                    "tokens (batch 1) per peer")
     p.add_argument("--group-size", type=int, default=64, help="moe.quant.group_size of the int peers")
+    p.add_argument("--prefetch-top-k", type=int, default=None, help="moe.prefetch_top_k of the bf16+/int peers "
+                   "(default: the config's, 1); guesses beyond the staged one go into slots")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="random weights: 'scaled' (residual "
                    "outputs at std / sqrt(2 x layers), embedding N(0, 1): a stable model whose token agreement "
@@ -810,7 +812,8 @@ def main(argv=None):
         base, _, suffix = key.partition("+")
         bits, cpu = QUANT_BITS.get(base), CPU_MODES.get(suffix)
         name = (f"ours int{bits} (group {args.group_size})" if bits else "ours bf16") + \
-            (f" + cpu_compute={cpu}" if cpu else "")
+            (f" + cpu_compute={cpu}" if cpu else "") + \
+            (f", prefetch top-{args.prefetch_top_k}" if args.prefetch_top_k is not None else "")
         need = setup_need(bits, "quant setup" if bits else "ours setup") + cost["ours"] * (bits / 16 if bits else 1)
         if not budget.allows(need * scale, name):
             bench.skip(name)
@@ -821,6 +824,8 @@ def main(argv=None):
         try:
             slots = slots_for(bits)
             cfg = {"gpu_experts_per_layer": slots, "cpu_compute": cpu or "off"}
+            if args.prefetch_top_k is not None:
+                cfg["prefetch_top_k"] = args.prefetch_top_k
             if bits:
                 cfg["quant"] = {"bits": bits, "group_size": args.group_size}
             handle = offload_experts(model, cfg)

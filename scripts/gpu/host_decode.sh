@@ -10,7 +10,8 @@
 #      layer (the layer's sync, the bookkeeping, the packed kernels), which at the 32-layer shape is ~26 ms a token
 #      beyond the stalls (docs/bench/moe_offload.md);
 #   5. moe_scale.sh at the 32-layer Mixtral shape, GPU capped at 16 GiB: full, int4, int4+auto (PEERS, EXTRA and
-#      TOTAL_S as there; agreement over 64 tokens by default).
+#      TOTAL_S as there; agreement over 64 tokens by default). For int4's prefetch recall (0.42 with one guess a
+#      layer), a second run with EXTRA="--agree-tokens 64 --prefetch-top-k 2" PEERS=int4,int4+auto compares two.
 # Run as `timeout 580 bash scripts/gpu/host_decode.sh; . scripts/gpu/common.sh; pack_out`.
 set -x
 . "$(dirname "$0")/common.sh"
