@@ -475,7 +475,8 @@ MAXIMUS_BF16_TARGET inline void word_block(std::integer_sequence<int, J...>, __m
 }
 
 // dots_quant for 4- and 2-bit rows in the word layout (WordCodes): per 64-byte block, d = dot(base + codes, x) lane
-// by lane, minus base * the lane's x sum, times the lane's group scale, into acc; the zero term as in dots_quant
+// by lane, minus base * the lane's x sum (below 4 tokens; from 4 see kFold), times the lane's group scale, into acc;
+// the zero term as in dots_quant
 template <int BITS, int R, int T, bool LO>
 MAXIMUS_BF16_TARGET void dots_words(const WeightView& w, int64_t r0, const SplitX& x, int64_t t0, float* scale_buf,
                                     float* out, int64_t ld) {
