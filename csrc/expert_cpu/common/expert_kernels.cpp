@@ -229,6 +229,12 @@ inline bool word_codes(const WeightView& w) {
     return gs % lane == 0 && (gs % block == 0 || block % gs == 0);
 }
 
+// where column k of a row goes in the word layout: block b, word i, code j -> b * block + j * 32 + i
+inline int64_t word_pos(int64_t k, int64_t block, int64_t per_word) {
+    const int64_t r = k % block;
+    return k - r + (r % per_word) * 32 + r / per_word;
+}
+
 SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
     SplitX s;
     s.words = bf16_isa() && word_codes(w);
@@ -251,11 +257,7 @@ SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
         const float v = x[i];
         const uint16_t h = float_to_bf16_rne(v);
         const uint16_t l = float_to_bf16_rne(v - bf16_to_float(h));
-        int64_t pos = k;
-        if (s.words) {  // block b, word i, code j -> b * block + j * 32 + i
-            const int64_t r = k % block;
-            pos = k - r + (r % per_word) * 32 + r / per_word;
-        }
+        const int64_t pos = s.words ? word_pos(k, block, per_word) : k;
         s.hi[t * s.ld + pos] = h;
         s.lo[t * s.ld + pos] = l;
         inexact |= (l & 0x7fff) != 0;
@@ -270,15 +272,15 @@ SplitX split_x(const float* x, int64_t tokens, const WeightView& w) {
             for (int64_t l = 0; l < lanes; ++l) {
                 float sum = 0.f;  // what the dot products saw: hi + lo, in column order
                 for (int64_t k = l * run; k < std::min((l + 1) * run, w.cols); ++k) {
-                    const int64_t r = k % block, pos = t * s.ld + k - r + (r % per_word) * 32 + r / per_word;
+                    const int64_t pos = t * s.ld + word_pos(k, block, per_word);
                     sum += bf16_to_float(s.hi[pos]) + bf16_to_float(s.lo[pos]);
                 }
                 s.run_sum[t * lanes + l] = base * sum;
             }
-        // a group's lanes in order (the lanes of a group are consecutive, 2K codes each)
+        // for the 4-token blocks (dots_words' kFold): a group's lanes in order (consecutive, 2K codes each)
         const int64_t groups = w.cols / w.group_size, per_group = w.group_size / run;
         s.base_group_sum.assign(tokens * groups, 0.f);
-        for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t t = 0; t < (tokens / 4) * 4; ++t)
             for (int64_t g = 0; g < groups; ++g) {
                 float sum = 0.f;
                 for (int64_t l = g * per_group; l < (g + 1) * per_group; ++l) sum += s.run_sum[t * lanes + l];
@@ -386,6 +388,34 @@ MAXIMUS_BF16_TARGET inline __m512bh decode32(const uint8_t* p, int64_t n, __m512
     }
 }
 
+// Per row of a quantized block: its group scales as fp32 into scale_buf (a row's groups, zeros past them), and for
+// each of T tokens the zero term sum_g zero_g * sum(x_g) into zsum; FOLD (the word decode from 4 tokens) also takes
+// scale_g * base_group_sum_g from it (see dots_words)
+template <int T, bool FOLD = false>
+MAXIMUS_BF16_TARGET inline void scales_and_zero_terms(const WeightView& w, int64_t r, const SplitX& x, int64_t t0,
+                                                      float* scale_buf, float (&zsum)[T]) {
+    const int64_t groups = x.groups;
+    const uint16_t* sc = w.scales + r * groups;
+    const uint16_t* zr = w.zeros + r * groups;
+    __m512 zacc[T];
+    for (int t = 0; t < T; ++t) zacc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const int64_t n = std::min<int64_t>(16, groups - g);
+        const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+        const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zr + g));
+        const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g));
+        _mm512_storeu_ps(scale_buf + g, sv);
+        for (int t = 0; t < T; ++t) {
+            zacc[t] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, x.group_sum.data() + (t0 + t) * groups + g),
+                                      zacc[t]);
+            if constexpr (FOLD)
+                zacc[t] = _mm512_fnmadd_ps(
+                    sv, _mm512_maskz_loadu_ps(m, x.base_group_sum.data() + (t0 + t) * groups + g), zacc[t]);
+        }
+    }
+    for (int t = 0; t < T; ++t) zsum[t] = _mm512_reduce_add_ps(zacc[t]);
+}
+
 // out[i * ld + j] = dequant(w)[r0 + i] . x[t0 + j] for i < R, j < T: per group scale * dot(codes, x) + zero *
 // sum(x) (the zero term over all groups first, then the scaled group dots), in a fixed order
 template <int BITS, int R, int T, bool LO>
@@ -399,22 +429,8 @@ MAXIMUS_BF16_TARGET void dots_quant(const WeightView& w, int64_t r0, const Split
     const uint8_t* row[R];
     float zsum[R][T];
     for (int i = 0; i < R; ++i) {
-        const int64_t r = r0 + i;
-        row[i] = static_cast<const uint8_t*>(w.data) + r * (w.cols * BITS / 8);
-        const uint16_t* sc = w.scales + r * groups;
-        const uint16_t* zr = w.zeros + r * groups;
-        __m512 zacc[T];
-        for (int t = 0; t < T; ++t) zacc[t] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; g += 16) {
-            const int64_t n = std::min<int64_t>(16, groups - g);
-            const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
-            const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zr + g));
-            _mm512_storeu_ps(scale_buf + i * sld + g, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g)));
-            for (int t = 0; t < T; ++t)
-                zacc[t] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, x.group_sum.data() + (t0 + t) * groups + g),
-                                          zacc[t]);
-        }
-        for (int t = 0; t < T; ++t) zsum[i][t] = _mm512_reduce_add_ps(zacc[t]);
+        row[i] = static_cast<const uint8_t*>(w.data) + (r0 + i) * (w.cols * BITS / 8);
+        scales_and_zero_terms<T>(w, r0 + i, x, t0, scale_buf + i * sld, zsum[i]);
     }
     __m512 acc[R][T];
     for (int i = 0; i < R; ++i)
@@ -499,27 +515,8 @@ MAXIMUS_BF16_TARGET void dots_words(const WeightView& w, int64_t r0, const Split
     const uint8_t* row[R];
     float zsum[R][T];
     for (int i = 0; i < R; ++i) {
-        const int64_t r = r0 + i;
-        row[i] = static_cast<const uint8_t*>(w.data) + r * row_bytes;
-        const uint16_t* sc = w.scales + r * groups;
-        const uint16_t* zr = w.zeros + r * groups;
-        __m512 zacc[T];
-        for (int t = 0; t < T; ++t) zacc[t] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; g += 16) {
-            const int64_t n = std::min<int64_t>(16, groups - g);
-            const __mmask16 m = n == 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
-            const __m512 z = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zr + g));
-            const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, sc + g));
-            _mm512_storeu_ps(scale_buf + i * sld + g, sv);
-            for (int t = 0; t < T; ++t) {
-                zacc[t] = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(m, x.group_sum.data() + (t0 + t) * groups + g),
-                                          zacc[t]);
-                if constexpr (kFold)
-                    zacc[t] = _mm512_fnmadd_ps(
-                        sv, _mm512_maskz_loadu_ps(m, x.base_group_sum.data() + (t0 + t) * groups + g), zacc[t]);
-            }
-        }
-        for (int t = 0; t < T; ++t) zsum[i][t] = _mm512_reduce_add_ps(zacc[t]);
+        row[i] = static_cast<const uint8_t*>(w.data) + (r0 + i) * row_bytes;
+        scales_and_zero_terms<T, kFold>(w, r0 + i, x, t0, scale_buf + i * sld, zsum[i]);
     }
     __m512 acc[R][T];
     for (int i = 0; i < R; ++i)
