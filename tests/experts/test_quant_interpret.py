@@ -40,6 +40,11 @@ for bits in (8, 4, 2):
             want = torch.cat([x[starts[i]:starts[i + 1]] @ dequantize(lay.view(table[s], name)).t()
                               for i, s in enumerate(slots)])
             assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (bits, counts, name)
+            if counts == [1, 1, 1] and bits != 8:  # every decode configuration the sweep may pick plans and computes
+                for cfg in qt.GEMV_CONFIGS:
+                    y = qt.quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, 32, meta, 3,
+                                                1, config=cfg)
+                    assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (bits, cfg, name)
 
 def grouped(ctx, x, name, slots, starts, meta, max_rows):  # the CUDA branch of _packed_linear, on host tensors
     lay = ctx.layout
