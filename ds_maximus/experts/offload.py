@@ -39,6 +39,7 @@ from ds_maximus.experts.expert_cache import ExpertCache
 from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.experts.layout import ExpertLayout
 from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+from ds_maximus.ops import count_ids
 from ds_maximus.partition.host_memory import HostMemoryPlan, HostTier, TierDemand
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,7 @@ class MoEOffload:
         K = min(nxt.top_k, nxt.num_experts)
         k = min(self.cfg.prefetch_top_k or K, K)
         picks = torch.topk(nxt.router_logits(hidden), K, dim=-1).indices  # best first
-        return torch.cat([torch.bincount(picks[:, :k].flatten(), minlength=nxt.num_experts),
-                          torch.bincount(picks.flatten(), minlength=nxt.num_experts)])
+        return torch.cat([count_ids(picks[:, :k], nxt.num_experts), count_ids(picks, nxt.num_experts)])
 
     def _forward(self, mod: OffloadedExperts, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ class MoEOffload:
             self._t_first = self._t_first or now
             self._tokens += hidden.shape[0]
         E = mod.num_experts
-        counts = torch.bincount(top_k_index.flatten(), minlength=E)
+        counts = count_ids(top_k_index, E)
         votes = None
         with torch.no_grad():
             votes = self._prefetch_plan(group, hidden)

@@ -220,8 +220,9 @@ class GemvConfig:
         return block_n, gps, _cdiv(cols, k_per_split), k_per_split
 
 
-#: the one-token launch (decode: a token an expert), the fastest of the configurations a sweep of the gemv kernel at
-#: Mixtral's expert shapes timed on an H100 (``benchmarks/sweep_quant_gemv.py`` times the list below)
+#: the one-token launch (decode: a token an expert): the configuration a tuner of an earlier gemv kernel picked for
+#: Mixtral's int4 projections on the H200 (``docs/bench/moe_offload.md``, Session 28);
+#: ``benchmarks/sweep_quant_gemv.py`` times it against the list below
 DECODE_CONFIG = GemvConfig(block_n=64, step_bytes=128, num_warps=4, num_stages=3, programs_per_sm=2)
 #: the candidates ``benchmarks/sweep_quant_gemv.py`` times
 GEMV_CONFIGS = (

@@ -19,6 +19,26 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``torch.bincount(ids.flatten(), minlength=n)`` for ids in ``[0, n)`` (int64, ``ids``' device), without a host
+    wait: on a GPU, bincount reads the ids' min and max on the host to size its output, two waits for the stream
+    (which an MoE layer's routing counts would pay twice a layer on top of its one sync); there the ids are compared
+    with ``arange(n)`` and the matches summed (deterministic, no atomics).
+
+    >>> count_ids(torch.tensor([[2, 0], [2, 3]]), 5).tolist()
+    [1, 0, 2, 1, 0]
+    """
+    ids = ids.reshape(-1)
+    if ids.device.type == "cpu":
+        return torch.bincount(ids, minlength=n)
+    return _count_by_compare(ids, n)
+
+
+def _count_by_compare(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`count_ids` off the host: each id compared with ``arange(n)``, the matches summed (int64)."""
+    return (ids.reshape(-1).unsqueeze(1) == torch.arange(n, device=ids.device)).sum(0)
+
+
 def rows_where(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``t[mask]`` for a host boolean ``mask`` over ``t``'s rows, by an index copy with indices uploaded from pinned
     memory: indexing a GPU tensor with a device mask (its ``nonzero``), or uploading a pageable mask, makes the host

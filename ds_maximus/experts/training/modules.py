@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ds_maximus.ops import count_ids
+
 
 class _TrainedExperts(nn.Module):
     def __init__(self, trainer, group: int):
@@ -88,7 +90,7 @@ class TrainedFusedExperts(_TrainedExperts):
         if hidden_states.dtype != t.out_dtype or hidden_states.device != t.compute_device:
             t.place(hidden_states.device, hidden_states.dtype)
         expert_ids = top_k_index.reshape(-1)
-        counts = torch.bincount(expert_ids, minlength=E).tolist()  # the one host sync of the layer
+        counts = count_ids(expert_ids, E).tolist()  # the one host sync of the layer
         used = t.begin_layer(self.group, counts, hidden_states.detach())
         sample_weights = top_k_weights.reshape(-1)
         _, perm = torch.sort(expert_ids)

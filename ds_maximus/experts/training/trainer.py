@@ -37,6 +37,7 @@ from ds_maximus.experts.training.state import ExpertStateMixin
 from ds_maximus.experts.training.stats import ExpertTrainStats
 from ds_maximus.experts.training.step import InPlaceStep, SplitStep, StagedStep, StepParts
 from ds_maximus.experts.training.store import ExpertTrainStore
+from ds_maximus.ops import count_ids
 from ds_maximus.optim import RowOptimizer
 
 logger = logging.getLogger("ds_maximus")
@@ -262,7 +263,7 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
         k = min(mcfg.prefetch_top_k or self.layers[group + 1].top_k, self.num_experts, self.cache.slots_per_group)
         with torch.no_grad():
             logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).to(w.dtype), w)
-            votes = torch.bincount(torch.topk(logits, k, dim=-1).indices.flatten(), minlength=self.num_experts)
+            votes = count_ids(torch.topk(logits, k, dim=-1).indices, self.num_experts)
 
         def issue():
             v = votes.tolist()
