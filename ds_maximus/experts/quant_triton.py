@@ -221,8 +221,8 @@ class GemvConfig:
 
 
 #: the one-token launch (decode: a token an expert): the configuration a tuner of an earlier gemv kernel picked for
-#: Mixtral's int4 projections on the H200 (``docs/bench/moe_offload.md``, Session 28);
-#: ``benchmarks/sweep_quant_gemv.py`` times it against the list below
+#: Mixtral's int4 projections on the H200 (``docs/bench/moe_offload.md``); ``benchmarks/sweep_quant_gemv.py`` times
+#: it against the list below
 DECODE_CONFIG = GemvConfig(block_n=64, step_bytes=128, num_warps=4, num_stages=3, programs_per_sm=2)
 #: the candidates ``benchmarks/sweep_quant_gemv.py`` times
 GEMV_CONFIGS = (
