@@ -6,7 +6,8 @@ batch-1 decode step) and each width, every :data:`ds_maximus.experts.quant_trito
 before the one-token path (a 2-row tile, one group a step: ``max_rows=2``), and the same experts in bf16 through
 ``F.linear`` one after another (the model's own eager loop). ms = median of ``triton.testing.do_bench`` (L2 flushed
 between runs); GB/s = the packed bytes (codes, fp16 scales and offsets) read / time. The first row of each shape
-is the default (:data:`~ds_maximus.experts.quant_triton.DECODE_CONFIG`).
+is the default (:data:`~ds_maximus.experts.quant_triton.DECODE_CONFIG`). Then a prefill's round (every expert many
+rows: Mixtral 8 x 256, Qwen3 32 x 128): the tensor-core kernel (the default there) against the gemv kernel and bf16.
 
     python -m benchmarks.sweep_quant_gemv [--bits 4,2] [--shapes mixtral,qwen3] [--out FILE]
 """
@@ -21,6 +22,7 @@ from ds_maximus.experts.layout import ExpertLayout
 from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 
 SHAPES = {"mixtral": (4096, 14336, (1, 2)), "qwen3": (2048, 768, (8,))}
+PREFILL = {"mixtral": (8, 256), "qwen3": (32, 128)}  # (experts, rows each): a prefill's round, top-k rows spread
 
 
 def main(argv=None) -> int:
@@ -90,6 +92,50 @@ def main(argv=None) -> int:
                                  f"{type(exc).__name__}: {str(exc)[:80]} | |")
             del t
             torch.cuda.empty_cache()
+        # a prefill's round: every expert many rows (tensor-core kernel against the gemv kernel and bf16 F.linear)
+        n, rows_each = PREFILL[shape]
+        g = torch.Generator(device="cuda").manual_seed(7)
+        t = {"gate_up_proj": torch.randn(n, 2 * F, H, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02,
+             "down_proj": torch.randn(n, H, F, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02}
+        base = ExpertLayout.from_stacked(t, n)
+        R = n * rows_each
+        for name, cols in (("gate_up_proj", H), ("down_proj", F)):
+            x = torch.randn(R, cols, device="cuda", generator=g, dtype=torch.bfloat16)
+            ws = [t[name][e] for e in range(n)]
+            ms = do_bench(lambda: [torch.nn.functional.linear(x[e * rows_each:(e + 1) * rows_each], ws[e])
+                                   for e in range(n)], return_mode="median")
+            emit(f"| {shape} {name} | {n} x {rows_each} rows | bf16 | F.linear, one expert after another | {ms:.4f} | "
+                 f"{sum(w.numel() * 2 for w in ws) / ms / 1e6:.0f} |")
+            for bits in (int(b) for b in a.bits.split(",")):
+                lay = QuantizedExpertLayout.from_layout(base, bits, a.group_size)
+                table = torch.empty(n, lay.numel, dtype=torch.uint8, device="cuda")
+                for e in range(n):
+                    lay.pack_(table[e], {k: v[e] for k, v in t.items()})
+                meta = torch.tensor([e * rows_each for e in range(n + 1)] + [e * lay.numel for e in range(n)],
+                                    device="cuda")
+                shp = lay.base.shapes[name]
+                part = lay.view(table[0], name)
+                nbytes = n * (part.packed.numel() + 2 * part.scales.numel() + 2 * part.zeros.numel())
+                want = None
+                for label, dot in (("tensor-core kernel", True), ("gemv kernel", False)):
+                    def call():
+                        return qt.quant_matmul_grouped(x, table, lay.parts[name], shp, bits, a.group_size, meta, n,
+                                                       rows_each, dot=dot)
+                    try:
+                        y = call()
+                        if want is None:
+                            want = y
+                        err = ((y - want).abs().max() / want.abs().max()).item()
+                        if err > 1e-4:
+                            raise AssertionError(f"differs from the tensor-core kernel by {err:.2e}")
+                        ms = do_bench(call, return_mode="median")
+                        emit(f"| {shape} {name} | {n} x {rows_each} rows | int{bits} | {label} | {ms:.4f} | "
+                             f"{nbytes / ms / 1e6:.0f} |")
+                    except Exception as exc:  # noqa: BLE001 (a launch that fails is a row that says why)
+                        emit(f"| {shape} {name} | {n} x {rows_each} rows | int{bits} | {label} | failed: "
+                             f"{type(exc).__name__}: {str(exc)[:80]} | |")
+        del t
+        torch.cuda.empty_cache()
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -16,6 +16,7 @@ CUDA device exist; tested against :func:`ds_maximus.experts.quant.dequantize` by
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
@@ -166,12 +167,67 @@ def _quant_gemv_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R,
                  mask=mask_t[:, None] & mask_n[None, :])
 
 
+def _quant_dot_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R, N, K, row_bytes, groups,
+                              n_experts, P_OFF, S_OFF, Z_OFF, BITS: tl.constexpr, GROUP: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_F32: tl.constexpr):
+    # Many rows an expert (a prefill, a large batch): tensor-core products of x (bf16 or fp16) with the codes
+    # themselves, which are small integers and exact in x's dtype, a group at a time; the group's scale and offset
+    # are applied after the product: x . (c * s + z) = s * (x . c) + z * sum(x), per output row and group, in fp32.
+    # Program (n, e) is expert e's output rows [n * BLOCK_N, ...) over all of K, for x's rows starts[e]..starts[e + 1]
+    # a BLOCK_T tile at a time (meta and the slot layout as in the grouped gemv kernel).
+    PER_BYTE: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = GROUP // PER_BYTE
+    pid_n = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    r0 = tl.load(meta_ptr + pid_e).to(tl.int32)
+    r1 = tl.load(meta_ptr + pid_e + 1).to(tl.int32)
+    base = tl.load(meta_ptr + n_experts + 1 + pid_e)
+    packed_ptr = codes_ptr + base + P_OFF
+    scales_ptr = halves_ptr + (base + S_OFF) // 2
+    zeros_ptr = halves_ptr + (base + Z_OFF) // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_b = tl.arange(0, NB)
+    row_ptrs = packed_ptr + offs_n.to(tl.int64)[:, None] * row_bytes
+    sz_off = offs_n.to(tl.int64) * groups
+    for t0 in range(r0, r1, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < r1
+        x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * K
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, GROUP):
+            g = k0 // GROUP
+            s = tl.load(scales_ptr + sz_off + g, mask=mask_n, other=0.0).to(tl.float32)     # [BLOCK_N]
+            z = tl.load(zeros_ptr + sz_off + g, mask=mask_n, other=0.0).to(tl.float32)
+            byts = tl.load(row_ptrs + (k0 // PER_BYTE + offs_b)[None, :], mask=mask_n[:, None],
+                           other=0).to(tl.int32)                                       # [BLOCK_N, NB]
+            part = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for j in tl.static_range(PER_BYTE):
+                xj = tl.load(x_rows + (k0 + offs_b * PER_BYTE + j)[None, :], mask=mask_t[:, None],
+                             other=0.0)                                                # [BLOCK_T, NB]
+                if EXACT_F32:  # Triton's interpreter (its dot of bf16 operands is wrong): the same math in fp32
+                    codes = ((byts >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+                    part = tl.dot(xj.to(tl.float32), tl.trans(codes), part, input_precision="ieee")
+                else:
+                    codes = ((byts >> (j * BITS)) & ((1 << BITS) - 1)).to(xj.dtype)   # exact integers
+                    part = tl.dot(xj, tl.trans(codes), part)
+                xsum += tl.sum(xj.to(tl.float32), axis=1)
+            acc += part * s[None, :] + xsum[:, None] * z[None, :]
+        tl.store(y_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :], acc,
+                 mask=mask_t[:, None] & mask_n[None, :])
+
+
 if triton is not None:
     _gemv_tile = triton.jit(_gemv_tile)  # before the kernels that call it: they resolve it by its global name
     _quant_matmul_kernel = triton.jit(_quant_matmul_kernel)
     _quant_gemv_kernel = triton.jit(_quant_gemv_kernel)
     _quant_gemv_grouped_kernel = triton.jit(_quant_gemv_grouped_kernel)
+    _quant_dot_grouped_kernel = triton.jit(_quant_dot_grouped_kernel)
 
+
+# kernels run by Triton's CPU interpreter (the tests' path where no GPU is)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` lives in registers: at most this many fp32 values (64 a
 # thread at 4 warps), so a larger token tile gets fewer output rows
@@ -274,6 +330,22 @@ def gemv_fits(bits: int, group_size: int) -> bool:
     return bits in (8, 4, 2) and group_size >= 16 and group_size & (group_size - 1) == 0
 
 
+#: an expert's rows in a round from which :func:`quant_matmul_grouped` takes the tensor-core kernel
+DOT_MIN_ROWS = 16
+
+
+def dot_fits(bits: int, group_size: int, dtype: torch.dtype, max_rows: int) -> bool:
+    """Whether :func:`quant_matmul_grouped` takes the tensor-core kernel: whole-byte codes whose group holds at least
+    16 bytes (a code plane of a group is one product of K >= 16), rows in bf16 or fp16 (the codes are exact there),
+    and at least :data:`DOT_MIN_ROWS` rows for some expert.
+
+    >>> dot_fits(4, 64, torch.bfloat16, 512), dot_fits(4, 64, torch.bfloat16, 1), dot_fits(4, 64, torch.float32, 512)
+    (True, False, False)
+    """
+    return (gemv_fits(bits, group_size) and group_size * bits // 8 >= 16 and dtype in (torch.bfloat16, torch.float16)
+            and max_rows >= DOT_MIN_ROWS)
+
+
 def _gemv_fits(q: QuantizedTensor) -> bool:
     return gemv_fits(q.bits, q.group_size)
 
@@ -334,7 +406,8 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = N
 
 def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[int, int, int], shape: Tuple[int, int],
                          bits: int, group_size: int, meta: torch.Tensor, n_experts: int,
-                         max_rows: int, config: Optional[GemvConfig] = None) -> torch.Tensor:
+                         max_rows: int, config: Optional[GemvConfig] = None,
+                         dot: Optional[bool] = None) -> torch.Tensor:
     """``y[r] = x[r] @ dequantize(W_e)^T`` in fp32 for the rows of each of ``n_experts`` experts, in one launch of
     the gemv kernel: a round of a quantized MoE layer, each expert's weight ``W_e`` (``shape``) read from its slot of
     ``table`` (the layer's uint8 slot table ``[slots, bytes]``, on the GPU) at the byte ``offsets`` of its codes,
@@ -342,7 +415,9 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
     ``x``'s rows ``starts[e]:starts[e + 1]``, at least one each) then each expert's byte offset in ``table`` (its
     slot times the slot's bytes). ``max_rows``: the most rows an expert has (the token tile; one row, a decode step
     at batch 1, takes :data:`DECODE_CONFIG` unless ``config`` names another). Whole-byte codes (8, 4, 2 bits) in
-    power-of-two groups of at least 16 (:func:`gemv_fits`); splits of K are added in order.
+    power-of-two groups of at least 16 (:func:`gemv_fits`); splits of K are added in order. ``dot``: rows through the
+    tensor-core kernel (:func:`dot_fits`: by default where an expert has at least :data:`DOT_MIN_ROWS` rows of bf16
+    or fp16, a prefill's or a large batch's round), or through the gemv kernel (``False``).
     """
     if triton is None:
         raise ImportError("quant_matmul_grouped needs triton (pip install triton, on a host with a CUDA GPU)")
@@ -354,6 +429,23 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
                          f"got {bits} bits, group {group_size}")
     x = x.contiguous()
     R = x.shape[0]
+    if dot is None:
+        dot = dot_fits(bits, group_size, x.dtype, max_rows)
+    elif dot and not dot_fits(bits, group_size, x.dtype, DOT_MIN_ROWS):
+        raise ValueError(f"the tensor-core kernel needs bf16 or fp16 rows and groups of at least 16 bytes a code "
+                         f"plane; got {x.dtype}, {bits} bits, group {group_size}")
+    if dot:
+        block_t = 16 if max_rows < 32 else 32 if max_rows < 64 else 64
+        bn = 128 if rows >= 128 else max(16, triton.next_power_of_2(rows))
+        y = torch.empty(R, rows, dtype=torch.float32, device=x.device)
+        flat = table.view(-1)
+        p, s, z = offsets
+        grid = (triton.cdiv(rows, bn), n_experts)
+        _quant_dot_grouped_kernel[grid](x, flat, flat.view(torch.float16), meta, y, R, rows, cols, cols * bits // 8,
+                                        cols // group_size, n_experts, p, s, z, BITS=bits, GROUP=group_size,
+                                        BLOCK_T=block_t, BLOCK_N=bn, EXACT_F32=_INTERPRETED,
+                                        num_warps=4 if block_t < 64 else 8)
+        return y
     block_t = min(16, triton.next_power_of_2(max_rows))
     bn, gps, split, k_per_split, opts = _launch(block_t, rows, cols, bits, group_size, n_experts, x.device, config)
     y = torch.empty(split, R, rows, dtype=torch.float32, device=x.device)
