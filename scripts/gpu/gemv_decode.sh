@@ -20,7 +20,7 @@ timeout "${TEST_S:-150}" bash scripts/gpu/pytest_shards.sh 12 "$OUT/quant_gpu" -
   tests/experts/test_quant_offload.py tests/experts/test_offload_gpu.py tests/ops/test_count_ids.py
 echo "quant gpu tests rc=$?"
 grep -h -A30 "^_____" "$OUT"/quant_gpu.* | head -60
-timeout "${SWEEP_S:-150}" python -u -m benchmarks.sweep_quant_gemv --bits 4,2 --out "$OUT/sweep_quant_gemv.md" \
+timeout "${SWEEP_S:-150}" python -u -m benchmarks.sweep_quant_gemv --bits "${SWEEP_BITS:-4}" --out "$OUT/sweep_quant_gemv.md" \
   > "$OUT/sweep_quant_gemv.log" 2>&1
 echo "sweep rc=$?"; grep -E "^\||^device" "$OUT/sweep_quant_gemv.log"; grep -i -B2 -A8 "error\|Traceback" "$OUT/sweep_quant_gemv.log" | head -30
 timeout 120 python -u scripts/gpu/probe_offload_overhead.py --layers 8 --modes int4,bf16 > "$OUT/overhead.md" 2>&1
