@@ -2,7 +2,8 @@
 # #37, one call (~8 min): the host expert's word decode (4- and 2-bit codes a 16-bit word at a time) on the H200
 # host's cores, then what it does to cpu_compute at the real Mixtral-8x7B shape.
 #   1. the ops built (row_ops cuda, expert_cpu);
-#   2. tests/ops/test_expert_cpu.py on this host (the word decode's exact one-hot reads and reference checks);
+#   2. tests/ops/test_expert_cpu.py on this host (the word decode's exact one-hot reads and reference checks) and
+#      tests/ops/test_count_ids.py (the routing counts without a host wait, on the GPU);
 #   3. scripts/gpu/probe_expert_cpu.py at 16 and 8 threads: one Mixtral expert, bf16 / int4 / int2 at 1, 2 and 8
 #      tokens, with the decode each call takes;
 #   4. with OVERHEAD=1 (~90 s): scripts/gpu/probe_offload_overhead.py, 8 Mixtral layers with every expert resident
@@ -19,7 +20,8 @@ set -x
 . "$(dirname "$0")/common.sh"
 build_ops cuda expert
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 90 python -m pytest -q -p no:cacheprovider tests/ops/test_expert_cpu.py > "$OUT/expert_cpu_tests.log" 2>&1
+  timeout 90 python -m pytest -q -p no:cacheprovider tests/ops/test_expert_cpu.py tests/ops/test_count_ids.py \
+    > "$OUT/expert_cpu_tests.log" 2>&1
   echo "expert_cpu tests rc=$?"; tail -3 "$OUT/expert_cpu_tests.log"
 fi
 timeout 120 python -u scripts/gpu/probe_expert_cpu.py --threads "${THREADS:-16,8}" --repeat 9 > "$OUT/probe_expert_cpu.md" 2>&1

@@ -28,7 +28,7 @@ for bits in (8, 4, 2):
     experts, slots = [3, 0, 4], [2, 0, 3]
     for e, s in zip(experts, slots):
         lay.pack_(table[s], {n: v[e] for n, v in t.items()})
-    for counts in ([1, 1, 1], [3, 1, 20], [40, 2, 16]):
+    for counts in ([1, 1, 1], [3, 1, 20]):
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
@@ -40,21 +40,6 @@ for bits in (8, 4, 2):
             want = torch.cat([x[starts[i]:starts[i + 1]] @ dequantize(lay.view(table[s], name)).t()
                               for i, s in enumerate(slots)])
             assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (bits, counts, name)
-            if counts != [1, 1, 1]:  # bf16 rows: the tensor-core kernel (20 rows: a 16-row tile and a masked one)
-                xb = x.bfloat16()
-                want_b = torch.cat([xb[starts[i]:starts[i + 1]].float() @ dequantize(lay.view(table[s], name)).t()
-                                    for i, s in enumerate(slots)])
-                for dot in (True, False):
-                    if dot and not qt.dot_fits(bits, 32, xb.dtype, max(counts)):
-                        continue
-                    y = qt.quant_matmul_grouped(xb, table, lay.parts[name], lay.base.shapes[name], bits, 32, meta,
-                                                3, max(counts), dot=dot)
-                    assert ((y - want_b).abs().max() / want_b.abs().max()).item() < 1e-5, (bits, counts, name, dot)
-            if counts == [1, 1, 1] and bits != 8:  # every decode configuration the sweep may pick plans and computes
-                for cfg in qt.GEMV_CONFIGS:
-                    y = qt.quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, 32, meta, 3,
-                                                1, config=cfg)
-                    assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (bits, cfg, name)
 
 def grouped(ctx, x, name, slots, starts, meta, max_rows):  # the CUDA branch of _packed_linear, on host tensors
     lay = ctx.layout
