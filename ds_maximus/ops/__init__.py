@@ -34,9 +34,18 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     return _count_by_compare(ids, n)
 
 
-def _count_by_compare(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """:func:`count_ids` off the host: each id compared with ``arange(n)``, the matches summed (int64)."""
-    return (ids.reshape(-1).unsqueeze(1) == torch.arange(n, device=ids.device)).sum(0)
+def _count_by_compare(ids: torch.Tensor, n: int, max_elems: int = 1 << 24) -> torch.Tensor:
+    """:func:`count_ids` off the host: each id compared with ``arange(n)``, the matches summed (int64); at most
+    ``max_elems`` comparisons at once (a training batch's routing: the ids a slice at a time)."""
+    ids = ids.reshape(-1)
+    ar = torch.arange(n, device=ids.device)
+    step = max(1, max_elems // max(n, 1))
+    if ids.numel() <= step:
+        return (ids.unsqueeze(1) == ar).sum(0)
+    out = torch.zeros(n, dtype=torch.long, device=ids.device)
+    for lo in range(0, ids.numel(), step):
+        out += (ids[lo:lo + step].unsqueeze(1) == ar).sum(0)
+    return out
 
 
 def rows_where(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
