@@ -120,6 +120,18 @@ def _streams(events: List[dict]):
     return min(e["ts"] for e in gpu), by, compute
 
 
+def stream_gaps(ops: List[dict], min_ms: float = 0.0) -> List[tuple]:
+    """The idle gaps longer than ``min_ms`` between one stream's ``ops`` (sorted by start): ``(start us, end us, the
+    op before, the op after)``."""
+    found, end, last = [], None, None
+    for e in ops:
+        if end is not None and e["ts"] - end > min_ms * 1e3:
+            found.append((end, e["ts"], last, e))
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e
+    return found
+
+
 def gaps(events: List[dict], min_ms: float = 0.5, top: int = 25) -> str:
     """The compute stream's (the stream with the most kernel time) idle gaps longer than ``min_ms``: their total, and
     the ``top`` longest with the kernels either side and what the other streams did meanwhile, i.e. what the compute
@@ -130,12 +142,7 @@ def gaps(events: List[dict], min_ms: float = 0.5, top: int = 25) -> str:
     t0, by, compute = found_streams
     ops = sorted(by[compute], key=lambda e: e["ts"])
     spans = {t: _merged(by[t]) for t in by if t != compute}
-    found, end, last = [], None, None
-    for e in ops:
-        if end is not None and e["ts"] - end > min_ms * 1e3:
-            found.append((end, e["ts"], last, e))
-        if end is None or e["ts"] + e["dur"] > end:
-            end, last = e["ts"] + e["dur"], e
+    found = stream_gaps(ops, min_ms)
     idle = sum(f - s for s, f, _, _ in found) / 1e3
     span = (max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]) / 1e3
     lines = [f"compute stream {compute}: {span:.1f} ms from its first to its last op, {len(found)} gaps over "

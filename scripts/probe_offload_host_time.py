@@ -27,12 +27,19 @@ from ds_maximus.experts.offload import offload_experts  # noqa: E402
 from tests.experts.tiny_moe import clone, tiny_model  # noqa: E402
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def ms_per_token(model, ids, n: int) -> float:
-    """Wall ms a token of an ``n``-token greedy decode after a 4-token warm-up."""
+    """Wall ms a token of an ``n``-token greedy decode after a 4-token warm-up (the GPU waited for on either side)."""
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, do_sample=False)
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        sync()
         t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync()
         return (time.perf_counter() - t0) / n * 1e3
 
 

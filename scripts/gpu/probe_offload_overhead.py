@@ -18,13 +18,12 @@ reads it). Needs a CUDA GPU; ~25 GB of GPU memory at 8 layers.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gc
 import gzip
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,22 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_moe_offload import build, resolve_shape  # noqa: E402
+from benchmarks.trace_timeline import _streams, load, stream_gaps  # noqa: E402
 from ds_maximus.experts.offload import offload_experts  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def ms_per_token(model, ids, n: int) -> float:
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-        sync()
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        sync()
-        return (time.perf_counter() - t0) / n * 1e3
+from scripts.probe_offload_host_time import ms_per_token, sync  # noqa: E402
 
 
 def traced(model, ids, n: int, path: str) -> None:
@@ -64,29 +50,20 @@ def traced(model, ids, n: int, path: str) -> None:
 
 
 def summarize(path: str, tokens: int, top: int) -> None:
-    with gzip.open(path, "rt") as f:
-        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    streams = collections.Counter(e["tid"] for e in gpu if e["cat"] == "kernel")
-    if not streams:
+    ev = [e for e in load(path) if e.get("ph") == "X"]
+    found = _streams(ev)
+    if found is None:
         print("  (no GPU events: the host ops alone)")
-        streams = collections.Counter({None: 1})
-        gpu = [{"tid": None, "cat": "kernel", "ts": 0, "dur": 0, "name": "-"}]
-    compute = streams.most_common(1)[0][0]
-    ks = sorted((e for e in gpu if e["tid"] == compute), key=lambda e: e["ts"])
-    t0, t1 = ks[0]["ts"], max(e["ts"] + e["dur"] for e in ks)
-    busy, end, gaps = 0.0, t0, []
-    for e in ks:
-        s, d = e["ts"], e["dur"]
-        if s > end:
-            gaps.append((end, s))
-        busy += max(0.0, s + d - max(s, end))
-        end = max(end, s + d)
-    wall = (t1 - t0) / 1e3
-    idle = sum(b - a for a, b in gaps) / 1e3
-    print(f"  traced span {wall:.1f} ms over {tokens} tokens (the prompt's prefill included): "
-          f"{wall / tokens:.2f} ms/token wall, {busy / 1e3 / tokens:.2f} busy, {idle / tokens:.2f} idle on the "
-          f"compute stream; {len(gaps) / tokens:.0f} gaps a token")
+        ks, gaps = [], []
+    else:
+        _, by, compute = found
+        ks = sorted(by[compute], key=lambda e: e["ts"])
+        gaps = stream_gaps(ks)
+        wall = (max(e["ts"] + e["dur"] for e in ks) - ks[0]["ts"]) / 1e3
+        idle = sum(b - a for a, b, _, _ in gaps) / 1e3
+        print(f"  traced span {wall:.1f} ms over {tokens} tokens (the prompt's prefill included): "
+              f"{wall / tokens:.2f} ms/token wall, {(wall - idle) / tokens:.2f} busy, {idle / tokens:.2f} idle on "
+              f"the compute stream; {len(gaps) / tokens:.0f} gaps a token")
     # what each gap waited for: the host op running when the kernel that ends it was launched
     host = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
     launches = sorted((e for e in ev if e.get("cat") == "cuda_runtime"), key=lambda e: e["ts"])
@@ -94,12 +71,10 @@ def summarize(path: str, tokens: int, top: int) -> None:
     by = collections.Counter()
     nby = collections.Counter()
     starts = [h["ts"] for h in host]
-    import bisect
-    for a, b in gaps:
+    for a, b, _, k in gaps:
         if (b - a) < 50:
             continue
-        k = next((e for e in ks if e["ts"] == b), None)
-        la = corr.get(k["args"].get("correlation")) if k and "args" in k else None
+        la = corr.get(k.get("args", {}).get("correlation"))
         name = "?"
         if la is not None:
             i = bisect.bisect_right(starts, la["ts"]) - 1
