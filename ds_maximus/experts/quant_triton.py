@@ -15,6 +15,7 @@ CUDA device exist; tested against :func:`ds_maximus.experts.quant.dequantize` by
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional, Tuple
 
@@ -147,11 +148,63 @@ def _quant_gemv_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R,
                  mask=mask_t[:, None] & mask_n[None, :])
 
 
+def _gemv1_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R, N, K, row_bytes, groups, k_per_split,
+                          n_experts, P_OFF, S_OFF, Z_OFF, BITS: tl.constexpr, GROUP: tl.constexpr,
+                          BLOCK_N: tl.constexpr, GPS: tl.constexpr, STAGES: tl.constexpr):
+    # The one-row gemv (every expert of the round has exactly one row of x: batch-1 decode). Program (n, e, s):
+    # expert e's output rows [n * BLOCK_N, ...) over columns [s * k_per_split, ...), GPS groups a step. The weight
+    # tile [BLOCK_N, GPS, BPG] bytes is loaded whole; each byte's PER_BYTE codes times their x columns are added
+    # elementwise into a tile of the same shape (no reduction inside the loop), scaled by the group's scale once a
+    # step; the offsets' term is zero * sum(x of the group), a [BLOCK_N, GPS] tile. One reduction at the end.
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BPG: tl.constexpr = GROUP // PER_BYTE
+    STEP: tl.constexpr = GPS * BPG
+    pid_n = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    r = tl.load(meta_ptr + pid_e).to(tl.int64)
+    base = tl.load(meta_ptr + n_experts + 1 + pid_e)
+    packed_ptr = codes_ptr + base + P_OFF
+    scales_ptr = halves_ptr + (base + S_OFF) // 2
+    zeros_ptr = halves_ptr + (base + Z_OFF) // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_g = tl.arange(0, GPS)
+    offs_b = tl.arange(0, BPG)
+    byte_begin = pid_s * (k_per_split // PER_BYTE)
+    byte_end = tl.minimum(byte_begin + k_per_split // PER_BYTE, row_bytes)
+    row_ptr = packed_ptr + offs_n.to(tl.int64)[:, None, None] * row_bytes
+    acc = tl.zeros((BLOCK_N, GPS, BPG), dtype=tl.float32)
+    acc_z = tl.zeros((BLOCK_N, GPS), dtype=tl.float32)
+    for b0 in tl.range(byte_begin, byte_end, STEP, num_stages=STAGES):
+        gbyte = b0 + offs_g * BPG                                             # first byte of each group [GPS]
+        mask_g = gbyte < byte_end
+        bcol = gbyte[:, None] + offs_b[None, :]                               # [GPS, BPG]
+        m3 = mask_n[:, None, None] & mask_g[None, :, None]
+        byts = tl.load(row_ptr + bcol[None, :, :], mask=m3, other=0).to(tl.int32)
+        gp = offs_n[:, None] * groups + (gbyte // BPG)[None, :]
+        m2 = mask_n[:, None] & mask_g[None, :]
+        s = tl.load(scales_ptr + gp, mask=m2, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + gp, mask=m2, other=0.0).to(tl.float32)
+        part = tl.zeros((BLOCK_N, GPS, BPG), dtype=tl.float32)
+        xsum = tl.zeros((GPS, BPG), dtype=tl.float32)
+        for j in tl.static_range(PER_BYTE):
+            xj = tl.load(x_ptr + r * K + bcol * PER_BYTE + j, mask=mask_g[:, None], other=0.0).to(tl.float32)
+            codes = ((byts >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            part += codes * xj[None, :, :]
+            xsum += xj
+        acc += part * s[:, :, None]
+        acc_z += z * tl.sum(xsum, axis=1)[None, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc_z, axis=1)
+    tl.store(y_ptr + pid_s * R * N + r * N + offs_n, y, mask=mask_n)
+
+
 if triton is not None:
     _gemv_tile = triton.jit(_gemv_tile)  # before the kernels that call it: they resolve it by its global name
     _quant_matmul_kernel = triton.jit(_quant_matmul_kernel)
     _quant_gemv_kernel = triton.jit(_quant_gemv_kernel)
     _quant_gemv_grouped_kernel = triton.jit(_quant_gemv_grouped_kernel)
+    _gemv1_grouped_kernel = triton.jit(_gemv1_grouped_kernel)
 
 
 # a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` lives in registers: at most this many fp32 values (64 a
@@ -222,9 +275,49 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = N
     return y
 
 
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """The launch of the one-row gemv (:func:`quant_matmul_grouped` where every expert has one row): output rows a
+    program (``block_n``), packed bytes of a row a step (``step_bytes``, whole groups: at least one group's bytes),
+    warps, pipeline stages of the step loop, and the programs an SM that splitting K aims for where the output
+    rows alone leave SMs idle (an expert's down projection)."""
+
+    block_n: int = 64
+    step_bytes: int = 128
+    warps: int = 4
+    stages: int = 3
+    programs_per_sm: int = 2
+
+
+# the default launch; benchmarks/sweep_quant_gemv.py times every entry of GEMV_CONFIGS against it on a GPU
+DECODE_CONFIG = GemvConfig()
+GEMV_CONFIGS = [GemvConfig(bn, sb, w, st, pps) for bn in (32, 64, 128) for sb in (64, 128, 256) for w in (4, 8)
+                for st in (2, 3, 4) for pps in (2, 4)]
+
+
+def _gemv1_grouped(x, flat, meta, rows, cols, bits, group_size, n_experts, offsets, config: GemvConfig):
+    per_byte = 8 // bits
+    bpg = group_size // per_byte
+    gps = max(1, config.step_bytes // bpg)
+    step_cols = gps * group_size
+    R = x.shape[0]
+    programs = triton.cdiv(rows, config.block_n) * n_experts
+    steps = triton.cdiv(cols, step_cols)
+    split = max(1, min(steps, triton.cdiv(config.programs_per_sm * _sm_count(x.device), programs)))
+    k_per_split = triton.cdiv(steps, split) * step_cols
+    split = triton.cdiv(cols, k_per_split)
+    y = torch.empty(split, R, rows, dtype=torch.float32, device=x.device)
+    p, s, z = offsets
+    grid = (triton.cdiv(rows, config.block_n), n_experts, split)
+    _gemv1_grouped_kernel[grid](x, flat, flat.view(torch.float16), meta, y, R, rows, cols, cols * bits // 8,
+                                cols // group_size, k_per_split, n_experts, p, s, z, BITS=bits, GROUP=group_size,
+                                BLOCK_N=config.block_n, GPS=gps, STAGES=config.stages, num_warps=config.warps)
+    return y[0] if split == 1 else y.sum(0)
+
+
 def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[int, int, int], shape: Tuple[int, int],
                          bits: int, group_size: int, meta: torch.Tensor, n_experts: int,
-                         max_rows: int) -> torch.Tensor:
+                         max_rows: int, config: Optional[GemvConfig] = None) -> torch.Tensor:
     """``y[r] = x[r] @ dequantize(W_e)^T`` in fp32 for the rows of each of ``n_experts`` experts, in one launch of
     the gemv kernel: a round of a quantized MoE layer, each expert's weight ``W_e`` (``shape``) read from its slot of
     ``table`` (the layer's uint8 slot table ``[slots, bytes]``, on the GPU) at the byte ``offsets`` of its codes,
@@ -232,6 +325,9 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
     ``x``'s rows ``starts[e]:starts[e + 1]``, at least one each) then each expert's byte offset in ``table`` (its
     slot times the slot's bytes). ``max_rows``: the most rows an expert has (the token tile). Whole-byte codes (8, 4,
     2 bits) in power-of-two groups of at least 16 (:func:`gemv_fits`); splits of K are added in order.
+
+    Where every expert has one row (``max_rows == 1``, batch-1 decode) the one-row kernel runs, launched as
+    ``config`` says (default :data:`DECODE_CONFIG`); otherwise the token-tile kernel.
     """
     if triton is None:
         raise ImportError("quant_matmul_grouped needs triton (pip install triton, on a host with a CUDA GPU)")
@@ -242,6 +338,10 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
         raise ValueError(f"the grouped kernel needs 8-, 4- or 2-bit codes in power-of-two groups of at least 16; "
                          f"got {bits} bits, group {group_size}")
     x = x.contiguous()
+    flat = table.view(-1)
+    if max_rows == 1:
+        return _gemv1_grouped(x, flat, meta, shape[0], cols, bits, group_size, n_experts, offsets,
+                              config or DECODE_CONFIG)
     R = x.shape[0]
     block_t = max(2, min(16, triton.next_power_of_2(max_rows)))
     nb = group_size * bits // 8
@@ -252,7 +352,6 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
     k_per_split = triton.cdiv(steps, split) * group_size
     split = triton.cdiv(cols, k_per_split)
     y = torch.empty(split, R, rows, dtype=torch.float32, device=x.device)
-    flat = table.view(-1)
     p, s, z = offsets
     grid = (triton.cdiv(rows, bn), n_experts, split)
     _quant_gemv_grouped_kernel[grid](x, flat, flat.view(torch.float16), meta, y, R, rows, cols, cols * bits // 8,

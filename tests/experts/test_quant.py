@@ -207,6 +207,37 @@ def test_triton_grouped_equals_reference(bits, counts, H, F, group_size):
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_triton_one_row_gemv_every_launch_equals_reference(bits):
+    """The one-row kernel (every expert one row: batch-1 decode) under launches of the sweep's extremes (smallest
+    and largest tiles and steps, split K wide), at a Mixtral-like down projection's long K, against the reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from ds_maximus.experts import quant_triton as qt
+    from ds_maximus.experts.layout import ExpertLayout
+    from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+    g = torch.Generator().manual_seed(bits)
+    H, F, n = 256, 1408, 2
+    t = {"gate_up_proj": (torch.randn(n, 2 * F, H, generator=g) * 0.02).bfloat16(),
+         "down_proj": (torch.randn(n, H, F, generator=g) * 0.02).bfloat16()}
+    lay = QuantizedExpertLayout.from_layout(ExpertLayout.from_stacked(t, n), bits, 64)
+    table = torch.zeros(n, lay.numel, dtype=torch.uint8)
+    for e in range(n):
+        lay.pack_(table[e], {name: v[e] for name, v in t.items()})
+    table = table.cuda()
+    meta = torch.tensor([0, 1, 2, lay.numel, 0], dtype=torch.long).cuda()  # expert 0 in slot 1, expert 1 in slot 0
+    configs = [qt.DECODE_CONFIG, qt.GemvConfig(16, 32, 4, 1, 16), qt.GemvConfig(128, 256, 8, 4, 4)]
+    for name, cols in (("gate_up_proj", H), ("down_proj", F)):
+        x = torch.randn(n, cols, generator=g).bfloat16().cuda()
+        want = torch.cat([x[i:i + 1].float() @ dequantize(lay.view(table[s], name)).t() for i, s in enumerate((1, 0))])
+        for config in configs:
+            y = qt.quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, 64, meta, n, 1,
+                                        config=config)
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=str(config))
+
+
 def test_bench_moe_quant_error_small_runs(capsys):
     """The error report's CPU size runs end to end: one row per width for ours and one for the hqq peer."""
     from benchmarks.bench_moe_quant_error import main

@@ -33,13 +33,16 @@ for bits in (8, 4, 2):
         for c in counts:
             starts.append(starts[-1] + c)
         meta = torch.tensor(starts + [s * lay.numel for s in slots], dtype=torch.long)
+        # one row an expert: the one-row kernel, by default and with small steps (several steps, split K)
+        configs = [None, qt.GemvConfig(16, 16, 4, 2, 8)] if max(counts) == 1 else [None]
         for name, cols in (("gate_up_proj", H), ("down_proj", F)):
             x = torch.randn(starts[-1], cols, generator=g)
-            y = qt.quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, 32, meta, 3,
-                                        max(counts))
             want = torch.cat([x[starts[i]:starts[i + 1]] @ dequantize(lay.view(table[s], name)).t()
                               for i, s in enumerate(slots)])
-            assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (bits, counts, name)
+            for config in configs:
+                y = qt.quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, 32, meta, 3,
+                                            max(counts), config=config)
+                assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (bits, counts, name, config)
 
 def grouped(ctx, x, name, slots, starts, meta, max_rows):  # the CUDA branch of _packed_linear, on host tensors
     lay = ctx.layout

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# #37, one call (~9 min): the one-row quantized gemv (batch-1 decode's launches) on the GPU.
+#   1. the GPU tests of the quantized kernels (tests/experts/test_quant.py, its triton tests) in 12 shards within
+#      TEST_S seconds (default 120);
+#   2. benchmarks/sweep_quant_gemv.py at the Mixtral expert shapes (SWEEP_BITS, default 4,2,8) within SWEEP_S
+#      (default 150): the token-tile kernel it replaces, the default launch, every launch swept at 4 bits, bf16;
+#   3. unless SKIP_PROBE=1: scripts/gpu/probe_offload_overhead.py, 8 Mixtral layers, every expert resident, int4;
+#   4. unless SKIP_SCALE=1: moe_scale.sh at the 32-layer Mixtral shape, GPU capped at 16 GiB (PEERS, default
+#      full,int4; TOTAL_S, default 220; a 93 GB model: an H200), with 1 GiB kept for everything but the weights
+#      (--reserve-gib 1: int4's peak was 12.0 GiB with 3 slots a layer, so 4 slots, +2.95 GiB, fit the cap).
+# Run as `timeout 575 bash scripts/gpu/gemv_decode.sh; . scripts/gpu/common.sh; pack_out`.
+set -x
+. "$(dirname "$0")/common.sh"
+timeout "${TEST_S:-120}" bash scripts/gpu/pytest_shards.sh 12 "$OUT/quant_tests" tests/experts/test_quant.py -k triton
+echo "quant tests rc=$?"
+grep -h -A25 "^_____" "$OUT"/quant_tests.* | head -80
+timeout "${SWEEP_S:-150}" python -u benchmarks/sweep_quant_gemv.py --bits "${SWEEP_BITS:-4,2,8}" --all > "$OUT/sweep_gemv.md" 2>&1
+echo "sweep rc=$?"; grep -v "^WARNING" "$OUT/sweep_gemv.md" | grep -v "| GemvConfig(" | tail -60
+if [ "${SKIP_PROBE:-0}" != 1 ]; then
+  timeout 150 python -u scripts/gpu/probe_offload_overhead.py --layers 8 --modes int4 > "$OUT/overhead.md" 2>&1
+  echo "overhead probe rc=$?"; grep -v "^USDT\|WARNING" "$OUT/overhead.md" | head -40
+fi
+if [ "${SKIP_SCALE:-0}" != 1 ]; then
+  build_ops cuda expert
+  PEERS="${PEERS:-full,int4}" EXTRA="${EXTRA:---agree-tokens 64 --reserve-gib 1}" TOTAL_S="${TOTAL_S:-220}" \
+    bash scripts/gpu/moe_scale.sh
+fi
