@@ -5,9 +5,8 @@ one launch for the round (:func:`ds_maximus.experts.quant_triton.quant_matmul_gr
 expert shape (``gate_up_proj`` [28672, 4096], ``down_proj`` [4096, 14336]; ``--experts`` experts a launch, default
 2) this prints, for each width of ``--bits``:
 
-* ``tile``: the token-tile kernel (what one-row launches ran before the one-row kernel; forced by ``max_rows=2``,
-  correct for one row);
-* ``default``: the one-row kernel at :data:`~ds_maximus.experts.quant_triton.DECODE_CONFIG`;
+* ``tile``: the token-tile kernel, what the decode path runs today for one row an expert;
+* ``one-row``: the one-row kernel at :data:`~ds_maximus.experts.quant_triton.DECODE_CONFIG`, the proposed default;
 * for the widths of ``--sweep`` (default 4), every launch in :data:`~ds_maximus.experts.quant_triton.GEMV_CONFIGS`
   (each as measured with ``--all``) and the best five;
 * ``bf16 F.linear``: the same experts' exact bf16 weights through ``F.linear`` one expert at a time (the peer a
@@ -108,8 +107,8 @@ def main(argv=None) -> int:
                 return ms
 
             state["i"] = 0
-            row("tile (before)", lambda: launch(2), launch(2))
-            row(f"default {qt.DECODE_CONFIG}", lambda: launch(1), launch(1))
+            row("tile (the decode path today)", lambda: launch(1), launch(1))
+            row(f"one-row {qt.DECODE_CONFIG}", lambda: launch(1, qt.DECODE_CONFIG), launch(1, qt.DECODE_CONFIG))
             swept = []
             for c in (qt.GEMV_CONFIGS if bits in sweep_bits else []):
                 try:

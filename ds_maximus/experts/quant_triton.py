@@ -3,7 +3,10 @@
 The gemv kernel (8-, 4- and 2-bit codes in power-of-two groups; the default where it applies) steps a group at a
 time: a row's scale and offset are loaded once a group, the group's bytes are loaded whole, and each byte's codes
 are decoded as planes; where the output rows alone leave SMs idle (an expert's down projection) the columns are
-split over programs and the splits' partial sums added in order afterwards (deterministic). The loop kernel (any
+split over programs and the splits' partial sums added in order afterwards (deterministic). The one-row gemv
+(:func:`quant_matmul_grouped` with a :class:`GemvConfig`, every expert one row) never reduces inside its loop: each
+byte's codes times their x columns are added elementwise into a tile shaped like the weight tile, scaled once a
+group, and summed once at the end; several groups a step, the step loop pipelined. The loop kernel (any
 width, 3 bits included):
 each program owns ``BLOCK_N`` output rows of ``W`` and walks the columns ``BLOCK_K`` at a time: it loads the packed
 bytes of its rows (``BLOCK_K * bits / 8`` a row, the layout of :mod:`ds_maximus.experts.quant`: code ``c`` of a
@@ -289,7 +292,7 @@ class GemvConfig:
     programs_per_sm: int = 2
 
 
-# the default launch; benchmarks/sweep_quant_gemv.py times every entry of GEMV_CONFIGS against it on a GPU
+# the proposed default launch; benchmarks/sweep_quant_gemv.py times every entry of GEMV_CONFIGS against it on a GPU
 DECODE_CONFIG = GemvConfig()
 GEMV_CONFIGS = [GemvConfig(bn, sb, w, st, pps) for bn in (32, 64, 128) for sb in (64, 128, 256) for w in (4, 8)
                 for st in (2, 3, 4) for pps in (2, 4)]
@@ -326,8 +329,10 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
     slot times the slot's bytes). ``max_rows``: the most rows an expert has (the token tile). Whole-byte codes (8, 4,
     2 bits) in power-of-two groups of at least 16 (:func:`gemv_fits`); splits of K are added in order.
 
-    Where every expert has one row (``max_rows == 1``, batch-1 decode) the one-row kernel runs, launched as
-    ``config`` says (default :data:`DECODE_CONFIG`); otherwise the token-tile kernel.
+    ``config``: where every expert has one row (``max_rows == 1``, batch-1 decode), run the one-row kernel with
+    that launch (e.g. :data:`DECODE_CONFIG`) instead of the token-tile kernel. The model's decode path does not
+    pass it yet: the one-row kernel is checked by Triton's interpreter, and it becomes the default once
+    ``scripts/gpu/gemv_decode.sh`` has run its GPU tests and shown it faster (``benchmarks/sweep_quant_gemv.py``).
     """
     if triton is None:
         raise ImportError("quant_matmul_grouped needs triton (pip install triton, on a host with a CUDA GPU)")
@@ -339,9 +344,8 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
                          f"got {bits} bits, group {group_size}")
     x = x.contiguous()
     flat = table.view(-1)
-    if max_rows == 1:
-        return _gemv1_grouped(x, flat, meta, shape[0], cols, bits, group_size, n_experts, offsets,
-                              config or DECODE_CONFIG)
+    if config is not None and max_rows == 1:
+        return _gemv1_grouped(x, flat, meta, shape[0], cols, bits, group_size, n_experts, offsets, config)
     R = x.shape[0]
     block_t = max(2, min(16, triton.next_power_of_2(max_rows)))
     nb = group_size * bits // 8

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # #37, one call (~9 min): the one-row quantized gemv (batch-1 decode's launches) on the GPU.
-#   1. the GPU tests of the quantized kernels (tests/experts/test_quant.py: the grouped, one-row and packed-slot tests) in 12 shards within
-#      TEST_S seconds (default 120);
+#   1. the GPU tests of the quantized kernels in 12 shards within TEST_S seconds (default 120):
+#      tests/experts/test_quant.py's grouped, one-row and packed-slot tests;
 #   2. benchmarks/sweep_quant_gemv.py at the Mixtral expert shapes (SWEEP_BITS, default 4,2,8) within SWEEP_S
-#      (default 150): the token-tile kernel it replaces, the default launch, every launch swept at 4 bits, bf16;
+#      (default 150): the token-tile kernel the decode path runs, the one-row kernel at DECODE_CONFIG, every launch
+#      swept at 4 bits, bf16 F.linear;
 #   3. where step 4 does not run (or SKIP_PROBE=0): scripts/gpu/probe_offload_overhead.py, 8 Mixtral layers, every
 #      expert resident, int4;
 #   4. on a GPU of 100 GB or more, unless SKIP_SCALE=1: moe_scale.sh at the 32-layer Mixtral shape, GPU capped
-#      at 16 GiB (PEERS, default
-#      full,int4; TOTAL_S, default 220; a 93 GB model: an H200), with 1 GiB kept for everything but the weights
-#      (--reserve-gib 1: int4's peak was 12.0 GiB with 3 slots a layer, so 4 slots, +2.95 GiB, fit the cap).
+#      at 16 GiB (PEERS, default full,int4; TOTAL_S, default 220; a 93 GB model), with 1 GiB kept for everything
+#      but the weights (--reserve-gib 1: int4's peak was 12.0 GiB with 3 slots a layer, so 4 slots, +2.95 GiB,
+#      fit the cap). Steps 3 and 4 run the decode path as it is: with the token-tile kernel until
+#      compute._packed_linear passes quant_triton.DECODE_CONFIG.
 # Run as `timeout 575 bash scripts/gpu/gemv_decode.sh; . scripts/gpu/common.sh; pack_out`.
 set -x
 . "$(dirname "$0")/common.sh"

@@ -33,8 +33,9 @@ for bits in (8, 4, 2):
         for c in counts:
             starts.append(starts[-1] + c)
         meta = torch.tensor(starts + [s * lay.numel for s in slots], dtype=torch.long)
-        # one row an expert: the one-row kernel, by default and with small steps (several steps, split K)
-        configs = [None, qt.GemvConfig(16, 16, 4, 2, 8)] if max(counts) == 1 else [None]
+        # one row an expert: the token-tile kernel, then the one-row kernel at the proposed default launch and with
+        # small steps (several steps, split K)
+        configs = [None, qt.DECODE_CONFIG, qt.GemvConfig(16, 16, 4, 2, 8)] if max(counts) == 1 else [None]
         for name, cols in (("gate_up_proj", H), ("down_proj", F)):
             x = torch.randn(starts[-1], cols, generator=g)
             want = torch.cat([x[starts[i]:starts[i + 1]] @ dequantize(lay.view(table[s], name)).t()
