@@ -606,8 +606,15 @@ def main(argv=None):
     p.add_argument("--host-bw-gb", type=float, default=2.0, help="GB read to measure the host's bandwidth")
     p.add_argument("--budget-s", type=float, default=165.0, help="wall-clock budget; peers that no longer fit "
                    "are rows that say so")
+    p.add_argument("--decode-gemv", choices=("tile", "one-row"), default="tile", help="the quantized peers' "
+                   "kernel where each expert has one row (batch-1 decode): the token-tile kernel (the default) or "
+                   "the one-row gemv at quant_triton.DECODE_CONFIG (ds_maximus.experts.compute.DECODE_GEMV)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
+    if args.decode_gemv == "one-row":
+        from ds_maximus.experts import compute
+        from ds_maximus.experts.quant_triton import DECODE_CONFIG
+        compute.DECODE_GEMV = DECODE_CONFIG
     budget = Budget(args.budget_s)
     want = parse_peers(args)
     resolve_shape(args)
@@ -637,6 +644,7 @@ def main(argv=None):
                          "agree tokens": args.agree_tokens, "batch": args.batch,
                          "prefill tokens": args.prefill_len or "-", "group size": args.group_size,
                          "GPU cap GiB": cap if cap else "none", "expert source": source,
+                         "decode gemv": args.decode_gemv,
                          "host GB/s": round(host_gbps, 1)},
                   notes=f"tokens/s = decode only (after prefill), every sequence of the batch; ms = 1000 / "
                         f"tokens/s; experts/layer = distinct experts a MoE layer call hit; PCIe bound at "

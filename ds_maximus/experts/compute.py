@@ -144,6 +144,12 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
     return final
 
 
+# The launch of the one-row gemv for rounds whose experts have one row each (batch-1 decode), or None: the token-tile
+# kernel. None until the one-row kernel's GPU tests and speed are measured (scripts/gpu/gemv_decode.sh);
+# benchmarks/bench_moe_offload.py sets it with --decode-gemv one-row.
+DECODE_GEMV = None
+
+
 def _packed_linear(ctx: ExpertComputeContext, x: torch.Tensor, name: str, slots: Sequence[int],
                    starts: Sequence[int], meta: torch.Tensor, max_rows: int) -> torch.Tensor:
     """One projection of a round's experts from their packed slots, ``x``'s rows ``starts[i]:starts[i + 1]``
@@ -156,7 +162,7 @@ def _packed_linear(ctx: ExpertComputeContext, x: torch.Tensor, name: str, slots:
     if x.is_cuda and gemv_fits(lay.bits, lay.group_size):
         from ds_maximus.experts.quant_triton import quant_matmul_grouped
         y = quant_matmul_grouped(x, ctx.cache.slot_buffer(ctx.group), lay.parts[name], lay.base.shapes[name],
-                                 lay.bits, lay.group_size, meta, len(slots), max_rows)
+                                 lay.bits, lay.group_size, meta, len(slots), max_rows, config=DECODE_GEMV)
     else:
         y = torch.cat([quant.linear(x[starts[i]:starts[i + 1]], lay.view(ctx.flat(s), name))
                        for i, s in enumerate(slots)])

@@ -6,12 +6,12 @@
 #      (default 150): the token-tile kernel the decode path runs, the one-row kernel at DECODE_CONFIG, every launch
 #      swept at 4 bits, bf16 F.linear;
 #   3. where step 4 does not run (or SKIP_PROBE=0): scripts/gpu/probe_offload_overhead.py, 8 Mixtral layers, every
-#      expert resident, int4;
+#      expert resident, int4 with the token-tile kernel and (where step 1 passed) with the one-row kernel;
 #   4. on a GPU of 100 GB or more, unless SKIP_SCALE=1: moe_scale.sh at the 32-layer Mixtral shape, GPU capped
 #      at 16 GiB (PEERS, default full,int4; TOTAL_S, default 220; a 93 GB model), with 1 GiB kept for everything
 #      but the weights (--reserve-gib 1: int4's peak was 12.0 GiB with 3 slots a layer, so 4 slots, +2.95 GiB,
-#      fit the cap). Steps 3 and 4 run the decode path as it is: with the token-tile kernel until
-#      compute._packed_linear passes quant_triton.DECODE_CONFIG.
+#      fit the cap). Step 4 runs the one-row kernel in the decode path (--decode-gemv one-row) where step 1
+#      passed, else the token-tile kernel.
 # Run as `timeout 575 bash scripts/gpu/gemv_decode.sh; . scripts/gpu/common.sh; pack_out`.
 set -x
 . "$(dirname "$0")/common.sh"
@@ -20,16 +20,20 @@ mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 if [ -z "${SKIP_SCALE:-}" ]; then if [ "${mem:-0}" -lt 100000 ]; then SKIP_SCALE=1; else SKIP_SCALE=0; fi; fi
 if [ -z "${SKIP_PROBE:-}" ]; then if [ "$SKIP_SCALE" = 1 ]; then SKIP_PROBE=0; else SKIP_PROBE=1; fi; fi
 timeout "${TEST_S:-120}" bash scripts/gpu/pytest_shards.sh 12 "$OUT/quant_tests" tests/experts/test_quant.py -k "grouped or one_row or packed_slot"
-echo "quant tests rc=$?"
+tests_rc=$?
+echo "quant tests rc=$tests_rc"
+# steps 3-4 with the one-row kernel in the decode path only where its tests passed
+if [ "$tests_rc" = 0 ]; then GEMV=one-row; else GEMV=tile; fi
 grep -h -A25 "^_____" "$OUT"/quant_tests.* | head -80
 timeout "${SWEEP_S:-150}" python -u benchmarks/sweep_quant_gemv.py --bits "${SWEEP_BITS:-4,2,8}" --all > "$OUT/sweep_gemv.md" 2>&1
 echo "sweep rc=$?"; grep -v "^WARNING" "$OUT/sweep_gemv.md" | grep -v "| GemvConfig(" | tail -60
 if [ "${SKIP_PROBE:-0}" != 1 ]; then
-  timeout 150 python -u scripts/gpu/probe_offload_overhead.py --layers 8 --modes int4 > "$OUT/overhead.md" 2>&1
-  echo "overhead probe rc=$?"; grep -v "^USDT\|WARNING" "$OUT/overhead.md" | head -40
+  modes=int4; [ "$GEMV" = one-row ] && modes=int4,int4:one-row
+  timeout 180 python -u scripts/gpu/probe_offload_overhead.py --layers 8 --modes "$modes" > "$OUT/overhead.md" 2>&1
+  echo "overhead probe rc=$?"; grep -v "^USDT\|WARNING" "$OUT/overhead.md" | head -80
 fi
 if [ "${SKIP_SCALE:-0}" != 1 ]; then
   build_ops cuda expert
-  PEERS="${PEERS:-full,int4}" EXTRA="${EXTRA:---agree-tokens 64 --reserve-gib 1}" TOTAL_S="${TOTAL_S:-220}" \
+  PEERS="${PEERS:-full,int4}" EXTRA="${EXTRA:---agree-tokens 64 --reserve-gib 1 --decode-gemv $GEMV}" TOTAL_S="${TOTAL_S:-220}" \
     bash scripts/gpu/moe_scale.sh
 fi

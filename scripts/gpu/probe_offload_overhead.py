@@ -33,7 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_moe_offload import build, resolve_shape  # noqa: E402
 from benchmarks.trace_timeline import _streams, load, stream_gaps  # noqa: E402
+from ds_maximus.experts import compute  # noqa: E402
 from ds_maximus.experts.offload import offload_experts  # noqa: E402
+from ds_maximus.experts.quant_triton import DECODE_CONFIG  # noqa: E402
 from scripts.probe_offload_host_time import ms_per_token, sync  # noqa: E402
 
 
@@ -111,7 +113,8 @@ def summarize(path: str, tokens: int, top: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--modes", default="int4,bf16")
+    p.add_argument("--modes", default="int4,bf16", help="comma-separated: bf16, int8, int4, int2; a quantized mode "
+                   "with ':one-row' runs the one-row gemv in the decode path (compute.DECODE_GEMV)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--trace-tokens", type=int, default=4)
     p.add_argument("--top", type=int, default=14)
@@ -137,8 +140,10 @@ def main() -> None:
             summarize(path, a.trace_tokens + 1, a.top)
             first = False
         cfg = {"gpu_experts_per_layer": args.experts}
-        if mode != "bf16":
-            cfg["quant"] = {"bits": int(mode.removeprefix("int")), "group_size": 64}
+        bits, _, gemv = mode.partition(":")
+        if bits != "bf16":
+            cfg["quant"] = {"bits": int(bits.removeprefix("int")), "group_size": 64}
+        compute.DECODE_GEMV = DECODE_CONFIG if gemv == "one-row" else None
         handle = offload_experts(model, cfg)
         for _ in range(2):
             ms_per_token(model, ids, 8)  # every expert into its slot
@@ -147,7 +152,7 @@ def main() -> None:
         s = handle.stats()
         print(f"ours {mode}: {ours:.2f} ms/token ({(ours - full) / a.layers:.3f} ms a layer over full), hit rate "
               f"{s.get('hit_rate', float('nan')):.3f}, stall ms {s.get('stall_ms', 0):.1f}")
-        path = f"{out}/overhead_{mode}.json.gz"
+        path = f"{out}/overhead_{mode.replace(':', '_')}.json.gz"
         traced(model, ids, a.trace_tokens, path)
         summarize(path, a.trace_tokens + 1, a.top)
         handle.close()

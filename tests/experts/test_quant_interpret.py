@@ -48,7 +48,7 @@ for bits in (8, 4, 2):
 def grouped(ctx, x, name, slots, starts, meta, max_rows):  # the CUDA branch of _packed_linear, on host tensors
     lay = ctx.layout
     y = qt.quant_matmul_grouped(x, ctx.cache.slot_buffer(ctx.group), lay.parts[name], lay.base.shapes[name],
-                                lay.bits, lay.group_size, meta, len(slots), max_rows)
+                                lay.bits, lay.group_size, meta, len(slots), max_rows, config=compute.DECODE_GEMV)
     return y.to(x.dtype)
 compute._packed_linear = grouped
 real, calls = compute.packed_forward, []
@@ -59,13 +59,20 @@ def checked(ctx, hidden, tki, tkw, used, pairs):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2 * ref.float().abs().max().item())
     return out
 compute.packed_forward = checked
-for bits in (8, 4):
+one_row, real_one_row = [], qt._gemv1_grouped
+def counted(*args, **kwargs):
+    one_row.append(1)
+    return real_one_row(*args, **kwargs)
+qt._gemv1_grouped = counted
+for bits, gemv in ((8, None), (4, None), (4, qt.DECODE_CONFIG)):  # the last: one-row rounds by the one-row gemv
+    compute.DECODE_GEMV = gemv
     model = tiny_model("qwen3_moe", "eager", top_k=2, dtype=torch.bfloat16)
     h = offload_experts(model, {"gpu_experts_per_layer": 2, "quant": {"bits": bits, "group_size": 16}})
     with torch.no_grad():
         model.generate(prompt(batch=2, length=8), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     h.close()
 assert calls and max(calls) > 2
+assert one_row  # the decode steps' one-row rounds went through the one-row gemv
 print("ok")
 '''
 
