@@ -295,7 +295,7 @@ class GemvConfig:
 # the proposed default launch; benchmarks/sweep_quant_gemv.py times every entry of GEMV_CONFIGS against it on a GPU
 DECODE_CONFIG = GemvConfig()
 GEMV_CONFIGS = [GemvConfig(bn, sb, w, st, pps) for bn in (32, 64, 128) for sb in (64, 128, 256) for w in (4, 8)
-                for st in (2, 3, 4) for pps in (2, 4)]
+                for st in (2, 3) for pps in (2, 4)]
 
 
 def _gemv1_grouped(x, flat, meta, rows, cols, bits, group_size, n_experts, offsets, config: GemvConfig):
