@@ -8,10 +8,9 @@
 #   3. where step 4 does not run (or SKIP_PROBE=0): scripts/gpu/probe_offload_overhead.py, 8 Mixtral layers, every
 #      expert resident, int4 with the token-tile kernel and (where step 1 passed) with the one-row kernel;
 #   4. on a GPU of 100 GB or more, unless SKIP_SCALE=1: moe_scale.sh at the 32-layer Mixtral shape, GPU capped
-#      at 16 GiB (PEERS, default full,int4; TOTAL_S, default 220; a 93 GB model), with 1 GiB kept for everything
-#      but the weights (--reserve-gib 1: int4's peak was 12.0 GiB with 3 slots a layer, so 4 slots, +2.95 GiB,
-#      fit the cap). Step 4 runs the one-row kernel in the decode path (--decode-gemv one-row) where step 1
-#      passed, else the token-tile kernel.
+#      at 16 GiB (PEERS, default full,int4; TOTAL_S, default 220; a 93 GB model), slots from the default reserve
+#      (3 a layer at int4: a fourth measured slower, docs/bench/moe_offload.md). Step 4 runs the one-row kernel in
+#      the decode path (--decode-gemv one-row) where step 1 passed, else the token-tile kernel.
 # Run as `timeout 575 bash scripts/gpu/gemv_decode.sh; . scripts/gpu/common.sh; pack_out`.
 set -x
 . "$(dirname "$0")/common.sh"
@@ -34,6 +33,6 @@ if [ "${SKIP_PROBE:-0}" != 1 ]; then
 fi
 if [ "${SKIP_SCALE:-0}" != 1 ]; then
   build_ops cuda expert
-  PEERS="${PEERS:-full,int4}" EXTRA="${EXTRA:---agree-tokens 64 --reserve-gib 1 --decode-gemv $GEMV}" TOTAL_S="${TOTAL_S:-220}" \
+  PEERS="${PEERS:-full,int4}" EXTRA="${EXTRA:---agree-tokens 64 --decode-gemv $GEMV}" TOTAL_S="${TOTAL_S:-220}" \
     bash scripts/gpu/moe_scale.sh
 fi
