@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import time_fn  # noqa: E402
 from ds_maximus.experts.layout import ExpertLayout  # noqa: E402
 from ds_maximus.experts.quant import dequantize  # noqa: E402
 from ds_maximus.experts.quant_layout import QuantizedExpertLayout  # noqa: E402
@@ -37,19 +38,9 @@ from ds_maximus.experts.quant_layout import QuantizedExpertLayout  # noqa: E402
 SHAPES = {"gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
 
 
-def timed(fn, repeat: int, warmup: int = 3) -> float:
-    """Median ms of ``fn()`` on the current stream (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    ms = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
+def timed(fn, repeat: int) -> float:
+    """Median ms of ``fn()`` (the harness's CUDA-event timing, after 3 warm-up calls)."""
+    return statistics.median(time_fn(fn, warmup=3, repeat=repeat))
 
 
 def main(argv=None) -> int:

@@ -215,6 +215,15 @@ if triton is not None:
 TILE_ELEMS = 8192
 
 
+def _split_k(cols: int, step_cols: int, programs: int, target: int) -> Tuple[int, int]:
+    """``(k_per_split, splits)``: the columns split into whole steps of ``step_cols`` over enough programs that
+    ``programs`` launched for the output rows reach ``target`` (at most a step a split)."""
+    steps = triton.cdiv(cols, step_cols)
+    split = max(1, min(steps, triton.cdiv(target, programs)))
+    k_per_split = triton.cdiv(steps, split) * step_cols
+    return k_per_split, triton.cdiv(cols, k_per_split)
+
+
 def gemv_fits(bits: int, group_size: int) -> bool:
     """The group-a-step kernels (:func:`quant_matmul`'s gemv, :func:`quant_matmul_grouped`) serve whole-byte codes
     (8, 4, 2 bits) in power-of-two groups of at least 16."""
@@ -255,10 +264,7 @@ def quant_matmul(x: torch.Tensor, q: QuantizedTensor, block_n: Optional[int] = N
         nb = q.group_size * q.bits // 8
         bn = block_n or max(16, min(128, TILE_ELEMS // (block_t * nb)))
         programs = triton.cdiv(rows, bn) * triton.cdiv(T, block_t)
-        steps = cols // q.group_size
-        split = max(1, min(steps, triton.cdiv(2 * sms, programs)))
-        k_per_split = triton.cdiv(steps, split) * q.group_size
-        split = triton.cdiv(cols, k_per_split)
+        k_per_split, split = _split_k(cols, q.group_size, programs, 2 * sms)
         y = torch.empty(split, T, rows, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(rows, bn), triton.cdiv(T, block_t), split)
         _quant_gemv_kernel[grid](x, q.packed, q.scales, q.zeros, y, T, rows, cols, q.packed.shape[1],
@@ -305,10 +311,7 @@ def _gemv1_grouped(x, flat, meta, rows, cols, bits, group_size, n_experts, offse
     step_cols = gps * group_size
     R = x.shape[0]
     programs = triton.cdiv(rows, config.block_n) * n_experts
-    steps = triton.cdiv(cols, step_cols)
-    split = max(1, min(steps, triton.cdiv(config.programs_per_sm * _sm_count(x.device), programs)))
-    k_per_split = triton.cdiv(steps, split) * step_cols
-    split = triton.cdiv(cols, k_per_split)
+    k_per_split, split = _split_k(cols, step_cols, programs, config.programs_per_sm * _sm_count(x.device))
     y = torch.empty(split, R, rows, dtype=torch.float32, device=x.device)
     p, s, z = offsets
     grid = (triton.cdiv(rows, config.block_n), n_experts, split)
@@ -351,10 +354,7 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
     nb = group_size * bits // 8
     bn = max(16, min(128, TILE_ELEMS // (block_t * nb)))
     programs = triton.cdiv(rows, bn) * n_experts
-    steps = cols // group_size
-    split = max(1, min(steps, triton.cdiv(2 * _sm_count(x.device), programs)))
-    k_per_split = triton.cdiv(steps, split) * group_size
-    split = triton.cdiv(cols, k_per_split)
+    k_per_split, split = _split_k(cols, group_size, programs, 2 * _sm_count(x.device))
     y = torch.empty(split, R, rows, dtype=torch.float32, device=x.device)
     p, s, z = offsets
     grid = (triton.cdiv(rows, bn), n_experts, split)
