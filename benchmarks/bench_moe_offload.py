@@ -606,15 +606,19 @@ def main(argv=None):
     p.add_argument("--host-bw-gb", type=float, default=2.0, help="GB read to measure the host's bandwidth")
     p.add_argument("--budget-s", type=float, default=165.0, help="wall-clock budget; peers that no longer fit "
                    "are rows that say so")
-    p.add_argument("--decode-gemv", choices=("tile", "one-row"), default="tile", help="the quantized peers' "
-                   "kernel where each expert has one row (batch-1 decode): the token-tile kernel (the default) or "
-                   "the one-row gemv at quant_triton.DECODE_CONFIG (ds_maximus.experts.compute.DECODE_GEMV)")
+    p.add_argument("--decode-gemv", choices=("tile", "one-row"), default="one-row", help="the quantized peers' "
+                   "kernel where each expert has one row (batch-1 decode): the one-row gemv (the default) or the "
+                   "token-tile kernel (ds_maximus.experts.compute.DECODE_GEMV)")
+    p.add_argument("--round-mma", choices=("off", "on"), default="off", help="the quantized peers' kernel where "
+                   "an expert has several rows (a prefill, batched decode): the token-tile kernel (off, the "
+                   "default) or the tensor-core kernel at quant_triton.MMA_CONFIG (ds_maximus.experts.compute."
+                   "ROUND_MMA)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
-    if args.decode_gemv == "one-row":
-        from ds_maximus.experts import compute
-        from ds_maximus.experts.quant_triton import DECODE_CONFIG
-        compute.DECODE_GEMV = DECODE_CONFIG
+    from ds_maximus.experts import compute
+    from ds_maximus.experts.quant_triton import MMA_CONFIG
+    compute.DECODE_GEMV = args.decode_gemv == "one-row"
+    compute.ROUND_MMA = MMA_CONFIG if args.round_mma == "on" else None
     budget = Budget(args.budget_s)
     want = parse_peers(args)
     resolve_shape(args)

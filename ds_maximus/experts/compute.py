@@ -144,10 +144,14 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
     return final
 
 
-# The launch of the one-row gemv for rounds whose experts have one row each (batch-1 decode), or None: the token-tile
-# kernel. None until the one-row kernel's GPU tests and speed are measured (scripts/gpu/gemv_decode.sh);
-# benchmarks/bench_moe_offload.py sets it with --decode-gemv one-row.
-DECODE_GEMV = None
+# Rounds whose experts have one row each (batch-1 decode) run the one-row gemv (quant_triton.decode_config), faster
+# than the token-tile kernel at every width measured (docs/bench/moe_offload.md); False: the token-tile kernel
+# (benchmarks/bench_moe_offload.py --decode-gemv tile, for comparison).
+DECODE_GEMV = True
+# The tensor-core kernel's launch for rounds whose experts have several rows (a prefill, a batch's decode), or None:
+# the token-tile kernel. None until its GPU tests and speed are measured (scripts/gpu/gemv_decode.sh);
+# benchmarks/bench_moe_offload.py sets it with --round-mma on.
+ROUND_MMA = None
 
 
 def _packed_linear(ctx: ExpertComputeContext, x: torch.Tensor, name: str, slots: Sequence[int],
@@ -160,9 +164,10 @@ def _packed_linear(ctx: ExpertComputeContext, x: torch.Tensor, name: str, slots:
     from ds_maximus.experts.quant_triton import gemv_fits
     lay = ctx.layout
     if x.is_cuda and gemv_fits(lay.bits, lay.group_size):
-        from ds_maximus.experts.quant_triton import quant_matmul_grouped
+        from ds_maximus.experts.quant_triton import decode_config, quant_matmul_grouped
         y = quant_matmul_grouped(x, ctx.cache.slot_buffer(ctx.group), lay.parts[name], lay.base.shapes[name],
-                                 lay.bits, lay.group_size, meta, len(slots), max_rows, config=DECODE_GEMV)
+                                 lay.bits, lay.group_size, meta, len(slots), max_rows,
+                                 config=decode_config(lay.bits) if DECODE_GEMV else None, mma=ROUND_MMA)
     else:
         y = torch.cat([quant.linear(x[starts[i]:starts[i + 1]], lay.view(ctx.flat(s), name))
                        for i, s in enumerate(slots)])

@@ -202,12 +202,58 @@ def _gemv1_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R, N, K
     tl.store(y_ptr + pid_s * R * N + r * N + offs_n, y, mask=mask_n)
 
 
+def _mma_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R, N, K, row_bytes, groups, n_experts, P_OFF,
+                        S_OFF, Z_OFF, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    # The tensor-core kernel for rounds whose experts have several rows (a prefill, a batch's decode). Program
+    # (n, e, t): expert e's output rows [n * BLOCK_N, ...) for its x rows from starts[e] + t * BLOCK_T. Codes are
+    # small integers, exact in x's dtype (bf16 / fp16), so a group's x . codes runs on tensor cores with fp32
+    # accumulation, one plane of each byte's codes at a time (the plane's x columns loaded with stride PER_BYTE);
+    # the group's scale multiplies that product once and its offset adds zero * sum(x of the group):
+    # sum_k x_k (c_k s + z) = s (x . c) + z sum_k x_k. Each weight byte is read once a token tile.
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BPG: tl.constexpr = GROUP // PER_BYTE
+    pid_n = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    r0 = tl.load(meta_ptr + pid_e).to(tl.int32)
+    r1 = tl.load(meta_ptr + pid_e + 1).to(tl.int32)
+    t0 = r0 + pid_t * BLOCK_T
+    if t0 < r1:
+        base = tl.load(meta_ptr + n_experts + 1 + pid_e)
+        packed_ptr = codes_ptr + base + P_OFF
+        scales_ptr = halves_ptr + (base + S_OFF) // 2
+        zeros_ptr = halves_ptr + (base + Z_OFF) // 2
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < r1
+        offs_b = tl.arange(0, BPG)
+        row_ptr = packed_ptr + offs_n.to(tl.int64)[:, None] * row_bytes
+        x_row = x_ptr + offs_t.to(tl.int64)[:, None] * K
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for g in tl.range(0, groups, num_stages=STAGES):
+            byts = tl.load(row_ptr + (g * BPG + offs_b)[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
+            s = tl.load(scales_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + offs_n * groups + g, mask=mask_n, other=0.0).to(tl.float32)
+            dot = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            xs = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for j in tl.static_range(PER_BYTE):
+                xj = tl.load(x_row + (g * GROUP + offs_b * PER_BYTE + j)[None, :], mask=mask_t[:, None], other=0.0)
+                cj = ((byts >> (j * BITS)) & ((1 << BITS) - 1)).to(xj.dtype)      # [BLOCK_N, BPG], exact
+                dot = tl.dot(xj, tl.trans(cj), dot)
+                xs += tl.sum(xj.to(tl.float32), axis=1)
+            acc += dot * s[None, :] + xs[:, None] * z[None, :]
+        tl.store(y_ptr + offs_t[:, None] * N + offs_n[None, :], acc, mask=mask_t[:, None] & mask_n[None, :])
+
+
 if triton is not None:
     _gemv_tile = triton.jit(_gemv_tile)  # before the kernels that call it: they resolve it by its global name
     _quant_matmul_kernel = triton.jit(_quant_matmul_kernel)
     _quant_gemv_kernel = triton.jit(_quant_gemv_kernel)
     _quant_gemv_grouped_kernel = triton.jit(_quant_gemv_grouped_kernel)
     _gemv1_grouped_kernel = triton.jit(_gemv1_grouped_kernel)
+    _mma_grouped_kernel = triton.jit(_mma_grouped_kernel)
 
 
 # a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` lives in registers: at most this many fp32 values (64 a
@@ -298,10 +344,52 @@ class GemvConfig:
     programs_per_sm: int = 2
 
 
-# the proposed default launch; benchmarks/sweep_quant_gemv.py times every entry of GEMV_CONFIGS against it on a GPU
+# The one-row kernel's launch by code width (benchmarks/sweep_quant_gemv.py, docs/bench/moe_offload.md): at 4 bits
+# the fastest of GEMV_CONFIGS over a Mixtral expert's two projections together on an H100; the other widths run
+# DECODE_CONFIG, timed there against the token-tile kernel.
 DECODE_CONFIG = GemvConfig()
+DECODE_CONFIGS = {4: GemvConfig(32, 64, 4, 3, 2)}
 GEMV_CONFIGS = [GemvConfig(bn, sb, w, st, pps) for bn in (32, 64, 128) for sb in (64, 128, 256) for w in (4, 8)
                 for st in (2, 3) for pps in (2, 4)]
+
+
+def decode_config(bits: int) -> GemvConfig:
+    """The one-row kernel's launch for ``bits``-bit codes."""
+    return DECODE_CONFIGS.get(bits, DECODE_CONFIG)
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaConfig:
+    """The launch of the tensor-core kernel (:func:`quant_matmul_grouped` for rounds whose experts have several
+    rows): output rows a program, the largest token tile (the tile is the next power of two of the round's most
+    rows an expert, 16 at least: the MMA's smallest M), pipeline stages of the group loop, warps."""
+
+    block_n: int = 64
+    max_block_t: int = 64
+    stages: int = 2
+    warps: int = 4
+
+
+MMA_CONFIG = MmaConfig()
+
+
+def mma_fits(bits: int, group_size: int, dtype: torch.dtype) -> bool:
+    """The tensor-core kernel serves :func:`gemv_fits` widths whose groups give each code plane at least 16 columns
+    (the MMA's smallest K), with bf16 or fp16 activations (the codes are exact in both)."""
+    return (gemv_fits(bits, group_size) and group_size // (8 // bits) >= 16
+            and dtype in (torch.bfloat16, torch.float16))
+
+
+def _mma_grouped(x, flat, meta, rows, cols, bits, group_size, n_experts, offsets, max_rows, config: MmaConfig):
+    block_t = max(16, min(config.max_block_t, triton.next_power_of_2(max_rows)))
+    R = x.shape[0]
+    y = torch.empty(R, rows, dtype=torch.float32, device=x.device)
+    p, s, z = offsets
+    grid = (triton.cdiv(rows, config.block_n), n_experts, triton.cdiv(max_rows, block_t))
+    _mma_grouped_kernel[grid](x, flat, flat.view(torch.float16), meta, y, R, rows, cols, cols * bits // 8,
+                              cols // group_size, n_experts, p, s, z, BITS=bits, GROUP=group_size, BLOCK_T=block_t,
+                              BLOCK_N=config.block_n, STAGES=config.stages, num_warps=config.warps)
+    return y
 
 
 def _gemv1_grouped(x, flat, meta, rows, cols, bits, group_size, n_experts, offsets, config: GemvConfig):
@@ -323,7 +411,8 @@ def _gemv1_grouped(x, flat, meta, rows, cols, bits, group_size, n_experts, offse
 
 def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[int, int, int], shape: Tuple[int, int],
                          bits: int, group_size: int, meta: torch.Tensor, n_experts: int,
-                         max_rows: int, config: Optional[GemvConfig] = None) -> torch.Tensor:
+                         max_rows: int, config: Optional[GemvConfig] = None,
+                         mma: Optional[MmaConfig] = None) -> torch.Tensor:
     """``y[r] = x[r] @ dequantize(W_e)^T`` in fp32 for the rows of each of ``n_experts`` experts, in one launch of
     the gemv kernel: a round of a quantized MoE layer, each expert's weight ``W_e`` (``shape``) read from its slot of
     ``table`` (the layer's uint8 slot table ``[slots, bytes]``, on the GPU) at the byte ``offsets`` of its codes,
@@ -333,8 +422,10 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
     2 bits) in power-of-two groups of at least 16 (:func:`gemv_fits`); splits of K are added in order.
 
     ``config``: where every expert has one row (``max_rows == 1``, batch-1 decode), run the one-row kernel with
-    that launch (e.g. :data:`DECODE_CONFIG`) instead of the token-tile kernel. The model's decode path does not
-    pass it yet: the one-row kernel is checked by Triton's interpreter, and it becomes the default once
+    that launch (:func:`decode_config`; the model's decode path passes it) instead of the token-tile kernel.
+    ``mma``: where an expert has several rows (``max_rows >= 2``: a prefill, a batch's decode) and
+    :func:`mma_fits`, run the tensor-core kernel with that launch (:data:`MMA_CONFIG`). The decode path passes it
+    only where ``ds_maximus.experts.compute.ROUND_MMA`` is set: it becomes the default once
     ``scripts/gpu/gemv_decode.sh`` has run its GPU tests and shown it faster (``benchmarks/sweep_quant_gemv.py``).
     """
     if triton is None:
@@ -349,6 +440,8 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
     flat = table.view(-1)
     if config is not None and max_rows == 1:
         return _gemv1_grouped(x, flat, meta, shape[0], cols, bits, group_size, n_experts, offsets, config)
+    if mma is not None and max_rows >= 2 and mma_fits(bits, group_size, x.dtype):
+        return _mma_grouped(x, flat, meta, rows, cols, bits, group_size, n_experts, offsets, max_rows, mma)
     R = x.shape[0]
     block_t = max(2, min(16, triton.next_power_of_2(max_rows)))
     nb = group_size * bits // 8

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# #37, one call (~9 min): the one-row quantized gemv (batch-1 decode's launches) on the GPU.
-#   1. the GPU tests of the quantized kernels in 12 shards within TEST_S seconds (default 120):
-#      tests/experts/test_quant.py's grouped, one-row and packed-slot tests;
-#   2. benchmarks/sweep_quant_gemv.py at the Mixtral expert shapes (SWEEP_BITS, default 4,2,8) within SWEEP_S
-#      (default 150): the token-tile kernel the decode path runs, the one-row kernel at DECODE_CONFIG, every launch
-#      swept at 4 bits, bf16 F.linear;
+# #37, one call (~9 min): the quantized kernels of the decode path on the GPU.
+#   1. the GPU tests of the quantized kernels and of packed offload through them, in 12 shards within TEST_S seconds
+#      (default 150): tests/experts/test_quant.py's grouped, one-row, packed-slot and tensor-core (mma) tests,
+#      tests/experts/test_quant_offload.py's CUDA decodes (the one-row gemv is the default; the tensor-core
+#      kernel's rounds through compute.ROUND_MMA);
+#   2. benchmarks/sweep_quant_gemv.py at the Mixtral expert shapes within SWEEP_S (default 110): the token-tile
+#      kernel, the one-row kernel the decode path runs and bf16 F.linear at one row an expert (SWEEP_BITS, default
+#      4,2,8), then rounds of several rows an expert (ROUND_ROWS, default 2,4,16,512; 4 bits): the token-tile kernel,
+#      the tensor-core kernel and bf16 F.linear;
 #   3. where step 4 does not run (or SKIP_PROBE=0): scripts/gpu/probe_offload_overhead.py, 8 Mixtral layers, every
-#      expert resident, int4 with the token-tile kernel and (where step 1 passed) with the one-row kernel;
+#      expert resident, int4 with the token-tile kernel, the one-row gemv (the default) and (where step 1 passed)
+#      the tensor-core kernel for the prompt's rounds;
 #   4. on a GPU of 100 GB or more, unless SKIP_SCALE=1: moe_scale.sh at the 32-layer Mixtral shape, GPU capped
 #      at 16 GiB (PEERS, default full,int4; TOTAL_S, default 220; a 93 GB model), slots from the default reserve
-#      (3 a layer at int4: a fourth measured slower, docs/bench/moe_offload.md). Step 4 runs the one-row kernel in
-#      the decode path (--decode-gemv one-row) where step 1 passed, else the token-tile kernel.
+#      (3 a layer at int4: a fourth measured slower, docs/bench/moe_offload.md), the one-row gemv at batch-1
+#      decode and, where step 1 passed, the tensor-core kernel for the prompt's prefill (--round-mma on).
 # Run as `timeout 575 bash scripts/gpu/gemv_decode.sh; . scripts/gpu/common.sh; pack_out`.
 set -x
 . "$(dirname "$0")/common.sh"
@@ -18,21 +22,23 @@ set -x
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ -z "${SKIP_SCALE:-}" ]; then if [ "${mem:-0}" -lt 100000 ]; then SKIP_SCALE=1; else SKIP_SCALE=0; fi; fi
 if [ -z "${SKIP_PROBE:-}" ]; then if [ "$SKIP_SCALE" = 1 ]; then SKIP_PROBE=0; else SKIP_PROBE=1; fi; fi
-timeout "${TEST_S:-120}" bash scripts/gpu/pytest_shards.sh 12 "$OUT/quant_tests" tests/experts/test_quant.py -k "grouped or one_row or packed_slot"
+timeout "${TEST_S:-150}" bash scripts/gpu/pytest_shards.sh 12 "$OUT/quant_tests" tests/experts/test_quant.py \
+  tests/experts/test_quant_offload.py -k "grouped or one_row or packed_slot or mma or packed_rounds or cuda_equals"
 tests_rc=$?
 echo "quant tests rc=$tests_rc"
-# steps 3-4 with the one-row kernel in the decode path only where its tests passed
-if [ "$tests_rc" = 0 ]; then GEMV=one-row; else GEMV=tile; fi
+# steps 3-4 with the tensor-core kernel only where its tests passed
+if [ "$tests_rc" = 0 ]; then MMA=on; else MMA=off; fi
 grep -h -A25 "^_____" "$OUT"/quant_tests.* | head -80
-timeout "${SWEEP_S:-150}" python -u benchmarks/sweep_quant_gemv.py --bits "${SWEEP_BITS:-4,2,8}" --all > "$OUT/sweep_gemv.md" 2>&1
-echo "sweep rc=$?"; grep -v "^WARNING" "$OUT/sweep_gemv.md" | grep -v "| GemvConfig(" | tail -60
+timeout "${SWEEP_S:-110}" python -u benchmarks/sweep_quant_gemv.py --bits "${SWEEP_BITS:-4,2,8}" --sweep "" \
+  --round-rows "${ROUND_ROWS:-2,4,16,512}" > "$OUT/sweep_gemv.md" 2>&1
+echo "sweep rc=$?"; grep -v "^WARNING" "$OUT/sweep_gemv.md" | tail -60
 if [ "${SKIP_PROBE:-0}" != 1 ]; then
-  modes=int4; [ "$GEMV" = one-row ] && modes=int4,int4:one-row
-  timeout 180 python -u scripts/gpu/probe_offload_overhead.py --layers 8 --modes "$modes" > "$OUT/overhead.md" 2>&1
-  echo "overhead probe rc=$?"; grep -v "^USDT\|WARNING" "$OUT/overhead.md" | head -80
+  modes=int4:tile,int4; [ "$MMA" = on ] && modes=$modes,int4:mma
+  timeout 200 python -u scripts/gpu/probe_offload_overhead.py --layers 8 --modes "$modes" > "$OUT/overhead.md" 2>&1
+  echo "overhead probe rc=$?"; grep "ms/token" "$OUT/overhead.md"
 fi
 if [ "${SKIP_SCALE:-0}" != 1 ]; then
   build_ops cuda expert
-  PEERS="${PEERS:-full,int4}" EXTRA="${EXTRA:---agree-tokens 64 --decode-gemv $GEMV}" TOTAL_S="${TOTAL_S:-220}" \
+  PEERS="${PEERS:-full,int4}" EXTRA="${EXTRA:---agree-tokens 64 --round-mma $MMA}" TOTAL_S="${TOTAL_S:-220}" \
     bash scripts/gpu/moe_scale.sh
 fi

@@ -35,7 +35,7 @@ from benchmarks.bench_moe_offload import build, resolve_shape  # noqa: E402
 from benchmarks.trace_timeline import _streams, load, stream_gaps  # noqa: E402
 from ds_maximus.experts import compute  # noqa: E402
 from ds_maximus.experts.offload import offload_experts  # noqa: E402
-from ds_maximus.experts.quant_triton import DECODE_CONFIG  # noqa: E402
+from ds_maximus.experts.quant_triton import MMA_CONFIG  # noqa: E402
 from scripts.probe_offload_host_time import ms_per_token, sync  # noqa: E402
 
 
@@ -114,7 +114,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--modes", default="int4,bf16", help="comma-separated: bf16, int8, int4, int2; a quantized mode "
-                   "with ':one-row' runs the one-row gemv in the decode path (compute.DECODE_GEMV)")
+                   "with ':tile' runs the token-tile kernel where each expert has one row instead of the one-row gemv "
+                   "(compute.DECODE_GEMV), with ':mma' the tensor-core kernel where it has several (compute.ROUND_MMA)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--trace-tokens", type=int, default=4)
     p.add_argument("--top", type=int, default=14)
@@ -143,7 +144,8 @@ def main() -> None:
         bits, _, gemv = mode.partition(":")
         if bits != "bf16":
             cfg["quant"] = {"bits": int(bits.removeprefix("int")), "group_size": 64}
-        compute.DECODE_GEMV = DECODE_CONFIG if gemv == "one-row" else None
+        compute.DECODE_GEMV = gemv != "tile"
+        compute.ROUND_MMA = MMA_CONFIG if gemv == "mma" else None
         handle = offload_experts(model, cfg)
         for _ in range(2):
             ms_per_token(model, ids, 8)  # every expert into its slot

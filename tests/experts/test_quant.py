@@ -238,6 +238,45 @@ def test_triton_one_row_gemv_every_launch_equals_reference(bits):
             torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=str(config))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("counts", [[2] * 8, [3, 1, 20], [130, 7], [1, 1, 2]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_mma_grouped_equals_reference(bits, counts, dtype):
+    """The tensor-core kernel (rounds whose experts have several rows: token tiles of 16 to 64, an expert of a single
+    row in a round with more, tiles past an expert's last row masked) against the fp32 reference of each expert."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from ds_maximus.experts import quant_triton as qt
+    from ds_maximus.experts.layout import ExpertLayout
+    from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+    g = torch.Generator().manual_seed(bits + len(counts))
+    n, H, F = len(counts), 512, 768
+    t = {"gate_up_proj": (torch.randn(n, 2 * F, H, generator=g) * 0.02).bfloat16(),
+         "down_proj": (torch.randn(n, H, F, generator=g) * 0.02).bfloat16()}
+    lay = QuantizedExpertLayout.from_layout(ExpertLayout.from_stacked(t, n), bits, 64)
+    slots = list(range(n + 1))[::-1][:n]
+    table = torch.zeros(n + 1, lay.numel, dtype=torch.uint8)
+    for e, s in enumerate(slots):
+        lay.pack_(table[s], {name: v[e] for name, v in t.items()})
+    table = table.cuda()
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    meta = torch.tensor(starts + [s * lay.numel for s in slots], dtype=torch.long).cuda()
+    assert qt.mma_fits(bits, 64, dtype)
+    for name, cols in (("gate_up_proj", H), ("down_proj", F)):
+        x = torch.randn(starts[-1], cols, generator=g).to(dtype).cuda()
+        want = torch.cat([x[starts[i]:starts[i + 1]].float() @ dequantize(lay.view(table[s], name)).t()
+                          for i, s in enumerate(slots)])
+        for mma in (qt.MMA_CONFIG, qt.MmaConfig(128, 16, 3, 8)):
+            y = qt.quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, 64, meta, n,
+                                        max(counts), mma=mma)
+            assert y.shape == want.shape and y.dtype == torch.float32
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=str(mma))
+
+
 def test_bench_moe_quant_error_small_runs(capsys):
     """The error report's CPU size runs end to end: one row per width for ours and one for the hqq peer."""
     from benchmarks.bench_moe_quant_error import main

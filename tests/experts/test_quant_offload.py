@@ -209,6 +209,39 @@ def test_packed_rounds_equal_the_per_expert_loop(device, bits, slots, monkeypatc
     assert calls and max(calls) > 2  # some layer calls ran in rounds when slots=2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4])
+def test_mma_rounds_equal_the_per_expert_loop(bits, monkeypatch):
+    """With the tensor-core kernel for rounds of several rows an expert (compute.ROUND_MMA: the prefill and the
+    decode of 2 sequences) and the one-row gemv at batch 1: every layer call of a bf16 Mixtral decode against the
+    eager loop expert by expert, within fp32 accumulation; the kernel ran (Mixtral's ffn 96 takes groups of 32:
+    16 columns a code plane at 4 bits, the MMA's smallest K)."""
+    from ds_maximus.experts import compute
+    from ds_maximus.experts import quant_triton as qt
+    _needs_cuda()
+    real, calls, mma = compute.packed_forward, [], []
+    real_mma = qt._mma_grouped
+
+    def checked(ctx, hidden, top_k_index, top_k_weights, used, pairs):
+        out = real(ctx, hidden, top_k_index, top_k_weights, used, pairs)
+        ref = per_expert_loop(ctx, hidden, top_k_index, top_k_weights, used, pairs)
+        calls.append(len(used))
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2 * ref.float().abs().max())
+        return out
+
+    def counted(*args, **kwargs):
+        mma.append(1)
+        return real_mma(*args, **kwargs)
+    monkeypatch.setattr(compute, "packed_forward", checked)
+    monkeypatch.setattr(compute, "ROUND_MMA", qt.MMA_CONFIG)
+    monkeypatch.setattr(qt, "_mma_grouped", counted)
+    model = tiny_model("mixtral", "eager", top_k=2, dtype=torch.bfloat16).cuda()
+    for batch in (2, 1):
+        run(model, {"gpu_experts_per_layer": 2, "quant": {"bits": bits, "group_size": 32}},
+            prompt(batch=batch, length=8, device="cuda"), new_tokens=6)
+    assert calls and max(calls) > 2 and mma
+
+
 @pytest.mark.parametrize("quant,match", [({"bits": 5}, "bits=5"), ({"bits": 4, "group_size": 12}, "multiple of 8"),
                                          ({"bits": 4, "group_size": 64}, "divides 48")])
 def test_bad_quant_config_is_a_config_error(quant, match):
