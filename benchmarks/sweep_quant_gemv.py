@@ -175,6 +175,8 @@ def several_rows(a, widths, rounds, timed_fn) -> None:
                 lin = timed_fn(lambda: [torch.nn.functional.linear(xs[e], ws[e]) for e in range(n)])
                 print(f"| {bits} | {name} | {r} | {tile:.3f} | {mma:.3f} | {lin:.3f} | {tile / mma:.1f}x | {err:.1e} |",
                       flush=True)
+                for c in qt.MMA_CONFIGS[1:]:  # the other launches: ms only
+                    print(f"| {bits} | {name} | {r} | | {timed_fn(lambda: launch(c)):.3f} ({c}) | | | |", flush=True)
         table = None
         torch.cuda.empty_cache()
 

@@ -371,6 +371,8 @@ class MmaConfig:
 
 
 MMA_CONFIG = MmaConfig()
+# the launches benchmarks/sweep_quant_gemv.py times beside MMA_CONFIG
+MMA_CONFIGS = [MMA_CONFIG, MmaConfig(128, 64, 3, 8), MmaConfig(32, 32, 3, 4)]
 
 
 def mma_fits(bits: int, group_size: int, dtype: torch.dtype) -> bool:
