@@ -609,9 +609,9 @@ def main(argv=None):
     p.add_argument("--decode-gemv", choices=("tile", "one-row"), default="one-row", help="the quantized peers' "
                    "kernel where each expert has one row (batch-1 decode): the one-row gemv (the default) or the "
                    "token-tile kernel (ds_maximus.experts.compute.DECODE_GEMV)")
-    p.add_argument("--round-mma", choices=("off", "on"), default="off", help="the quantized peers' kernel where "
-                   "an expert has several rows (a prefill, batched decode): the token-tile kernel (off, the "
-                   "default) or the tensor-core kernel at quant_triton.MMA_CONFIG (ds_maximus.experts.compute."
+    p.add_argument("--round-mma", choices=("off", "on"), default="on", help="the quantized peers' kernel where "
+                   "an expert has several rows (a prefill, batched decode): the tensor-core kernel at "
+                   "quant_triton.MMA_CONFIG (on, the default) or the token-tile kernel (ds_maximus.experts.compute."
                    "ROUND_MMA)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)

@@ -33,6 +33,7 @@ import torch
 
 from ds_maximus.experts import quant
 from ds_maximus.experts.adapters.projection import FusedExpertsForm, batched_linear, eager_linear, grouped_linear
+from ds_maximus.experts.quant_triton import MMA_CONFIG
 from ds_maximus.ops import to_device
 
 
@@ -148,10 +149,10 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
 # than the token-tile kernel at every width measured (docs/bench/moe_offload.md); False: the token-tile kernel
 # (benchmarks/bench_moe_offload.py --decode-gemv tile, for comparison).
 DECODE_GEMV = True
-# The tensor-core kernel's launch for rounds whose experts have several rows (a prefill, a batch's decode), or None:
-# the token-tile kernel. None until its GPU tests and speed are measured (scripts/gpu/gemv_decode.sh);
-# benchmarks/bench_moe_offload.py sets it with --round-mma on.
-ROUND_MMA = None
+# The tensor-core kernel's launch for rounds whose experts have several rows (a prefill, a batch's decode), where
+# quant_triton.mma_fits; None: the token-tile kernel (benchmarks/bench_moe_offload.py --round-mma off, for
+# comparison). Faster than the token-tile kernel at every row count measured (docs/bench/moe_offload.md).
+ROUND_MMA = MMA_CONFIG
 
 
 def _packed_linear(ctx: ExpertComputeContext, x: torch.Tensor, name: str, slots: Sequence[int],

@@ -6,8 +6,10 @@ are decoded as planes; where the output rows alone leave SMs idle (an expert's d
 split over programs and the splits' partial sums added in order afterwards (deterministic). The one-row gemv
 (:func:`quant_matmul_grouped` with a :class:`GemvConfig`, every expert one row) never reduces inside its loop: each
 byte's codes times their x columns are added elementwise into a tile shaped like the weight tile, scaled once a
-group, and summed once at the end; several groups a step, the step loop pipelined. The loop kernel (any
-width, 3 bits included):
+group, and summed once at the end; several groups a step, the step loop pipelined. The tensor-core kernel (rounds
+of several rows an expert) runs each code plane of a group as ``x . codes`` on tensor cores (the codes are exact in
+bf16 and fp16) and applies the group's scale and offset to that product. The loop kernel (any width, 3 bits
+included):
 each program owns ``BLOCK_N`` output rows of ``W`` and walks the columns ``BLOCK_K`` at a time: it loads the packed
 bytes of its rows (``BLOCK_K * bits / 8`` a row, the layout of :mod:`ds_maximus.experts.quant`: code ``c`` of a
 row starts at bit ``c * bits``), their fp16 scales and offsets, decodes the codes to fp32 in registers
@@ -426,9 +428,8 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
     ``config``: where every expert has one row (``max_rows == 1``, batch-1 decode), run the one-row kernel with
     that launch (:func:`decode_config`; the model's decode path passes it) instead of the token-tile kernel.
     ``mma``: where an expert has several rows (``max_rows >= 2``: a prefill, a batch's decode) and
-    :func:`mma_fits`, run the tensor-core kernel with that launch (:data:`MMA_CONFIG`). The decode path passes it
-    only where ``ds_maximus.experts.compute.ROUND_MMA`` is set: it becomes the default once
-    ``scripts/gpu/gemv_decode.sh`` has run its GPU tests and shown it faster (``benchmarks/sweep_quant_gemv.py``).
+    :func:`mma_fits`, run the tensor-core kernel with that launch (:data:`MMA_CONFIG`; the decode path passes
+    ``ds_maximus.experts.compute.ROUND_MMA``) instead of the token-tile kernel.
     """
     if triton is None:
         raise ImportError("quant_matmul_grouped needs triton (pip install triton, on a host with a CUDA GPU)")

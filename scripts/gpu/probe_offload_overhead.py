@@ -114,8 +114,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--modes", default="int4,bf16", help="comma-separated: bf16, int8, int4, int2; a quantized mode "
-                   "with ':tile' runs the token-tile kernel where each expert has one row instead of the one-row gemv "
-                   "(compute.DECODE_GEMV), with ':mma' the tensor-core kernel where it has several (compute.ROUND_MMA)")
+                   "with ':tile' runs the token-tile kernel for every round instead of the one-row gemv and the "
+                   "tensor-core kernel (compute.DECODE_GEMV, compute.ROUND_MMA)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--trace-tokens", type=int, default=4)
     p.add_argument("--top", type=int, default=14)
@@ -145,7 +145,7 @@ def main() -> None:
         if bits != "bf16":
             cfg["quant"] = {"bits": int(bits.removeprefix("int")), "group_size": 64}
         compute.DECODE_GEMV = gemv != "tile"
-        compute.ROUND_MMA = MMA_CONFIG if gemv == "mma" else None
+        compute.ROUND_MMA = None if gemv == "tile" else MMA_CONFIG
         handle = offload_experts(model, cfg)
         for _ in range(2):
             ms_per_token(model, ids, 8)  # every expert into its slot

@@ -235,8 +235,8 @@ def test_mma_rounds_equal_the_per_expert_loop(bits, monkeypatch):
     monkeypatch.setattr(compute, "packed_forward", checked)
     monkeypatch.setattr(compute, "ROUND_MMA", qt.MMA_CONFIG)
     monkeypatch.setattr(qt, "_mma_grouped", counted)
-    model = tiny_model("mixtral", "eager", top_k=2, dtype=torch.bfloat16).cuda()
     for batch in (2, 1):
+        model = tiny_model("mixtral", "eager", top_k=2, dtype=torch.bfloat16).cuda()
         run(model, {"gpu_experts_per_layer": 2, "quant": {"bits": bits, "group_size": 32}},
             prompt(batch=batch, length=8, device="cuda"), new_tokens=6)
     assert calls and max(calls) > 2 and mma
