@@ -285,12 +285,14 @@ class MoEConfig(_Section):
     """Eviction policy of the expert cache."""
     speculative_prefetch: bool = True
     """Apply the next layer's router to the current hidden state and load its likely experts early. In
-    inference a guess stages its first 96 MiB in one buffer on the device (evicting nothing); the next
+    inference a guess stages its first 96 MiB in a buffer on the device (evicting nothing); the next
     layer's routing drops it or loads only the rest (measurements: docs/bench/moe_offload.md)."""
     prefetch_top_k: Optional[int] = Field(1, ge=1)
-    """Experts to prefetch per layer (``None``: the model's top-k) where guesses are loaded into slots (an
-    NVMe tier, which cannot stage); a staged guess is always one expert. Into slots, 1 measured best on a
-    Mixtral-shaped model: a wrong guess evicts a resident expert the next layer needs."""
+    """Guesses per layer (``None``: the model's top-k), best first. Staged (the CPU tier without
+    ``cpu_compute``): each of the first ``prefetch_top_k`` guesses that is not resident stages its head in a
+    buffer of its own (96 MiB of device memory each; a wrong one costs link time, never an eviction). Into
+    slots (an NVMe tier, or with ``cpu_compute``): 1 measured best on a Mixtral-shaped model, since a wrong
+    guess evicts a resident expert the next layer needs."""
     quant: ExpertQuantConfig = Field(default_factory=ExpertQuantConfig)
     """Inference: the quantized expert tier (``bits: null`` = off, exact bf16)."""
     cpu_compute: ExpertCPUCompute = ExpertCPUCompute.OFF

@@ -21,7 +21,7 @@ alike; training refreshes resident copies of updated experts with ``write_slot``
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -38,7 +38,7 @@ class ExpertCache(SlotCache):
 
     def __init__(self, store: ExpertStore, num_groups: int, num_experts: int, slots_per_group: int,
                  device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
-                 prefetch_chunk_bytes: Optional[int] = None, stage_guesses: bool = False):
+                 prefetch_chunk_bytes: Optional[int] = None, stage_guesses: Union[bool, int] = False):
         slots = int(min(slots_per_group, num_experts))
         if slots < 1:
             raise CapacityError(f"the expert cache needs at least one slot per layer, got {slots_per_group}; "

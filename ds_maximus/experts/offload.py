@@ -50,8 +50,8 @@ ConfigLike = Union[None, MaximusConfig, MoEConfig, dict, str, os.PathLike]
 # (96 MiB: ~2 ms of a 50 GB/s link, about the time from a layer's loads ending to the next layer's loads
 # being queued; a wrong guess costs that, not a whole expert. The sizes measured against each other:
 # docs/bench/code_history.md).
-# The head is staged in one buffer of this size on the device (ExpertCache(stage_guesses=True)), so a
-# guess evicts nothing; the buffer is the one extra piece of device memory prefetch uses.
+# The head is staged in a buffer of this size on the device (ExpertCache(stage_guesses=n), one buffer a guess of
+# a layer, moe.prefetch_top_k), so a guess evicts nothing; the buffers are the extra device memory prefetch uses.
 PREFETCH_CHUNK_BYTES = 96 << 20
 
 
@@ -186,9 +186,9 @@ class MoEOffload:
     def _host_experts(self, group: int, used: List[int], counts: List[int]) -> List[int]:
         """The routed experts of ``group`` computed on the host (``moe.cpu_compute``), told the layer's slots and
         its staged guess (only the rest of which would cross the link)."""
-        st = self.cache.staged
-        staged = st.key[1] if st is not None and st.key is not None and st.key[0] == group else None
-        frac = 1.0 - st.nbytes / self.cache.entry_bytes if staged is not None else 1.0
+        ids = self.cache.staged_ids(group)
+        staged = ids[0] if ids else None
+        frac = 1.0 - self.cache.stages[0].nbytes / self.cache.entry_bytes if staged is not None else 1.0
         return self.host_compute.choose(used, counts, self.cache.resident(group), self.cache.slots_per_group,
                                         staged, frac)
 
@@ -302,9 +302,10 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     # a guess's head is staged (it evicts nothing until the demand is known), except with cpu_compute: a staged
     # guess is not resident, so the host would compute it and its head would cross for nothing; there the link
     # brings guesses into slots, where the GPU computes them
+    # prefetch_top_k guesses a layer, each staged in its own buffer
+    stages = min(cfg.prefetch_top_k or blocks[0].top_k, slots) if cfg.cpu_compute == ExpertCPUCompute.OFF else 0
     cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
-                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES,
-                        stage_guesses=cfg.cpu_compute == ExpertCPUCompute.OFF)
+                        prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=stages)
     handle = MoEOffload(blocks, cache, cfg)
     if cfg.cpu_compute != ExpertCPUCompute.OFF:
         HostExpertCompute.check_supported(store, blocks[0].experts, blocks[0].form)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -489,10 +489,12 @@ class SlotCache(CacheCore):
     With ``prefetch_chunk_bytes``, a prefetch is a guess of which only the first chunk is queued
     (:class:`~ds_maximus.partition.speculation.PrefetchJob`): when the demand arrives (``acquire``), a guess
     it does not need is dropped and its slot forgotten, and the rest of one it needs is queued at once.
-    With ``stage_guesses`` as well, the head goes into one staging buffer instead of a slot
+    With ``stage_guesses`` as well, the head goes into a staging buffer instead of a slot
     (:class:`~ds_maximus.partition.speculation.StagedGuess`): a guess then evicts nothing (the eviction is
     decided when the demand is known, as without prefetch), a wrong guess costs only its head's link time,
-    and a right one only moves the rest (the head is copied on the device).
+    and a right one only moves the rest (the head is copied on the device). ``stage_guesses`` is the number
+    of staging buffers (``True``: one): a prefetch stages that many of its ids that are not resident, each
+    in its own buffer, best first.
 
     The cache is read-only: a user that changes an entry in the store refreshes a resident copy with
     :meth:`write_slot`.
@@ -511,7 +513,7 @@ class SlotCache(CacheCore):
 
     def __init__(self, store, num_groups: int, num_ids: int, slots_per_group: int, numel: int, dtype,
                  device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
-                 prefetch_chunk_bytes: Optional[int] = None, stage_guesses: bool = False):
+                 prefetch_chunk_bytes: Optional[int] = None, stage_guesses: Union[bool, int] = False):
         super().__init__(num_groups, slots_per_group, num_ids, policy, write_back=False)
         self.store = store
         self.num_ids = int(num_ids)
@@ -520,8 +522,8 @@ class SlotCache(CacheCore):
         self.entry_bytes = self.numel * dtype.itemsize
         self.device = torch.device(device)
         self.prefetch_chunk_bytes = prefetch_chunk_bytes  # None: a prefetch is one whole load
-        self.stage_guesses = stage_guesses
-        self.staged: Optional[StagedGuess] = None  # made by the first staged guess
+        self.stage_guesses = int(stage_guesses)   # staging buffers (0: guesses go into slots)
+        self.stages: List[StagedGuess] = []       # made by the first staged guesses
         if transfer is None:
             transfer = CudaTransfer(self.device) if self.device.type == "cuda" else CpuTransfer()
         self.transfer = transfer
@@ -568,45 +570,60 @@ class SlotCache(CacheCore):
 
     # -- staged guesses ---------------------------------------------------------------------
     def _stage_guess(self, group: int, ids: Sequence[int]) -> Optional[int]:
-        """Stage the head of the first of ``ids`` not resident (replacing an unresolved guess);
-        None when the tier cannot stage (NVMe: the guess goes into a slot, read whole)."""
+        """Stage the heads of the first ``stage_guesses`` of ``ids`` not resident, one a buffer (replacing
+        unresolved guesses; one already staged stays); returns how many were started, or None when the tier
+        cannot stage (NVMe: the guess goes into a slot, read whole)."""
         g = self.groups[group]
+        want = []
         for e in (int(x) for x in ids):
-            if int(g.map.id_to_slot[e]) >= 0:
+            if len(want) == self.stage_guesses:
+                break
+            if int(g.map.id_to_slot[e]) < 0 and e not in want:
+                if self.store.host_view(group * self.num_ids + e) is None:
+                    return None
+                want.append(e)
+        kept = {(group, e) for e in want} & {st.key for st in self.stages}  # already staged: left as they are
+        free = iter([st for st in self.stages if st.key not in kept])
+        started = 0
+        for e in want:
+            if (group, e) in kept:
                 continue
-            uid = group * self.num_ids + e
-            if self.store.host_view(uid) is None:
-                return None
-            if self.staged is None:
-                self.staged = StagedGuess(self.prefetch_chunk_bytes, self.numel, self.dtype, self.device)
-            stage = self.staged
+            started += 1
+            stage = next(free, None)
+            if stage is None:
+                stage = StagedGuess(self.prefetch_chunk_bytes, self.numel, self.dtype, self.device)
+                self.stages.append(stage)
             dropped = stage.cancelled
             buf = stage.begin((group, e))
             self.traffic.prefetch_cancelled += stage.cancelled - dropped
-            stage.event = self.transfer.load_head(buf, self.store, uid, stage.event)
+            stage.event = self.transfer.load_head(buf, self.store, group * self.num_ids + e, stage.event)
             self.traffic.prefetch_issued += 1
-            self.traffic.bytes_prefetch += self._stage_bytes()
-            self.traffic.bytes_h2d += self._stage_bytes()
-            return 1
-        return 0
+            self.traffic.bytes_prefetch += stage.nbytes
+            self.traffic.bytes_h2d += stage.nbytes
+        return started
 
     def _stage_bytes(self) -> int:
-        return 0 if self.staged is None else self.staged.nbytes
+        return sum(st.nbytes for st in self.stages)
 
-    def _take_staged(self, group: int, ids: Sequence[int], needed: Sequence[int]) -> Optional[int]:
-        """The staged guess's id if this round of ``group`` asks for it; a guess the group does not
-        need at all is dropped, one for a later round is kept."""
-        st = self.staged
-        if st is None or st.key is None or st.key[0] != group:
-            return None
-        e = st.key[1]
-        if e in ids:
-            st.take(st.key)
-            return e
-        if e not in needed:
-            st.drop()
-            self.traffic.prefetch_cancelled += 1
-        return None
+    def staged_ids(self, group: int) -> List[int]:
+        """The ids of ``group`` whose heads are staged (unresolved guesses), best first."""
+        return [st.key[1] for st in self.stages if st.key is not None and st.key[0] == group]
+
+    def _take_staged(self, group: int, ids: Sequence[int], needed: Sequence[int]) -> Dict[int, StagedGuess]:
+        """The staged guesses this round of ``group`` asks for, by id; a guess the group does not need at all
+        is dropped, one for a later round is kept."""
+        taken = {}
+        for st in self.stages:
+            if st.key is None or st.key[0] != group:
+                continue
+            e = st.key[1]
+            if e in ids:
+                st.take(st.key)
+                taken[e] = st
+            elif e not in needed:
+                st.drop()
+                self.traffic.prefetch_cancelled += 1
+        return taken
 
     def _drop_guesses(self, g: _Group, needed: Sequence[int]) -> None:
         """Drop the group's prefetches in flight whose id is not in ``needed``; a dropped slot's
@@ -660,15 +677,15 @@ class SlotCache(CacheCore):
         t.rows_evicted += int(a.evicted_ids.numel())
         slots = [int(s) for s in a.slots]
         for e, s in zip(ids, slots):
-            if s in miss_slots and int(e) == staged:  # the guess was right: only the rest crosses the link
+            if s in miss_slots and int(e) in staged:  # the guess was right: only the rest crosses the link
+                st = staged.pop(int(e))
                 g.prefetched[s] = False
-                self.staged.event = self._load(group, g, s, int(e), head=self.staged.buffer)
+                st.event = self._load(group, g, s, int(e), head=st.buffer)
                 t.rows_fetched += 1
-                t.bytes_h2d += self.entry_bytes - self._stage_bytes()
+                t.bytes_h2d += self.entry_bytes - st.nbytes
                 c.misses -= 1
                 c.hits += 1
                 t.prefetch_used += 1
-                staged = None
             elif s in miss_slots:
                 g.prefetched[s] = False
                 self._load(group, g, s, int(e))
@@ -677,8 +694,7 @@ class SlotCache(CacheCore):
             elif g.prefetched[s]:
                 g.prefetched[s] = False
                 t.prefetch_used += 1
-        if staged is not None:  # staged, but resident after all
-            t.prefetch_cancelled += 1
+        t.prefetch_cancelled += len(staged)  # staged, but resident after all
         g.map.pin(torch.tensor(slots, dtype=torch.long))
         for s in slots:
             g.in_use[s] += 1
@@ -769,8 +785,8 @@ class SlotCache(CacheCore):
         self.traffic = TrafficCounters()
 
     def synchronize(self) -> None:
-        if self.staged is not None:
-            self.transfer.synchronize(self.staged.event)
+        for st in self.stages:
+            self.transfer.synchronize(st.event)
         for g in self.groups:
             for ev in g.load_ev:
                 self.transfer.synchronize(ev)

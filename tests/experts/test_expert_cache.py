@@ -112,6 +112,30 @@ def test_staged_guess_that_is_wrong_costs_only_its_head():
     assert c.stats()["prefetch_useful"] == 1
 
 
+def test_two_staged_guesses_each_in_its_buffer():
+    """stage_guesses=2: the first two guesses that are not resident stage their heads in two buffers (a resident
+    one is skipped); both right ones move only their rest; a guess the layer does not need is dropped alone; a
+    guess staged again stays as it is."""
+    c = make_cache(3, delay_s=0.005, chunk_bytes=32, stage=2)
+    c.release(0, c.acquire(0, [1]))
+    assert c.prefetch(0, [1, 4, 5, 3]) == 2          # 1 is resident: 4 and 5 staged, 3 is a third guess
+    assert c.staged_ids(0) == [4, 5] and c.resident(0) == [1]
+    assert c.prefetch(0, [5, 4]) == 0                # both already staged: nothing queued again
+    assert c.stats()["staging_bytes"] == 64
+    s = c.acquire(0, [4, 5])
+    assert [float(content(c, 0, x)[0]) for x in s] == [4.0, 5.0]
+    c.release(0, s)
+    st = c.stats()
+    assert st["prefetch_useful"] == 2 and st["demand_hits"] == 2 and st["demand_misses"] == 1
+    assert st["bytes_prefetch"] == 64 and st["bytes_demand"] == 3 * c.layout.nbytes - 64
+    assert c.prefetch(1, [2, 3]) == 2
+    s = c.acquire(1, [3, 0])                         # 3 right, 2 wrong: dropped
+    assert [float(content(c, 1, x)[0]) for x in s] == [E + 3.0, E + 0.0]
+    c.release(1, s)
+    st = c.stats()
+    assert st["prefetch_useful"] == 3 and st["prefetch_cancelled"] == 1 and c.staged_ids(1) == []
+
+
 def test_prefetch_keeps_the_predicted_residents():
     """A guess evicts a resident outside ``keep`` (the predicted routing), not simply the least recent;
     with every resident kept it does not guess at all."""

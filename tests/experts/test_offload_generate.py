@@ -64,6 +64,15 @@ def test_prefetch_off_and_on_same_tokens_and_stats():
     assert 0.0 < on["prefetch_precision"] <= 1.0 and 0.0 < on["prefetch_recall"] <= 1.0
 
 
+def test_two_guesses_a_layer_staged_same_tokens():
+    """moe.prefetch_top_k=2 on the CPU tier: each layer's two best guesses stage in a buffer each (the whole tiny
+    expert), the tokens stay the plain model's."""
+    one = check_equal(tiny_model("qwen3_moe", layers=3, top_k=2), {"gpu_experts_per_layer": 2})
+    two = check_equal(tiny_model("qwen3_moe", layers=3, top_k=2), {"gpu_experts_per_layer": 2, "prefetch_top_k": 2})
+    assert one["staging_bytes"] == one["expert_bytes"] and two["staging_bytes"] == 2 * two["expert_bytes"]
+    assert two["prefetch_issued"] > one["prefetch_issued"] and two["prefetch_useful"] > 0
+
+
 def test_nvme_tier_equals_ram(tmp_path):
     """The file tier (plain reads, or the NVMe loader when its op builds) gives the RAM tier's tokens."""
     cfg = {"gpu_experts_per_layer": 1, "offload": {"device": "nvme", "nvme_path": str(tmp_path / "experts")}}
