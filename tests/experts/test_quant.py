@@ -170,6 +170,27 @@ def test_triton_expert_from_a_packed_slot_equals_reference(bits):
         torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4 * ref_y.abs().max().item())
 
 
+def _packed_round(bits, counts, H, F, group_size):
+    """A round's experts packed into a slot table on the GPU, in reverse slot order with one slot left free:
+    ``(generator, layout, slots, table, starts, meta)``; the generator goes on to draw the rows."""
+    from ds_maximus.experts.layout import ExpertLayout
+    from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+    g = torch.Generator().manual_seed(bits + len(counts))
+    n = len(counts)
+    t = {"gate_up_proj": (torch.randn(n, 2 * F, H, generator=g) * 0.02).bfloat16(),
+         "down_proj": (torch.randn(n, H, F, generator=g) * 0.02).bfloat16()}
+    lay = QuantizedExpertLayout.from_layout(ExpertLayout.from_stacked(t, n), bits, group_size)
+    slots = list(range(n + 1))[::-1][:n]
+    table = torch.zeros(n + 1, lay.numel, dtype=torch.uint8)
+    for e, s in enumerate(slots):
+        lay.pack_(table[s], {name: v[e] for name, v in t.items()})
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    meta = torch.tensor(starts + [s * lay.numel for s in slots], dtype=torch.long)
+    return g, lay, slots, table.cuda(), starts, meta.cuda()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("counts", [[1, 1, 1, 1, 1, 1, 1, 1], [3, 1, 20], [40]])
@@ -180,23 +201,9 @@ def test_triton_grouped_equals_reference(bits, counts, H, F, group_size):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
-    from ds_maximus.experts.layout import ExpertLayout
-    from ds_maximus.experts.quant_layout import QuantizedExpertLayout
     from ds_maximus.experts.quant_triton import quant_matmul_grouped
-    g = torch.Generator().manual_seed(bits + len(counts))
+    g, lay, slots, table, starts, meta = _packed_round(bits, counts, H, F, group_size)
     n = len(counts)
-    t = {"gate_up_proj": (torch.randn(n, 2 * F, H, generator=g) * 0.02).bfloat16(),
-         "down_proj": (torch.randn(n, H, F, generator=g) * 0.02).bfloat16()}
-    lay = QuantizedExpertLayout.from_layout(ExpertLayout.from_stacked(t, n), bits, group_size)
-    slots = list(range(n + 1))[::-1][:n]  # the experts in reverse slot order, one slot left free
-    table = torch.zeros(n + 1, lay.numel, dtype=torch.uint8)
-    for e, s in enumerate(slots):
-        lay.pack_(table[s], {name: v[e] for name, v in t.items()})
-    table = table.cuda()
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    meta = torch.tensor(starts + [s * lay.numel for s in slots], dtype=torch.long).cuda()
     for name, cols in (("gate_up_proj", H), ("down_proj", F)):
         x = torch.randn(starts[-1], cols, generator=g).bfloat16().cuda()
         y = quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], bits, group_size, meta, n,
@@ -249,22 +256,8 @@ def test_triton_mma_grouped_equals_reference(bits, counts, dtype):
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
     from ds_maximus.experts import quant_triton as qt
-    from ds_maximus.experts.layout import ExpertLayout
-    from ds_maximus.experts.quant_layout import QuantizedExpertLayout
-    g = torch.Generator().manual_seed(bits + len(counts))
     n, H, F = len(counts), 512, 768
-    t = {"gate_up_proj": (torch.randn(n, 2 * F, H, generator=g) * 0.02).bfloat16(),
-         "down_proj": (torch.randn(n, H, F, generator=g) * 0.02).bfloat16()}
-    lay = QuantizedExpertLayout.from_layout(ExpertLayout.from_stacked(t, n), bits, 64)
-    slots = list(range(n + 1))[::-1][:n]
-    table = torch.zeros(n + 1, lay.numel, dtype=torch.uint8)
-    for e, s in enumerate(slots):
-        lay.pack_(table[s], {name: v[e] for name, v in t.items()})
-    table = table.cuda()
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    meta = torch.tensor(starts + [s * lay.numel for s in slots], dtype=torch.long).cuda()
+    g, lay, slots, table, starts, meta = _packed_round(bits, counts, H, F, 64)
     assert qt.mma_fits(bits, 64, dtype)
     for name, cols in (("gate_up_proj", H), ("down_proj", F)):
         x = torch.randn(starts[-1], cols, generator=g).to(dtype).cuda()
