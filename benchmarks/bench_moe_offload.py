@@ -522,6 +522,17 @@ def hooks_baseline(model, device):
     return handles
 
 
+def top_k_list(text: str) -> list:
+    """``--prefetch-top-k``: one positive integer or a comma list of them."""
+    try:
+        ks = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        ks = []
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"takes positive integers, comma-separated: {text!r}")
+    return ks
+
+
 def parse_peers(args) -> list:
     """The peer keys to run, in order: ``--peers`` (comma-separated keys of ``PEERS``, run in the order given),
     else ``--quick``'s, else all; ``full`` runs first (the quality reference is taken after it) and ``cpu`` and
@@ -587,8 +598,9 @@ def main(argv=None):
     p.add_argument("--prefill-len", type=int, default=None, help="also time one prefill of a prompt of this many "
                    "tokens (batch 1) per peer")
     p.add_argument("--group-size", type=int, default=64, help="moe.quant.group_size of the int peers")
-    p.add_argument("--prefetch-top-k", type=int, default=None, help="moe.prefetch_top_k of the bf16+/int peers "
-                   "(default: the config's, 1); guesses beyond the staged one go into slots")
+    p.add_argument("--prefetch-top-k", type=top_k_list, default=None, help="moe.prefetch_top_k of the bf16+/int "
+                   "peers (default: the config's, 1), each guess staged in its own buffer; a comma list (1,2,1) "
+                   "runs each of those peers once per value, in order, in one process")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="random weights: 'scaled' (residual "
                    "outputs at std / sqrt(2 x layers), embedding N(0, 1): a stable model whose token agreement "
@@ -820,12 +832,16 @@ def main(argv=None):
         handle.close()
 
     def run_variant(key):
-        """The default cache (prefetch top-1, staged head) with CPU compute of misses and/or the quantized tier."""
+        """The default cache (staged guesses) with CPU compute of misses and/or the quantized tier, once per
+        ``--prefetch-top-k`` value."""
+        for k in args.prefetch_top_k or [None]:
+            run_variant_once(key, k)
+
+    def run_variant_once(key, top_k):
         base, _, suffix = key.partition("+")
         bits, cpu = QUANT_BITS.get(base), CPU_MODES.get(suffix)
         name = (f"ours int{bits} (group {args.group_size})" if bits else "ours bf16") + \
-            (f" + cpu_compute={cpu}" if cpu else "") + \
-            (f", prefetch top-{args.prefetch_top_k}" if args.prefetch_top_k is not None else "")
+            (f" + cpu_compute={cpu}" if cpu else "") + (f", prefetch top-{top_k}" if top_k is not None else "")
         need = setup_need(bits, "quant setup" if bits else "ours setup") + cost["ours"] * (bits / 16 if bits else 1)
         if not budget.allows(need * scale, name):
             bench.skip(name)
@@ -836,8 +852,8 @@ def main(argv=None):
         try:
             slots = slots_for(bits)
             cfg = {"gpu_experts_per_layer": slots, "cpu_compute": cpu or "off"}
-            if args.prefetch_top_k is not None:
-                cfg["prefetch_top_k"] = args.prefetch_top_k
+            if top_k is not None:
+                cfg["prefetch_top_k"] = top_k
             if bits:
                 cfg["quant"] = {"bits": bits, "group_size": args.group_size}
             handle = offload_experts(model, cfg)
