@@ -30,7 +30,8 @@ Peers, same run, same random weights and prompt:
   * ours with the quantized expert tier (``quant: {bits: 8 | 4 | 3 | 2}``, ``--group-size``), each without and
     with ``cpu_compute: misses``: the tier, the slots and the link hold the packed form;
   * accelerate ``cpu_offload`` of the whole model (a fresh copy), as the issue's 0.29 tokens/s was measured.
-Beside each offloaded row: hit rate, prefetch precision/recall, GB moved per token and the PCIe bound
+Beside each offloaded row: hit rate (a used guess counts as a hit; "resident hit rate" counts only the experts
+that needed no copy), prefetch precision/recall, GB moved per token and the PCIe bound
 ``H2D_GBPS / bytes per token`` from the measured miss bytes, and ``experts/layer``: the distinct experts one MoE
 layer call routed to (mean over the decode's calls; top-k at batch 1, up to every expert for a batch).
 
@@ -476,6 +477,7 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
         per_tok = st["bytes_moved"] / max(st["tokens"], 1)
         host_tok = st.get("cpu_experts", 0) * st["expert_bytes"] / max(st["tokens"], 1)  # host bytes read a token
         row.update({"slots/layer": st["slots_per_layer"], "hit rate": round(st["hit_rate"], 3),
+                    "resident hit rate": round(st.get("resident_hit_rate", 0.0), 3),
                     "prefetch prec": round(st["prefetch_precision"], 3),
                     "prefetch recall": round(st["prefetch_recall"], 3), "GB/token": round(per_tok / 1e9, 3),
                     "PCIe bound tok/s": round(H2D_GBPS * 1e9 / per_tok, 2) if per_tok else "-",

@@ -54,7 +54,8 @@ class ExpertCache(SlotCache):
 
     def stats(self) -> dict:
         """The partition cache's counters (:meth:`SlotCache.stats`) with the expert-facing names: demand
-        lookups/hits/misses, prefetch precision and recall, bytes by demand and by prefetch."""
+        lookups/hits/misses, prefetch precision and recall, the hits that needed no copy (``resident_hit_rate``),
+        bytes by demand and by prefetch."""
         s = super().stats()
         hits, misses, used, issued = s["hits"], s["misses"], s["prefetch_used"], s["prefetch_issued"]
         s.update({
@@ -62,6 +63,9 @@ class ExpertCache(SlotCache):
             "prefetch_useful": used,
             "prefetch_precision": used / issued if issued else 0.0,
             "prefetch_recall": used / (used + misses) if used + misses else 0.0,
+            # served by an expert already resident before its layer's routing: a used guess is a hit, but its
+            # bytes crossed the link for it
+            "resident_hit_rate": (hits - used) / s["lookups"] if s["lookups"] else 0.0,
             "bytes_demand": s["bytes_h2d"] - s["bytes_prefetch"],
             "gpu_stall_ms": s["stall_ms"] - s["host_stall_ms"],
             "expert_bytes": self.layout.nbytes,

@@ -74,6 +74,9 @@ def test_prefetch_precision_recall():
     assert st["prefetch_issued"] == 2 and st["prefetch_useful"] == 1
     assert st["prefetch_precision"] == 0.5 and st["prefetch_recall"] == 0.5
     assert st["bytes_prefetch"] == 2 * c.layout.nbytes
+    assert st["hits"] == 1 and st["resident_hit_rate"] == 0.0  # the one hit was the guess, which crossed
+    c.release(1, c.acquire(1, [0]))                            # expert 0 is resident now: no copy
+    assert c.stats()["resident_hit_rate"] == 1 / 3
 
 
 def test_staged_guess_evicts_nothing_and_a_right_one_moves_only_the_rest():
