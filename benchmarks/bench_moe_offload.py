@@ -117,12 +117,17 @@ GIB = 2**30
 
 
 class TokenClock:
-    """A generate() streamer that timestamps tokens: decode rate excludes the prefill."""
+    """A generate() streamer that timestamps tokens: decode rate excludes the prefill. ``on_first_token`` runs when
+    the prefill's token arrives, before the decode's clock starts (the offload's stats reset there, so that they
+    count the decode's forwards only)."""
 
-    def __init__(self):
+    def __init__(self, on_first_token=None):
         self.times = []
+        self.on_first_token = on_first_token
 
     def put(self, value):
+        if len(self.times) == 1 and self.on_first_token is not None:
+            self.on_first_token()
         self.times.append(time.perf_counter())
 
     def end(self):
@@ -226,9 +231,10 @@ def prompts(args, device):
     return ids.to(device), mask.to(device)
 
 
-def decode(model, ids, tokens, mask=None):
-    """Decode tokens/s of every sequence together (``generate``'s steps after the prefill, times the batch)."""
-    clock = TokenClock()
+def decode(model, ids, tokens, mask=None, on_first_token=None):
+    """Decode tokens/s of every sequence together (``generate``'s steps after the prefill, times the batch);
+    ``on_first_token``: see :class:`TokenClock`."""
+    clock = TokenClock(on_first_token)
     model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                    pad_token_id=0, streamer=clock)
     if torch.cuda.is_available():
@@ -452,7 +458,9 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
             handle.reset_stats()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        tps = decode(model, ids, tokens, mask)
+        # the stats count the decode's forwards only: a prompt's prefill loads most of a layer's experts and
+        # would count its tokens beside them
+        tps = decode(model, ids, tokens, mask, on_first_token=handle.reset_stats if handle is not None else None)
         st = handle.stats() if handle is not None else None
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
         pre = {}
@@ -666,7 +674,9 @@ def main(argv=None):
                          "decode gemv": args.decode_gemv,
                          "host GB/s": round(host_gbps, 1)},
                   notes=f"tokens/s = decode only (after prefill), every sequence of the batch; ms = 1000 / "
-                        f"tokens/s; experts/layer = distinct experts a MoE layer call hit; PCIe bound at "
+                        f"tokens/s; hit rates, prefetch, GB/token, stall ms, host experts/token: the decode's "
+                        f"forwards only (the prompt's prefill left out); experts/layer = distinct experts a MoE "
+                        f"layer call hit; PCIe bound at "
                         f"{H2D_GBPS:.0f} GB/s pinned H2D from the measured bytes moved per token; host bound "
                         f"(+cpu rows) at the measured {host_gbps:.0f} GB/s host bandwidth from the expert bytes the "
                         f"host read per token; host / link ms/expert (+cpu rows) = cpu_compute's cost estimates "
