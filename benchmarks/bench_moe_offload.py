@@ -20,10 +20,9 @@ Peers, same run, same random weights and prompt:
   * accelerate ``cpu_offload`` on each experts module (its AlignDevicesHook moves the module's weights to
     the GPU at every forward; the rest of the model stays on the GPU, as ``device_map`` would place it);
   * ours, LRU cache, prefetch off (the mixtral-offloading design);
-  * ours, LRU cache + speculative prefetch (the default, ``prefetch_top_k: auto``: 2 guesses a layer where the
-    slots allow): of a guess only the first 96 MiB are queued, into a staging buffer of its own on the GPU
-    (+96 MiB a guess), behind the guessing layer's demand loads; the next layer's routing drops it, or loads only
-    the rest and copies the head on the device;
+  * ours, LRU cache + speculative prefetch top-1 (the default): of a guess only the first 96 MiB are
+    queued, into one staging buffer on the GPU (+96 MiB), behind the guessing layer's demand loads; the
+    next layer's routing drops it, or loads only the rest and copies the head on the device;
   * ours, the same guesses loaded into the slot they will use (evicting a resident outside the predicted
     routing, or the least recent one), as whole loads (the first design), and top-k;
   * ours with CPU compute of the missed experts (``cpu_compute: misses``), bf16;
@@ -619,7 +618,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="only ours: LRU, staged guesses, in-slot guesses")
     p.add_argument("--ours-variants", choices=("all", "quick", "default"), default=None, help="the bf16 cache "
                    "variants of peer 'ours': all six, the first three (--quick's), or only the default cache "
-                   "(prefetch auto, heads staged)")
+                   "(prefetch top-1, head staged)")
     p.add_argument("--peers", default=None, help=f"comma-separated peers to run, of: {', '.join(PEERS)}")
     p.add_argument("--cap-gib", type=float, default=None, help="cap the GPU at this many GiB for every peer but "
                    "'full' (torch.cuda.set_per_process_memory_fraction); on the CPU only --slots auto uses it")
@@ -799,7 +798,7 @@ def main(argv=None):
             accelerate.hooks.remove_hook_from_module(b.experts, recurse=True)
 
     ours = ["ours: LRU cache, prefetch off (mixtral-offloading design)",
-            "ours: prefetch auto, heads staged (+96 MiB GPU a guess; the default)",
+            "ours: prefetch top-1, head staged (+96 MiB GPU; the default)",
             "ours: prefetch top-1, 96 MiB head into a slot",
             "ours: prefetch top-1, head into a slot, LRU victims",
             "ours: prefetch top-1, whole-expert guesses into a slot",
@@ -828,9 +827,8 @@ def main(argv=None):
             peer(ours[0], "ours", model, ids, args.tokens, handle,
                  warmup_tokens=args.tokens if ours_variants == "quick" else 2)
             handle.speculative_prefetch = True
-        handle.cfg.prefetch_top_k = "auto"  # 2 guesses staged where the slots allow (moe.prefetch_top_k)
-        peer(ours[1], "ours", model, ids, args.tokens, handle)
         handle.cfg.prefetch_top_k = 1
+        peer(ours[1], "ours", model, ids, args.tokens, handle)
         if not default_only:
             cache.stage_guesses = False  # the guess's head goes into the slot it will use (evicting a resident)
             peer(ours[2], "ours", model, ids, args.tokens, handle)

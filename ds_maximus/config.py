@@ -17,7 +17,7 @@ import difflib
 import enum
 import json
 import os
-from typing import Annotated, Any, List, Literal, Mapping, Optional, Union
+from typing import Any, List, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -287,29 +287,22 @@ class MoEConfig(_Section):
     """Apply the next layer's router to the current hidden state and load its likely experts early. In
     inference a guess stages its first 96 MiB in a buffer on the device (evicting nothing); the next
     layer's routing drops it or loads only the rest (measurements: docs/bench/moe_offload.md)."""
-    prefetch_top_k: Union[Literal["auto"], Annotated[int, Field(ge=1)], None] = "auto"
-    """Guesses per layer, best first (``None``: the model's top-k). Staged (the CPU tier without
+    prefetch_top_k: Optional[int] = Field(1, ge=1)
+    """Guesses per layer (``None``: the model's top-k), best first. Staged (the CPU tier without
     ``cpu_compute``): each of the first ``prefetch_top_k`` guesses that is not resident stages its head in a
     buffer of its own (96 MiB of device memory each; a wrong one costs link time, never an eviction). Into
-    slots (an NVMe tier, with ``cpu_compute``, and in MoE training): a wrong guess evicts a resident expert the
-    next layer needs. ``"auto"``: 2 staged (an int4 Mixtral at 16 and 24 layers decoded 8-11% faster than with
-    1, a third measured no better), 1 into slots (measured best there)."""
+    slots (an NVMe tier, or with ``cpu_compute``): a wrong guess evicts a resident expert the next layer needs.
+    1 measured best both ways on Mixtral-shaped models (staged: an int4 decode at 24 layers, 3 slots a layer,
+    took 67.0-68.2 ms a token with 1 and 68.2-68.4 with 2, which moved 10% more bytes; docs/bench/moe_offload.md)."""
 
-    def guesses(self, top_k: int, staged: bool) -> int:
-        """Guesses a layer for a model routing ``top_k`` experts a token: ``prefetch_top_k`` resolved (``"auto"``:
-        2 where each guess is ``staged`` in a buffer of its own, else 1; ``None``: ``top_k``), at most ``top_k``.
+    def guesses(self, top_k: int) -> int:
+        """Guesses a layer for a model routing ``top_k`` experts a token: ``prefetch_top_k``, or ``top_k`` for
+        ``None`` (callers cap it by what they can hold).
 
-        >>> MoEConfig().guesses(2, staged=True), MoEConfig().guesses(2, staged=False)
-        (2, 1)
-        >>> MoEConfig(prefetch_top_k=None).guesses(8, staged=False), MoEConfig(prefetch_top_k=3).guesses(2, True)
-        (8, 2)
+        >>> MoEConfig().guesses(2), MoEConfig(prefetch_top_k=None).guesses(8), MoEConfig(prefetch_top_k=3).guesses(2)
+        (1, 8, 3)
         """
-        k = self.prefetch_top_k
-        if k == "auto":
-            k = 2 if staged else 1
-        elif k is None:
-            k = top_k
-        return max(1, min(int(k), int(top_k)))
+        return int(self.prefetch_top_k or top_k)
 
     quant: ExpertQuantConfig = Field(default_factory=ExpertQuantConfig)
     """Inference: the quantized expert tier (``bits: null`` = off, exact bf16)."""

@@ -123,7 +123,7 @@ class MoEOffload:
             return None
         nxt = self.blocks[group + 1]
         K = min(nxt.top_k, nxt.num_experts)
-        k = min(self.cfg.guesses(K, staged=bool(self.cache.stage_guesses)), self.cache.slots_per_group)
+        k = min(self.cfg.guesses(K), K)
         picks = torch.topk(nxt.router_logits(hidden), K, dim=-1).indices  # best first
         return torch.cat([count_ids(picks[:, :k], nxt.num_experts), count_ids(picks, nxt.num_experts)])
 
@@ -195,8 +195,7 @@ class MoEOffload:
     def _issue_prefetch(self, group: int, votes: List[int]) -> None:
         E = len(votes) // 2
         guess, predicted = votes[:E], votes[E:]
-        limit = min(self.cfg.guesses(self.blocks[group].top_k, staged=bool(self.cache.stage_guesses)),
-                    self.cache.slots_per_group)
+        limit = min(self.cfg.guesses(self.blocks[group].top_k), self.cache.slots_per_group)
         ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
         # a guess never evicts a resident expert the prediction also routes to (it would likely hit)
         keep = [e for e in range(E) if predicted[e] > 0] if self.keep_predicted else None
@@ -306,7 +305,7 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     # moe.prefetch_top_k guesses a layer, each staged in its own buffer (an NVMe tier cannot stage: its guesses go
     # into slots, read whole)
     staged = cfg.cpu_compute == ExpertCPUCompute.OFF and isinstance(store, CpuExpertStore)
-    stages = min(cfg.guesses(blocks[0].top_k, staged=True), slots) if staged else 0
+    stages = min(cfg.guesses(blocks[0].top_k), slots) if staged else 0
     cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
                         prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=stages)
     handle = MoEOffload(blocks, cache, cfg)

@@ -141,7 +141,7 @@ def test_bench_small_gpu_source_auto_slots(family, capsys):
     for col in ("slots/layer", "token agree", "rel err", "PCIe bound tok/s", "host GB/token", "host bound tok/s"):
         assert col in rows["provider"].values(), col
     full = rows["full model on GPU (HF generate)"]
-    ours = rows["ours: prefetch auto, heads staged (+96 MiB GPU a guess; the default)"]
+    ours = rows["ours: prefetch top-1, head staged (+96 MiB GPU; the default)"]
     q4 = rows["ours int4 (group 64)"]
     cpu = rows["ours bf16 + cpu_compute=misses"]
     for row in (full, ours, q4, cpu):
@@ -166,7 +166,7 @@ def test_bench_small_bnb_peer(capsys):
     rows = table(capsys.readouterr().out)
     bnb = next(row for name, row in rows.items() if name.startswith("bitsandbytes nf4 experts"))
     assert float(bnb["tokens/s"]) > 0 and 0 < float(bnb["rel err"]) < 0.5
-    ours = rows["ours: prefetch auto, heads staged (+96 MiB GPU a guess; the default)"]
+    ours = rows["ours: prefetch top-1, head staged (+96 MiB GPU; the default)"]
     assert float(ours["token agree"]) >= 0.9 and float(ours["rel err"]) < 0.05
 
 
@@ -194,7 +194,7 @@ def test_bench_small_cuda_capped_gpu_source(family, capsys):
     assert "expert source: gpu" in out and f"GPU cap GiB={cap}" in out
     rows = table(out)
     offloaded = [rows["ours int4 (group 64)"], rows["ours int4 (group 64) + cpu_compute=misses"],
-                 rows["ours: prefetch auto, heads staged (+96 MiB GPU a guess; the default)"]]
+                 rows["ours: prefetch top-1, head staged (+96 MiB GPU; the default)"]]
     for row in offloaded:
         assert float(row["tokens/s"]) > 0 and float(row["peak GiB"]) <= cap
         assert 1 <= int(row["slots/layer"]) <= (16 if family == "qwen3" else 8)

@@ -65,23 +65,12 @@ def test_prefetch_off_and_on_same_tokens_and_stats():
 
 
 def test_two_guesses_a_layer_staged_same_tokens():
-    """moe.prefetch_top_k on the CPU tier: "auto" (the default) stages each layer's two best guesses in a buffer
-    each (the whole tiny expert), as 2 does; 1 stages one. The tokens stay the plain model's."""
-    one = check_equal(tiny_model("qwen3_moe", layers=3, top_k=2), {"gpu_experts_per_layer": 2, "prefetch_top_k": 1})
+    """moe.prefetch_top_k=2 on the CPU tier: each layer's two best guesses stage in a buffer each (the whole tiny
+    expert), the tokens stay the plain model's."""
+    one = check_equal(tiny_model("qwen3_moe", layers=3, top_k=2), {"gpu_experts_per_layer": 2})
     two = check_equal(tiny_model("qwen3_moe", layers=3, top_k=2), {"gpu_experts_per_layer": 2, "prefetch_top_k": 2})
-    auto = check_equal(tiny_model("qwen3_moe", layers=3, top_k=2), {"gpu_experts_per_layer": 2})
     assert one["staging_bytes"] == one["expert_bytes"] and two["staging_bytes"] == 2 * two["expert_bytes"]
     assert two["prefetch_issued"] > one["prefetch_issued"] and two["prefetch_useful"] > 0
-    assert auto["staging_bytes"] == two["staging_bytes"] and auto["prefetch_issued"] == two["prefetch_issued"]
-
-
-def test_auto_guesses_one_into_slots():
-    """With cpu_compute or one slot a layer, "auto" guesses one expert a layer, the router's best (a second guess
-    would evict the first, or a resident the next layer needs)."""
-    one = check_equal(tiny_model("mixtral", layers=3), {"gpu_experts_per_layer": 1, "prefetch_top_k": 1})
-    auto = check_equal(tiny_model("mixtral", layers=3), {"gpu_experts_per_layer": 1})
-    for k in ("staging_bytes", "prefetch_issued", "prefetch_useful", "hits", "misses"):
-        assert auto[k] == one[k], k
 
 
 def test_nvme_tier_equals_ram(tmp_path):

@@ -260,8 +260,7 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
         w = getter() if getter is not None else None
         if w is None or w.numel() == 0 or w.dim() != 2 or w.shape[1] != hidden.shape[-1]:
             return None  # e.g. partitioned by ZeRO-3 outside its module's forward
-        k = min(mcfg.guesses(self.layers[group + 1].top_k, staged=False), self.num_experts,
-                self.cache.slots_per_group)
+        k = min(mcfg.guesses(self.layers[group + 1].top_k), self.num_experts, self.cache.slots_per_group)
         with torch.no_grad():
             logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).to(w.dtype), w)
             votes = count_ids(torch.topk(logits, k, dim=-1).indices, self.num_experts)
