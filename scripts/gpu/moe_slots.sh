@@ -3,7 +3,7 @@
 # slots a layer (the cap's default reserve) and with 4 (--reserve-gib 1.0). With 3 slots the decode moves ~4.0 GB a
 # token (a link floor of ~13.7 tokens/s, docs/bench/moe_offload.md); a fourth slot cuts that to ~3.2 GB. Each
 # setting runs twice in its process (--prefetch-top-k 1,1: a fresh offload each), because the first offloaded run of
-# a process has measured 30-40% slower than the next ones at 24 layers. Tables: $OUT/slots3.md, $OUT/slots4.md.
+# a process took 1.4-1.6x the ms a token of the next ones at 24 layers. Tables: $OUT/slots3.md, $OUT/slots4.md.
 # Run as `timeout 575 bash scripts/gpu/moe_slots.sh; . scripts/gpu/common.sh; pack_out`.
 set -x
 . "$(dirname "$0")/common.sh"
