@@ -453,8 +453,6 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
     cuda = gpu and torch.cuda.is_available()
     try:
         decode(model, ids, warmup_tokens, mask)      # warm-up (kernels, allocator, cache)
-        if handle is not None:
-            handle.reset_stats()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         # the stats count the decode's forwards only: a prompt's prefill loads most of a layer's experts and
@@ -484,7 +482,7 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
         per_tok = st["bytes_moved"] / max(st["tokens"], 1)
         host_tok = st.get("cpu_experts", 0) * st["expert_bytes"] / max(st["tokens"], 1)  # host bytes read a token
         row.update({"slots/layer": st["slots_per_layer"], "hit rate": round(st["hit_rate"], 3),
-                    "resident hit rate": round(st.get("resident_hit_rate", 0.0), 3),
+                    "resident hit rate": round(st["resident_hit_rate"], 3),
                     "prefetch prec": round(st["prefetch_precision"], 3),
                     "prefetch recall": round(st["prefetch_recall"], 3), "GB/token": round(per_tok / 1e9, 3),
                     "PCIe bound tok/s": round(H2D_GBPS * 1e9 / per_tok, 2) if per_tok else "-",

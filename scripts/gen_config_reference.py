@@ -25,12 +25,7 @@ def _type_name(ann) -> str:
     origin = typing.get_origin(ann)
     if origin is typing.Union:
         args = [a for a in typing.get_args(ann) if a is not type(None)]
-        names = " \\| ".join(_type_name(a) for a in args)
-        return "null or " + names if len(args) < len(typing.get_args(ann)) else names
-    if origin is typing.Literal:
-        return " \\| ".join(f"`{v}`" for v in typing.get_args(ann))
-    if origin is typing.Annotated:
-        return _type_name(typing.get_args(ann)[0])
+        return "null or " + " \\| ".join(_type_name(a) for a in args)
     if origin in (list, typing.List):
         return f"list of {_type_name(typing.get_args(ann)[0])}"
     return getattr(ann, "__name__", str(ann))

@@ -299,13 +299,10 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
         store = FileExpertStore(layout, n, path, loader=make_loader(io_cfg))
     else:
         store = CpuExpertStore(layout, n, pin_memory=cfg.offload.pin_memory, reclaimable_bytes=on_cpu)
-    # a guess's head is staged (it evicts nothing until the demand is known), except with cpu_compute: a staged
-    # guess is not resident, so the host would compute it and its head would cross for nothing; there the link
-    # brings guesses into slots, where the GPU computes them
-    # moe.prefetch_top_k guesses a layer, each staged in its own buffer (an NVMe tier cannot stage: its guesses go
-    # into slots, read whole)
-    staged = cfg.cpu_compute == ExpertCPUCompute.OFF and isinstance(store, CpuExpertStore)
-    stages = min(cfg.guesses(blocks[0].top_k), slots) if staged else 0
+    # moe.prefetch_top_k guesses a layer, each one's head staged in a buffer of its own (it evicts nothing until the
+    # demand is known), except with cpu_compute: a staged guess is not resident, so the host would compute it and
+    # its head would cross for nothing; there the link brings guesses into slots, where the GPU computes them
+    stages = min(cfg.guesses(blocks[0].top_k), slots) if cfg.cpu_compute == ExpertCPUCompute.OFF else 0
     cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
                         prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=stages)
     handle = MoEOffload(blocks, cache, cfg)
