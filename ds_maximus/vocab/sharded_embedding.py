@@ -464,6 +464,10 @@ class ShardedEmbedding(ShardedStateMixin, WeightView, MaximusModule, nn.Module):
             logger.info(format_line(f"ShardedEmbedding({self.num_embeddings}x{self.embedding_dim})", step,
                                     self.stats()))
 
+    #: at most this many rows of the tier's step cross at once (the staged pipeline holds two such windows of the
+    #: weights and every moment on the device: at 2560 columns, ~1 GB)
+    TIER_WINDOW_ROWS = 16384
+
     def _tier_update(self, ids: Tensor, rows: Tensor, where: Tensor) -> None:
         """Step rows ``ids`` that are not in the cache (another rank's rows in data-parallel training, after the
         gradient all-reduce; a tied head's gradient reaches every row); their gradient is ``rows[where]``. On a
@@ -473,7 +477,7 @@ class ShardedEmbedding(ShardedStateMixin, WeightView, MaximusModule, nn.Module):
         V=262144, d=4096 on 2 H200s (``docs/bench/distributed.md``). Without a GPU they are stepped in the tier."""
         self.cache._finish_write_backs(block=True)
         dev = rows.device
-        step = max(1, min(int(self.cache.num_slots), ids.numel()))
+        step = max(1, min(int(self.cache.num_slots), self.TIER_WINDOW_ROWS, ids.numel()))
         if self._tier_update_in_place(ids, rows, where, step, staged=self.staged_tier_update):
             return
         staging = self.cache._staging(step)  # pinned when the cache is on a GPU

@@ -68,11 +68,15 @@ def test_nvme_tier_equals_cpu_tier(tmp_path):
     assert torch.equal(ShardStore.open(str(tmp_path / "emb")).read_all("weight"), s_cpu["tensors"]["weight"])
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_tied_head_protocol_equals_dense(staged):
+@pytest.mark.parametrize("staged", [False, True, "windows-capped"])
+def test_tied_head_protocol_equals_dense(staged, monkeypatch):
     """rows_for_compute + add_dense_row_grad_ (a tied LM head) and the embedding's own grads, vs dense AdamW.
     ``staged``: the rows outside the cache (the head's gradient reaches every row) step through the staged-update
-    pipeline, as on a GPU (its CPU twin: the same windows, copied into staging sets and back)."""
+    pipeline, as on a GPU (its CPU twin: the same windows, copied into staging sets and back); ``windows-capped``:
+    windows of at most ``TIER_WINDOW_ROWS`` rows, fewer than the cache holds."""
+    if staged == "windows-capped":
+        monkeypatch.setattr(ShardedEmbedding, "TIER_WINDOW_ROWS", 4)
+        staged = True
     g = torch.Generator().manual_seed(9)
     ref = nn.Embedding(24, 4)
     emb = ShardedEmbedding.from_embedding(ref, make_config(cache_rows=6))
