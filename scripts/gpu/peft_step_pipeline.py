@@ -1,0 +1,109 @@
+"""#38: the tied table's staged step on the GPU, window by window, for bench_peft_vocab's ``--peer`` (ours) at the
+Gemma-3-4B shape: when each window's load (host -> device), update and store (device -> host) ran on their streams,
+from CUDA events recorded around each one (no host wait added), against the compute stream's own marks (the step,
+the loss read, the next forward and its head). It says which of the link's two directions, the update kernels or
+the pipeline's hand-offs sets the 130-200 ms a step the GPU waits after the step (docs/bench/peft_vocab.md:
+neither the host's issue order nor 15.6% fewer bytes moved it). On the GPU machine, after ``. .device/env.sh`` and
+``. scripts/gpu/common.sh``::
+
+    python scripts/gpu/peft_step_pipeline.py --steps 10 --watched 3
+"""
+import argparse
+import contextlib
+
+import torch
+from step_watch import run_watched
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peer", default="ours_capped")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--watched", type=int, default=3)
+    a, rest = ap.parse_known_args()
+    import ds_maximus.vocab.lm_head as lm_head
+    from ds_maximus.partition.staged_update import StagedUpdate
+    from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
+
+    step_no, watching = [0], [False]
+    marks = []   # (step, name, event on the compute stream)
+    spans = []   # (step, kind, start event, end event) on the pipeline's streams
+
+    def event(stream=None):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream) if stream is not None else e.record()
+        return e
+
+    def timed(kind, orig):
+        """``orig`` (a StagedUpdate phase, a context manager yielding its stream) with events around its work."""
+        @contextlib.contextmanager
+        def ctx(self, *args, **kw):
+            with orig(self, *args, **kw) as st:
+                if not (watching[0] and self.cuda):
+                    yield st
+                else:
+                    s = st if st is not None else torch.cuda.current_stream(self.device)
+                    e0 = event(s)   # after the phase's waits on its stream: when its work could start
+                    yield st
+                    spans.append((step_no[0], kind, e0, event(s)))
+        return ctx
+
+    StagedUpdate.loading = timed("load", StagedUpdate.loading)
+    StagedUpdate.updating = timed("update", StagedUpdate.updating)
+    StagedUpdate.storing = timed("store", StagedUpdate.storing)
+
+    def marked(name, fn):
+        def wrapped(*args, **kw):
+            if watching[0]:
+                marks.append((step_no[0], name, event()))
+            return fn(*args, **kw)
+        return wrapped
+    lm_head.streamed_linear_cross_entropy = marked("head fwd", lm_head.streamed_linear_cross_entropy)
+    ShardedEmbedding.sparse_step = marked("sparse step", ShardedEmbedding.sparse_step)
+
+    @contextlib.contextmanager
+    def around():
+        step_no[0] += 1
+        watching[0] = True
+        try:
+            yield
+        finally:
+            watching[0] = False
+
+    @contextlib.contextmanager
+    def phase(name):
+        marks.append((step_no[0], name, event()))
+        try:
+            yield
+        finally:
+            marks.append((step_no[0], name + " end", event()))
+
+    run_watched(a.peer, a.steps, a.watched, rest, around=around, phase=phase)
+    torch.cuda.synchronize()
+    for k in sorted({s for s, *_ in spans}):
+        base = next((e for s, n, e in marks if s == k and n == "sparse step"), None)
+        if base is None:
+            continue
+        print(f"step {k}: ms after the compute stream reached the table's sparse step")
+        print(f"  {'stream':8s} {'pieces':>6s} {'first start':>12s} {'last end':>9s} {'busy':>8s} {'max piece':>10s}")
+        for kind in ("load", "update", "store"):
+            mine = [(e0, e1) for s, kd, e0, e1 in spans if s == k and kd == kind]
+            if not mine:
+                continue
+            starts = [base.elapsed_time(e0) for e0, _ in mine]
+            ends = [base.elapsed_time(e1) for _, e1 in mine]
+            lengths = [e0.elapsed_time(e1) for e0, e1 in mine]
+            print(f"  {kind:8s} {len(mine):6d} {min(starts):12.1f} {max(ends):9.1f} {sum(lengths):8.1f} "
+                  f"{max(lengths):10.1f}")
+        later = [(s, n, e) for s, n, e in marks if s in (k, k + 1) and n not in ("sparse step",)]
+        seen = set()
+        for s, n, e in later:
+            t = base.elapsed_time(e)
+            if t < 0 or (s, n) in seen:
+                continue
+            seen.add((s, n))
+            print(f"  compute: {'next ' if s == k + 1 else ''}{n:16s} +{t:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
