@@ -10,6 +10,7 @@ neither the host's issue order nor 15.6% fewer bytes moved it). On the GPU machi
 """
 import argparse
 import contextlib
+import time
 
 import torch
 from step_watch import run_watched
@@ -26,7 +27,7 @@ def main() -> None:
     from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
 
     step_no, watching = [0], [False]
-    marks = []   # (step, name, event on the compute stream)
+    marks = []   # (step, name, event on the compute stream, host time)
     spans = []   # (step, kind, start event, end event) on the pipeline's streams
 
     def event(stream=None):
@@ -55,11 +56,23 @@ def main() -> None:
     def marked(name, fn):
         def wrapped(*args, **kw):
             if watching[0]:
-                marks.append((step_no[0], name, event()))
+                marks.append((step_no[0], name, event(), time.perf_counter()))
             return fn(*args, **kw)
         return wrapped
     lm_head.streamed_linear_cross_entropy = marked("head fwd", lm_head.streamed_linear_cross_entropy)
     ShardedEmbedding.sparse_step = marked("sparse step", ShardedEmbedding.sparse_step)
+    ShardedEmbedding.forward = marked("embedding fwd", ShardedEmbedding.forward)
+    import ds_maximus.vocab.function as vf
+    vf.ids_on_host = marked("ids read", vf.ids_on_host)
+    from transformers.models.gemma3 import modeling_gemma3 as mg
+    layer_fwd = mg.Gemma3DecoderLayer.forward
+
+    def layer_marked(self, *args, **kw):
+        i = self.layer_idx
+        if watching[0] and i in (0, 1, 17, 33):
+            marks.append((step_no[0], f"layer {i} fwd", event(), time.perf_counter()))
+        return layer_fwd(self, *args, **kw)
+    mg.Gemma3DecoderLayer.forward = layer_marked
 
     @contextlib.contextmanager
     def around():
@@ -72,16 +85,16 @@ def main() -> None:
 
     @contextlib.contextmanager
     def phase(name):
-        marks.append((step_no[0], name, event()))
+        marks.append((step_no[0], name, event(), time.perf_counter()))
         try:
             yield
         finally:
-            marks.append((step_no[0], name + " end", event()))
+            marks.append((step_no[0], name + " end", event(), time.perf_counter()))
 
     run_watched(a.peer, a.steps, a.watched, rest, around=around, phase=phase)
     torch.cuda.synchronize()
     for k in sorted({s for s, *_ in spans}):
-        base = next((e for s, n, e in marks if s == k and n == "sparse step"), None)
+        base, hbase = next(((e, h) for s, n, e, h in marks if s == k and n == "sparse step"), (None, None))
         if base is None:
             continue
         print(f"step {k}: ms after the compute stream reached the table's sparse step")
@@ -95,14 +108,15 @@ def main() -> None:
             lengths = [e0.elapsed_time(e1) for e0, e1 in mine]
             print(f"  {kind:8s} {len(mine):6d} {min(starts):12.1f} {max(ends):9.1f} {sum(lengths):8.1f} "
                   f"{max(lengths):10.1f}")
-        later = [(s, n, e) for s, n, e in marks if s in (k, k + 1) and n not in ("sparse step",)]
+        later = [(s, n, e, h) for s, n, e, h in marks if s in (k, k + 1) and n not in ("sparse step",)]
         seen = set()
-        for s, n, e in later:
+        print(f"  {'mark':30s} {'GPU +ms':>9s} {'host +ms':>9s}")
+        for s, n, e, h in later:
             t = base.elapsed_time(e)
             if t < 0 or (s, n) in seen:
                 continue
             seen.add((s, n))
-            print(f"  compute: {'next ' if s == k + 1 else ''}{n:16s} +{t:8.1f}")
+            print(f"  {('next ' if s == k + 1 else '') + n:30s} {t:9.1f} {1e3 * (h - hbase):9.1f}")
 
 
 if __name__ == "__main__":

@@ -471,3 +471,43 @@ def test_gpu_tied_head_reading_its_step_rows_trains_bit_identically():
             assert (emb._step_rows is not None) == (reuse == "on")
         out[reuse] = (torch.stack(losses).cpu(), emb.full_weight())
     assert torch.equal(out["on"][0], out["off"][0]) and torch.equal(out["on"][1], out["off"][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reuse", ["on", "off"], ids=["step-rows", "tier-spans"])
+@pytest.mark.parametrize("between", [True, False], ids=["a-module-opens", "the-head-opens"])
+def test_gpu_tied_step_with_its_copies_held_trains_bit_identically(between, reuse, monkeypatch):
+    """The tied table's step holds its copies back to the host until the next forward's first module after the
+    lookup (``ShardedEmbedding.HOLD_TIER_STORES``, :class:`~ds_maximus.partition.staged_update.HostGate`), or, with
+    no module between, until the head reads the step's rows: the same losses and weights, bit for bit, as with
+    nothing held (``off`` first and last, the last compared, as above)."""
+    from ds_maximus.config import EmbeddingConfig
+    from ds_maximus.vocab import ShardedEmbedding
+    v, d, steps = 40000, 128, 4
+    g = torch.Generator().manual_seed(11)
+    w0 = torch.randn(v, d, generator=g) * 0.05
+    lin_w = torch.randn(d, d, generator=g) * 0.1
+    data = [(torch.randint(0, v, (4, 256), generator=g).cuda(), torch.randint(0, v, (4, 256), generator=g).cuda())
+            for _ in range(steps)]
+    out = {}
+    for hold in (False, True, False):
+        monkeypatch.setattr(ShardedEmbedding, "HOLD_TIER_STORES", hold)
+        emb = ShardedEmbedding(v, d, config=EmbeddingConfig(gpu_cache_rows=2048), _weight=w0, device="cuda",
+                               dtype=torch.bfloat16)
+        head = ShardedLMHead(tied_to=emb, config={"chunk_rows": 8192, "reuse_rows": reuse})
+        lin = torch.nn.Linear(d, d, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+        lin.weight.copy_(lin_w)
+        losses = []
+        for ids, y in data:
+            h = emb(ids)
+            if between:
+                h = lin(h)   # the module after the lookup: the held copies start here
+            loss = head(torch.tanh(h), y)
+            loss.backward()
+            losses.append(loss.detach())
+            emb.sparse_step(lr=1e-2)
+            gate = emb._tier_pipeline.gate
+            assert gate.held == (hold and gate.supported)
+        out[hold] = (torch.stack(losses).cpu(), emb.full_weight())
+        assert not emb._tier_pipeline.gate.held   # full_weight waited for the step's copies: opened first
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
