@@ -10,10 +10,13 @@ neither the host's issue order nor 15.6% fewer bytes moved it). On the GPU machi
 """
 import argparse
 import contextlib
+import sys
+import threading
 import time
+import traceback
 
 import torch
-from step_watch import run_watched
+from step_watch import run_watched, stack_text
 
 
 def main() -> None:
@@ -21,12 +24,38 @@ def main() -> None:
     ap.add_argument("--peer", default="ours_capped")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--watched", type=int, default=3)
+    ap.add_argument("--sample-ms", type=float, default=2.0,
+                    help="the host thread's stack sampled this often while a step is watched (0: not)")
     a, rest = ap.parse_known_args()
     import ds_maximus.vocab.lm_head as lm_head
     from ds_maximus.partition.staged_update import StagedUpdate
     from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
 
     step_no, watching = [0], [False]
+    samples = []   # (host time, the main thread's stack) while watching
+    opens = []     # (step, host time, who opened the step's held copies)
+    main_id = threading.get_ident()
+
+    def sampler():
+        while True:
+            time.sleep(a.sample_ms / 1e3)
+            if watching[0]:
+                f = sys._current_frames().get(main_id)
+                if f is not None:
+                    fr = [(x.filename, x.lineno, x.name) for x in reversed(traceback.extract_stack(f))]
+                    samples.append((time.perf_counter(), stack_text(fr, 3)))
+    if a.sample_ms > 0:
+        threading.Thread(target=sampler, daemon=True).start()
+    from ds_maximus.partition.staged_update import HostGate
+    gate_open = HostGate._open_upto
+
+    def logged_open(self, gen):
+        if watching[0] or step_no[0]:
+            who = "timer" if threading.get_ident() != main_id else stack_text(
+                [(x.filename, x.lineno, x.name) for x in reversed(traceback.extract_stack())][1:], 3)
+            opens.append((step_no[0], time.perf_counter(), who))
+        return gate_open(self, gen)
+    HostGate._open_upto = logged_open
     marks = []   # (step, name, event on the compute stream, host time)
     spans = []   # (step, kind, start event, end event) on the pipeline's streams
 
@@ -117,6 +146,18 @@ def main() -> None:
                 continue
             seen.add((s, n))
             print(f"  {('next ' if s == k + 1 else '') + n:30s} {t:9.1f} {1e3 * (h - hbase):9.1f}")
+        for s, h, who in opens:
+            if s in (k, k + 1) and h >= hbase:
+                print(f"  held copies opened at host +{1e3 * (h - hbase):8.1f} by {who}")
+        # where the host thread sat from the step to the next forward's layer 0: runs of one stack >= 8 ms
+        end = next((h for s, n, e, h in marks if s == k + 1 and n == "layer 0 fwd"), None)
+        if end is not None:
+            run, t0 = None, None
+            for h, st in [x for x in samples if hbase <= x[0] <= end] + [(end, None)]:
+                if st != run:
+                    if run is not None and h - t0 >= 8e-3:
+                        print(f"  host +{1e3 * (t0 - hbase):7.1f} .. +{1e3 * (h - hbase):7.1f}: {run}")
+                    run, t0 = st, h
 
 
 if __name__ == "__main__":
