@@ -22,11 +22,14 @@ from ds_maximus.engine.protocol import MaximusModule
 
 def unique_ids(batch: Any) -> Optional[torch.Tensor]:
     """The unique token ids of a batch: its ``input_ids`` (a dict's key or an attribute), else the first tensor
-    of a tuple/list batch; ``None`` when it has none."""
+    of a tuple/list batch, else the batch itself when it is an integer tensor (a loader of token-id tensors);
+    ``None`` when it has none."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else getattr(batch, "input_ids", None)
     if ids is None and isinstance(batch, (tuple, list)) and batch and torch.is_tensor(batch[0]):
         ids = batch[0]
-    if ids is None or not torch.is_tensor(ids):
+    if ids is None and torch.is_tensor(batch):
+        ids = batch
+    if ids is None or not torch.is_tensor(ids) or ids.is_floating_point() or ids.is_complex():
         return None
     return torch.unique(ids.reshape(-1))
 

@@ -10,7 +10,7 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 build_ops cuda cpu
 timeout "${TEST_S:-120}" python -m pytest -q -p no:cacheprovider -m gpu tests/partition/test_staged_update.py \
   tests/vocab/test_lm_head.py tests/vocab/test_sharded_embedding_gpu.py \
-  -k "host_gate or held or bit_identically or staged_tier_update or written_while or overlapping" \
+  -k "${TEST_K:-host_gate or held or bit_identically or staged_tier_update or written_while or overlapping}" \
   > "$OUT/test_gpu.log" 2>&1
 echo "gpu tests rc=$?"; tail -n 2 "$OUT/test_gpu.log"; grep -E "^(FAILED|ERROR|E  )" "$OUT/test_gpu.log" | head
 i=0

@@ -32,6 +32,24 @@ def test_training_data_loader_prefetches_next_batch():
     assert engine.maximus.steps == 4
 
 
+def test_lookahead_prefetches_loaders_of_bare_token_id_tensors():
+    """A loader of plain ``[B, T]`` id tensors (plain DeepSpeed scripts, the bench) is prefetched one batch ahead like
+    a dict loader; a float tensor batch is not token ids and prefetches nothing."""
+    from ds_maximus.engine.lookahead import lookahead, unique_ids
+
+    class Rows:
+        def __init__(self):
+            self.calls = []
+
+        def prefetch(self, ids):
+            self.calls.append(ids.tolist())
+    batches = [torch.tensor([[3, 1, 3]]), torch.tensor([[2, 2, 5]]), torch.tensor([[7, 0, 7]])]
+    m = Rows()
+    seen = [b for b in lookahead(batches, [m])]
+    assert len(seen) == 3 and m.calls == [[2, 5], [0, 7]]
+    assert unique_ids(torch.rand(2, 3)) is None and unique_ids(torch.tensor([4, 4, 1])).tolist() == [1, 4]
+
+
 @pytest.mark.parametrize("rows_on_gpu,user,want", [(True, None, False), (False, None, None), (True, True, True)])
 def test_throughput_timer_does_not_wait_for_the_rows_step_on_a_gpu(rows_on_gpu, user, want):
     """On a GPU the step of the rows outside the cache runs on into the next forward; DeepSpeed's throughput timer

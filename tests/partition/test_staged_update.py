@@ -84,7 +84,7 @@ def test_host_gate_without_cuda_holds_nothing():
 @pytest.mark.gpu
 def test_gpu_host_gate_holds_a_streams_copies_until_opened_or_timed_out():
     """Copies queued behind ``hold`` start only at ``open`` (or, never opened, after ``max_hold_s``), with the right
-    bits; copies on other streams are not held."""
+    bits."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     gate = HostGate("cuda", max_hold_s=30.0)
@@ -98,9 +98,6 @@ def test_gpu_host_gate_holds_a_streams_copies_until_opened_or_timed_out():
         dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(s)
-    other = torch.empty(16, pin_memory=True)
-    other.copy_(src[:16])   # the current stream: not held
-    assert torch.equal(other, src[:16].cpu())
     time.sleep(0.2)
     assert not done.query()
     gate.open()
