@@ -96,7 +96,7 @@ CURVE_REFERENCE = {"curve_ours": "curve_ref", **{p: REFERENCE for p, v in PEERS.
                                                  if v[0] == "gemma3" and not p.startswith("curve_")}}
 # the options a peer's process gets from the driver
 FORWARDED = ("batch", "seq", "steps", "warmup", "profile", "trace", "layers", "cap_gib", "new_rows", "cache_rows",
-             "chunk_rows", "reuse_rows", "keep_grad_buffer", "hold_tier_stores", "bucket_elems", "lr",
+             "chunk_rows", "reuse_rows", "keep_grad_buffer", "bucket_elems", "lr",
              "curve_steps", "curve_layers", "curve_vocab", "curve_batch", "curve_seq")
 
 
@@ -279,9 +279,6 @@ def run_peer(a) -> dict:
         if ours and a.keep_grad_buffer:
             from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
             ShardedEmbedding.KEEP_GRAD_BUFFER = a.keep_grad_buffer == "on"
-        if ours and a.hold_tier_stores:
-            from ds_maximus.vocab.sharded_embedding import ShardedEmbedding
-            ShardedEmbedding.HOLD_TIER_STORES = a.hold_tier_stores == "on"
         engine, *_ = init(model=model, model_parameters=params, config=_ds_config(a, shape, ours, bf16, batch))
         data = zipf_batches(shape["vocab"], batch, seq, steps)
         # the timed steps run back to back, as in a training run, with one device sync before and after them: work
@@ -494,9 +491,6 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-grad-buffer", choices=("on", "off"), default=None,
                     help="ours: a tied head's [V, d] gradient memory kept from step to step "
                          "(ShardedEmbedding.KEEP_GRAD_BUFFER; default on)")
-    ap.add_argument("--hold-tier-stores", choices=("on", "off"), default=None,
-                    help="ours: a tied table's step holds its copies back to the host until the next forward is past "
-                         "its first device reads (ShardedEmbedding.HOLD_TIER_STORES; default on)")
     ap.add_argument("--bucket-elems", type=int, default=50_000_000,
                     help="ZeRO-2 reduce/allgather bucket (elements), every bf16 peer alike")
     ap.add_argument("--lr", type=float, default=1e-4)

@@ -183,8 +183,6 @@ class PartitionCache(CacheCore):
         self._waited_seq = 0
         self._wb_event = None
         self._tier_event = None   # copies on other streams write the tier until this event (tier_written_until)
-        self._tier_release = None
-        self._held_from_seq = 0
         self._uva_pending: List[Tuple[Tensor, object]] = []   # (ids, event) of UVA write-backs in flight
         self._pending: List[Tuple[Tensor, Dict[str, Tensor], object]] = []  # (ids, staging, event)
         self._pending_mask = torch.zeros(tier.num_ids, dtype=torch.bool)
@@ -256,8 +254,6 @@ class PartitionCache(CacheCore):
             seq = int(self._seq[index_array(slots)].max()) if slots.numel() else 0
         if seq <= self._waited_seq:
             return
-        if self._tier_release is not None and seq >= self._held_from_seq:
-            self._tier_release()   # the compute stream needs a fill queued behind the step's held copies
         ev = self._fill_events[seq]
         cur = torch.cuda.current_stream(self.device)
         before = torch.cuda.Event(enable_timing=True)
@@ -286,24 +282,18 @@ class PartitionCache(CacheCore):
         self._fill_events[self._fill_seq] = ev
         self._seq[index_array(slots)] = self._fill_seq
 
-    def tier_written_until(self, event, release=None) -> None:
+    def tier_written_until(self, event) -> None:
         """Copies queued on other streams (a staged optimizer step of the rows outside the cache) write the tier
         until ``event`` (a CUDA event; ``None``: nothing in flight). Until it has passed, fills and write-backs
         queue after it on their streams, and every host read or write of the tier (:meth:`tier_sync`) waits for it
-        on the host: the compute stream goes on meanwhile. ``release``: called before such a host wait (the copies
-        may be held back, :class:`~ds_maximus.partition.staged_update.HostGate`)."""
+        on the host: the compute stream goes on meanwhile."""
         self._tier_event = event
-        self._tier_release = release
-        self._held_from_seq = self._fill_seq + 1   # fills from here on may queue behind held copies
 
     def tier_sync(self) -> None:
         """Wait on the host for the copies of :meth:`tier_written_until` (the tier is read or written on the host
         next)."""
         ev, self._tier_event = self._tier_event, None
-        release, self._tier_release = self._tier_release, None
         if ev is not None and not ev.query():
-            if release is not None:
-                release()
             t0 = time.perf_counter()
             ev.synchronize()
             self._host_stall(t0)
@@ -314,8 +304,6 @@ class PartitionCache(CacheCore):
         still to be made on the host (the staged write-backs of a cache without UVA)."""
         if self._pending:
             return False
-        if self._tier_release is not None and self._tier_event is not None:
-            self._tier_release()   # a read of the step's rows for compute: the step's copies are needed now
         self._tier_stream_wait(stream)
         if self._uva_pending and self._wb_event is not None:
             stream.wait_event(self._wb_event)

@@ -38,15 +38,12 @@ Example (a CPU device; on a GPU the same loop is asynchronous and :meth:`StagedU
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import logging
 import threading
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
 T = TypeVar("T")
-logger = logging.getLogger(__name__)
 
 
 def device_with_index(device) -> torch.device:
@@ -90,120 +87,6 @@ class BackgroundStep:
         return self._result
 
 
-class HostGate:
-    """A point on a CUDA stream that the host opens later: work queued behind :meth:`hold` starts only once
-    :meth:`open` writes the gate's generation into a pinned host word the GPU polls (the driver's
-    ``cuStreamWaitValue32``), or once ``max_hold_s`` has passed (a timer opens it: a host wait for the held
-    work, e.g. the allocator's device synchronize under a memory cap, is delayed at most that long, never
-    hung). The work is queued at once; only its start waits, so the host issues nothing later.
-
-    Why: the copy engine serves a direction's copies one stream's queue after another, so a small
-    device-to-host read the host waits for (a lookup's ids, transformers' mask checks, a loss read) queued
-    behind a tied table's whole step (8 GB back to the host) waits for all of it. Held until the next forward
-    is past those reads, the step's copies run beside its decoder layers instead.
-
-    Where the driver call is missing (no CUDA, an old driver) :attr:`supported` is False and :meth:`hold`
-    does nothing.
-    """
-
-    MAX_HOLD_S = 0.25
-    _driver = None   # (cuStreamWaitValue32, cuMemHostGetDevicePointer) once looked up; False: unavailable
-
-    def __init__(self, device, max_hold_s: Optional[float] = None):
-        self.device = device_with_index(device)
-        self.max_hold_s = self.MAX_HOLD_S if max_hold_s is None else max_hold_s
-        self.supported = self.device.type == "cuda" and bool(self._lookup())
-        self._lock = threading.Lock()
-        self._gen = 0        # the last generation held
-        self._opened = 0     # the last generation opened
-        self._timer: Optional[threading.Timer] = None
-        self._word = self._addr = None
-        if self.supported:
-            self._word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            addr = ctypes.c_uint64()
-            devptr = self._driver[1]
-            if devptr(ctypes.byref(addr), ctypes.c_void_p(self._word.data_ptr()), 0) != 0:
-                self.supported = False
-            self._addr = addr.value
-
-    @classmethod
-    def _lookup(cls):
-        if cls._driver is None:
-            cls._driver = False
-            try:
-                lib = ctypes.CDLL("libcuda.so.1")
-                wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
-                wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-                devptr = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
-                devptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-                cls._driver = (wait, devptr)
-            except (OSError, AttributeError):
-                logger.debug("HostGate: the CUDA driver's cuStreamWaitValue32 is not available; no gate")
-        return cls._driver
-
-    @property
-    def held(self) -> bool:
-        return self._opened < self._gen
-
-    def hold(self, stream) -> bool:
-        """Make ``stream``'s work queued from now on wait until :meth:`open` (or ``max_hold_s``). False (nothing
-        held) where unsupported."""
-        if not self.supported:
-            return False
-        with self._lock:
-            self._gen += 1
-            gen = self._gen
-        rc = self._driver[0](ctypes.c_void_p(stream.cuda_stream), self._addr, gen, 0)  # 0: wait until >= gen
-        if rc != 0:
-            logger.warning("HostGate: cuStreamWaitValue32 failed (CUresult %d); the step's copies are not held", rc)
-            self.supported = False
-            self._open_upto(gen)
-            return False
-        timer = threading.Timer(self.max_hold_s, self._open_upto, args=(gen,))
-        timer.daemon = True
-        timer.start()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = timer
-        return True
-
-    def open(self) -> None:
-        """Let everything held so far start (idempotent; cheap when nothing is held)."""
-        if self._opened < self._gen:
-            self._open_upto(self._gen)
-
-    def _open_upto(self, gen: int) -> None:
-        with self._lock:
-            if gen > self._opened:
-                self._opened = gen
-                self._word[0] = gen
-
-
-_next_module_openers: List = []
-_next_module_hook = None
-
-
-def open_at_next_module(opener) -> None:
-    """Call ``opener()`` when the next ``nn.Module`` forward begins (any module: a global forward pre-hook,
-    removed once it fires). A lookup calls it for the step it holds: the modules a model runs after its
-    embedding (rotary embeddings, decoder layers) come after its mask checks, which read the device."""
-    global _next_module_hook
-    _next_module_openers.append(opener)
-    if _next_module_hook is None:
-        _next_module_hook = torch.nn.modules.module.register_module_forward_pre_hook(_open_now)
-
-
-def _open_now(module, args) -> None:
-    global _next_module_hook
-    if _next_module_hook is not None:
-        _next_module_hook.remove()
-        _next_module_hook = None
-    openers = list(_next_module_openers)
-    _next_module_openers.clear()
-    for fn in openers:
-        fn()
-
-
 class StagedUpdate:
     """Streams and two staging sets of one update device (see module docstring); buffers are made on first
     use, kept between steps and grown when a piece needs more.
@@ -227,8 +110,6 @@ class StagedUpdate:
         self._loads: List[torch.cuda.Event] = []   # this step's load events, in piece order
         self._loaded: Optional[torch.cuda.Event] = None
         self._updated: Optional[torch.cuda.Event] = None
-        self.gate = HostGate(self.device) if cuda else None
-        self._hold_stores = False
 
     # -- staging buffers --------------------------------------------------------------------------
     def buffer(self, k: int, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -246,13 +127,7 @@ class StagedUpdate:
     def synchronize(self) -> None:
         """Wait on the host until every copy out queued so far has landed."""
         if self.store is not None:
-            self.open()
             self.store.synchronize()
-
-    def open(self) -> None:
-        """Let the copies out of a step that holds them (``pieces(hold_stores=True)``) start now."""
-        if self.gate is not None:
-            self.gate.open()
 
     def release(self, wait: bool = True) -> None:
         """Free the staging buffers (they come back on the next step). ``wait``: on the host, until the copies out
@@ -269,16 +144,11 @@ class StagedUpdate:
         self.freed = [None, None]
 
     # -- one step ---------------------------------------------------------------------------------
-    def pieces(self, pieces: Iterable[T], *, after=None, throttle: bool = False,
-               hold_stores: bool = False) -> Iterator[Tuple[int, T]]:
+    def pieces(self, pieces: Iterable[T], *, after=None, throttle: bool = False) -> Iterator[Tuple[int, T]]:
         """``(set, piece)`` for every piece of a step, the sets alternating. ``after``: an event or a stream the
         first load waits for (the gradients' copies or kernels). ``throttle``: before piece ``i`` is issued, the
-        host waits until piece ``i - 2`` is loaded (at most two pieces of copies queued on the copy engine).
-        ``hold_stores``: the copies out wait for :meth:`open` (:class:`HostGate`); until then the first two
-        pieces are loaded and updated, and the rest wait for their sets."""
+        host waits until piece ``i - 2`` is loaded (at most two pieces of copies queued on the copy engine)."""
         self._loads = []
-        self.open()   # a step's copies never wait behind a hold of the last one
-        self._hold_stores = hold_stores and self.gate is not None and self.gate.supported
         if after is not None and self.load is not None:
             if isinstance(after, torch.cuda.Stream):
                 self.load.wait_stream(after)
@@ -319,9 +189,6 @@ class StagedUpdate:
         ``freed`` event follows them."""
         if self.store is not None:
             self.store.wait_event(self._updated)
-            if self._hold_stores:
-                self._hold_stores = False
-                self.gate.hold(self.store)
         with stream_ctx(self.store):
             yield self.store
         if self.cuda:

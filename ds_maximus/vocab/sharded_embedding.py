@@ -19,7 +19,7 @@ from ds_maximus.engine.protocol import MaximusModule, ModuleRole, align_adam_wit
 from ds_maximus.ops import rows_where
 from ds_maximus.optim import RowOptimizer, SparseRowGrad
 from ds_maximus.partition import PartitionCache, TensorTier
-from ds_maximus.partition.staged_update import StagedUpdate, device_with_index, open_at_next_module
+from ds_maximus.partition.staged_update import StagedUpdate, device_with_index
 from ds_maximus.partition.transfer import CudaTransfer, device_bytes_free
 from ds_maximus.vocab.function import BatchPlan, BatchPlanner, ids_on_host
 from ds_maximus.vocab.sharded_state import ShardedStateMixin
@@ -182,11 +182,6 @@ class ShardedEmbedding(ShardedStateMixin, WeightView, MaximusModule, nn.Module):
         track = torch.is_grad_enabled()
         with torch.profiler.record_function("maximus.rows.lookup"):
             out, uniq_cpu, plan = lookup(self, input, pin=track)
-        pl = self._tier_pipeline
-        if pl is not None and pl.gate is not None and pl.gate.held:
-            # the last step's copies out wait until the model is past the reads of the device it makes before its
-            # first layers (HostGate): they start at the next module's forward
-            open_at_next_module(pl.open)
         if track:
             anchor = self._anchor_fn() if self._anchor_fn is not None else self._anchor
             out = ShardedEmbeddingFunction.apply(anchor, out, self, uniq_cpu, plan)
@@ -472,10 +467,6 @@ class ShardedEmbedding(ShardedStateMixin, WeightView, MaximusModule, nn.Module):
     #: at most this many rows of the tier's step cross at once (the staged pipeline holds two such windows of the
     #: weights and every moment on the device: at 2560 columns, ~1 GB)
     TIER_WINDOW_ROWS = 16384
-    #: on a GPU the step's copies back to the host wait until the next forward has run its first module after the
-    #: lookup (:class:`~ds_maximus.partition.staged_update.HostGate`): the small device reads a forward starts with
-    #: (the lookup's ids, transformers' mask checks) otherwise wait behind the whole step's copies on the copy engine
-    HOLD_TIER_STORES = True
 
     def _tier_update(self, ids: Tensor, rows: Tensor, where: Tensor) -> None:
         """Step rows ``ids`` that are not in the cache (another rank's rows in data-parallel training, after the
@@ -566,7 +557,7 @@ class ShardedEmbedding(ShardedStateMixin, WeightView, MaximusModule, nn.Module):
             where_d.record_stream(upd)
         width = step * self.embedding_dim
         after = torch.cuda.current_stream(dev) if pl.cuda else None
-        for s, (host, a, b, first) in pl.pieces(windows, after=after, hold_stores=self.HOLD_TIER_STORES):
+        for s, (host, a, b, first) in pl.pieces(windows, after=after):
             n = host["weight"].shape[0]
             bufs = {nm: pl.buffer(s, nm, width, host[nm].dtype)[:n * self.embedding_dim].view(n, -1) for nm in names}
             with pl.loading(s):  # the index pair first: the update then needs no copy of its own
@@ -589,7 +580,7 @@ class ShardedEmbedding(ShardedStateMixin, WeightView, MaximusModule, nn.Module):
                     host[nm].copy_(bufs[nm], non_blocking=True)
         # no host wait: the tier is written until the end event; the staging sets go back to the allocator once
         # the pipeline's streams are past them
-        self.cache.tier_written_until(pl.end(), release=pl.open)
+        self.cache.tier_written_until(pl.end())
         ready = None
         if table is not None and upd is not None:   # the table is complete once the last update has run
             ready = torch.cuda.Event()
@@ -658,8 +649,6 @@ class ShardedEmbedding(ShardedStateMixin, WeightView, MaximusModule, nn.Module):
         if table.device != device_with_index(device) or table.dtype != dtype:
             return None
         if wait and ready is not None:
-            if self._tier_pipeline is not None:
-                self._tier_pipeline.open()   # the head reads the step's rows now
             torch.cuda.current_stream(table.device).wait_event(ready)
         return table[lo:hi], stepped[lo:hi]
 

@@ -1,12 +1,13 @@
 """#38: the tied table's staged step on the GPU, window by window, for bench_peft_vocab's ``--peer`` (ours) at the
 Gemma-3-4B shape: when each window's load (host -> device), update and store (device -> host) ran on their streams,
 from CUDA events recorded around each one (no host wait added), against the compute stream's own marks (the step,
-the loss read, the next forward and its head). It says which of the link's two directions, the update kernels or
-the pipeline's hand-offs sets the 130-200 ms a step the GPU waits after the step (docs/bench/peft_vocab.md:
-neither the host's issue order nor 15.6% fewer bytes moved it). On the GPU machine, after ``. .device/env.sh`` and
+the loss read, the next forward, its lookup, decoder layers 0, 1, 17 and 33, its head), each also at the host's
+time; and where the host thread sat from the step to the next forward's first layer (its Python stack sampled every
+``--sample-ms``; runs of one stack of 8 ms or more). That is how the forward's wait for the step's copies was found
+(docs/bench/peft_vocab.md, 2026-12-06 midday). On the GPU machine, after ``. .device/env.sh`` and
 ``. scripts/gpu/common.sh``::
 
-    python scripts/gpu/peft_step_pipeline.py --steps 10 --watched 3
+    python scripts/gpu/peft_step_pipeline.py --steps 9 --watched 2
 """
 import argparse
 import contextlib
@@ -33,7 +34,6 @@ def main() -> None:
 
     step_no, watching = [0], [False]
     samples = []   # (host time, the main thread's stack) while watching
-    opens = []     # (step, host time, who opened the step's held copies)
     main_id = threading.get_ident()
 
     def sampler():
@@ -46,16 +46,6 @@ def main() -> None:
                     samples.append((time.perf_counter(), stack_text(fr, 3)))
     if a.sample_ms > 0:
         threading.Thread(target=sampler, daemon=True).start()
-    from ds_maximus.partition.staged_update import HostGate
-    gate_open = HostGate._open_upto
-
-    def logged_open(self, gen):
-        if watching[0] or step_no[0]:
-            who = "timer" if threading.get_ident() != main_id else stack_text(
-                [(x.filename, x.lineno, x.name) for x in reversed(traceback.extract_stack())][1:], 3)
-            opens.append((step_no[0], time.perf_counter(), who))
-        return gate_open(self, gen)
-    HostGate._open_upto = logged_open
     marks = []   # (step, name, event on the compute stream, host time)
     spans = []   # (step, kind, start event, end event) on the pipeline's streams
 
@@ -146,9 +136,6 @@ def main() -> None:
                 continue
             seen.add((s, n))
             print(f"  {('next ' if s == k + 1 else '') + n:30s} {t:9.1f} {1e3 * (h - hbase):9.1f}")
-        for s, h, who in opens:
-            if s in (k, k + 1) and h >= hbase:
-                print(f"  held copies opened at host +{1e3 * (h - hbase):8.1f} by {who}")
         # where the host thread sat from the step to the next forward's layer 0: runs of one stack >= 8 ms
         end = next((h for s, n, e, h in marks if s == k + 1 and n == "layer 0 fwd"), None)
         if end is not None:

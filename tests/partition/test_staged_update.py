@@ -6,18 +6,10 @@
   pieces smaller than one expert (or several experts a piece), through the real store, gradients and row
   optimizer.
 """
-import time
-
 import pytest
 import torch
 
-from ds_maximus.partition.staged_update import (
-    BackgroundStep,
-    HostGate,
-    StagedUpdate,
-    device_with_index,
-    open_at_next_module,
-)
+from ds_maximus.partition.staged_update import BackgroundStep, StagedUpdate, device_with_index
 
 BETAS, EPS = (0.9, 0.99), 1e-8
 STEPS = [(1e-2, 0.1), (5e-3, 0.1), (2e-2, 0.0)]  # (lr, weight decay) of each step
@@ -46,70 +38,6 @@ def test_pieces_alternate_the_two_staging_sets_and_buffers_are_kept():
     pl.release()
     assert pl.device_bytes() == 0 and pl.end() is None
     assert device_with_index("cpu") == torch.device("cpu")
-
-
-def test_open_at_next_module_runs_once_at_the_next_forward_and_removes_its_hook():
-    """A lookup holding a step's copies asks for them to start at the next module's forward (after the model's mask
-    checks): each opener runs once, at the first forward after the call, and the global hook is gone after it."""
-    calls = []
-    lin = torch.nn.Linear(2, 2)
-    open_at_next_module(lambda: calls.append("a"))
-    open_at_next_module(lambda: calls.append("b"))
-    assert calls == []
-    lin(torch.zeros(1, 2))
-    assert calls == ["a", "b"]
-    lin(torch.zeros(1, 2))
-    assert calls == ["a", "b"] and not torch.nn.modules.module._global_forward_pre_hooks
-
-
-def test_host_gate_without_cuda_holds_nothing():
-    """On a CPU device (and where the driver call is missing) a gate is not supported: a step holds nothing."""
-    gate = HostGate("cpu")
-    assert not gate.supported and not gate.hold(None) and not gate.held
-    gate.open()
-    pl = StagedUpdate("cpu")
-    assert pl.gate is None
-    out = torch.zeros(4)
-    for k, (lo, hi) in pl.pieces([(0, 2), (2, 4)], hold_stores=True):
-        buf = pl.buffer(k, "x", 2)[:hi - lo]
-        with pl.loading(k):
-            buf.copy_(torch.arange(lo, hi, dtype=torch.float32))
-        with pl.updating():
-            buf.add_(1)
-        with pl.storing(k):
-            out[lo:hi].copy_(buf)
-    assert out.tolist() == [1.0, 2.0, 3.0, 4.0]
-
-
-@pytest.mark.gpu
-def test_gpu_host_gate_holds_a_streams_copies_until_opened_or_timed_out():
-    """Copies queued behind ``hold`` start only at ``open`` (or, never opened, after ``max_hold_s``), with the right
-    bits."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    gate = HostGate("cuda", max_hold_s=30.0)
-    assert gate.supported, "cuStreamWaitValue32 not available from the driver"
-    s = torch.cuda.Stream()
-    src = torch.randn(1 << 20, device="cuda")
-    dst = torch.empty(1 << 20, pin_memory=True)
-    torch.cuda.synchronize()
-    assert gate.hold(s) and gate.held
-    with torch.cuda.stream(s):
-        dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(s)
-    time.sleep(0.2)
-    assert not done.query()
-    gate.open()
-    done.synchronize()
-    assert torch.equal(dst, src.cpu()) and not gate.held
-    quick = HostGate("cuda", max_hold_s=0.1)
-    assert quick.hold(s)
-    with torch.cuda.stream(s):
-        dst.zero_()
-    t0 = time.perf_counter()
-    s.synchronize()   # never opened: the timer opens it
-    assert time.perf_counter() - t0 < 5 and not quick.held and int(dst.abs().sum()) == 0
 
 
 def test_background_step_returns_the_result_and_re_raises_the_workers_error():
