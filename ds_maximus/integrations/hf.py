@@ -105,6 +105,19 @@ class MaximusDataCollator:
         self._source = model_or_modules
         self.prefetches = 0
 
+    def __getattr__(self, name):
+        # the wrapped collator's attributes (``tokenizer``, ``mlm``, ...) read through this one
+        if name.startswith("__") or name in ("base", "_source", "prefetches"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def __getstate__(self):
+        # a DataLoader worker started by spawn gets a copy without the model: it could not reach the caches anyway
+        return {"base": self.base, "_source": None, "prefetches": self.prefetches}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
     def _modules(self) -> List[nn.Module]:
         src = self._source
         if src is None:

@@ -56,6 +56,24 @@ def enabled():
     PartialState._reset_state()
 
 
+def test_collator_wrapper_reads_through_and_pickles_without_the_model():
+    """The collator ``enable()`` puts around a Trainer's: the wrapped collator's attributes read through it, and a
+    copy for a spawned DataLoader worker carries no model (it cannot prefetch there, and a model may not pickle)."""
+    import pickle
+
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    from ds_maximus.integrations.hf import MaximusDataCollator
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<pad>": 1}, unk_token="a")),
+                                  pad_token="<pad>")
+    wrapped = MaximusDataCollator(DataCollatorForLanguageModeling(tok, mlm=False), tiny_llama(0))
+    assert wrapped.mlm is False and wrapped.tokenizer is tok and wrapped.return_tensors == "pt"
+    copy = pickle.loads(pickle.dumps(wrapped))
+    assert copy._source is None and copy.mlm is False
+    assert copy([{"input_ids": [0, 0]}])["input_ids"].tolist() == [[0, 0]]
+
+
 def test_trainer_tied_llama_save_model_reloads_plain(tmp_path, capfd, enabled):
     from transformers import Trainer, TrainingArguments
     model = tiny_llama(0, tie=True)
@@ -70,6 +88,12 @@ def test_trainer_tied_llama_save_model_reloads_plain(tmp_path, capfd, enabled):
     engine = trainer.model_wrapped
     assert engine.maximus.steps == 4 and result.training_loss == result.training_loss
     assert engine.module.model.embed_tokens.__class__.__name__ in ("ShardedEmbedding",)
+    # enable() wrapped the Trainer's collator: every batch after the first was prefetched while the one before
+    # trained (accelerate's loader collates one batch ahead), the wrapped collator's attributes read through
+    from ds_maximus.integrations.hf import MaximusDataCollator
+    assert isinstance(trainer.data_collator, MaximusDataCollator) and trainer.data_collator.prefetches >= 3
+    from transformers import default_data_collator
+    assert trainer.data_collator.base is default_data_collator
 
     # the figures went through the Trainer's logging, the engine printed no line of its own
     logged = [h for h in trainer.state.log_history if "loss" in h]
