@@ -53,9 +53,10 @@ class _LocalRowTables:
         self.model = model
 
     def __iter__(self):
+        from ds_maximus.integrations.hf import sharded_modules
         from ds_maximus.vocab import ShardedEmbedding
         if self.model is not None:
-            yield from (m for m in self.model.modules() if isinstance(m, ShardedEmbedding))
+            yield from (m for m in sharded_modules(self.model) if isinstance(m, ShardedEmbedding))
 
 
 def install_default_callback() -> None:
