@@ -115,9 +115,6 @@ class MaximusDataCollator:
         # a DataLoader worker started by spawn gets a copy without the model: it could not reach the caches anyway
         return {"base": self.base, "_source": None, "prefetches": self.prefetches}
 
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-
     def _modules(self) -> List[nn.Module]:
         src = self._source
         if src is None:
