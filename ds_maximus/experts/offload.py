@@ -188,7 +188,7 @@ class MoEOffload:
         its staged guess (only the rest of which would cross the link)."""
         ids = self.cache.staged_ids(group)
         staged = ids[0] if ids else None
-        frac = 1.0 - self.cache.stages[0].nbytes / self.cache.entry_bytes if staged is not None else 1.0
+        frac = max(0.0, 1.0 - self.cache.stages[0].nbytes / self.cache.entry_bytes) if staged is not None else 1.0
         return self.host_compute.choose(used, counts, self.cache.resident(group), self.cache.slots_per_group,
                                         staged, frac)
 
@@ -300,9 +300,10 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     else:
         store = CpuExpertStore(layout, n, pin_memory=cfg.offload.pin_memory, reclaimable_bytes=on_cpu)
     # moe.prefetch_top_k guesses a layer, each one's head staged in a buffer of its own (it evicts nothing until the
-    # demand is known), except with cpu_compute: a staged guess is not resident, so the host would compute it and
-    # its head would cross for nothing; there the link brings guesses into slots, where the GPU computes them
-    stages = min(cfg.guesses(blocks[0].top_k), slots) if cfg.cpu_compute == ExpertCPUCompute.OFF else 0
+    # demand is known), except with cpu_compute "misses": a staged guess is not resident, so the host would compute
+    # it and its head would cross for nothing; there the link brings guesses into slots, where the GPU computes
+    # them. "auto" keeps the stages: its split sends a staged guess to the link, which only moves the rest of it
+    stages = min(cfg.guesses(blocks[0].top_k), slots) if cfg.cpu_compute != ExpertCPUCompute.MISSES else 0
     cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
                         prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=stages)
     handle = MoEOffload(blocks, cache, cfg)
