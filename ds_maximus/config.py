@@ -288,10 +288,10 @@ class MoEConfig(_Section):
     inference a guess stages its first 96 MiB in a buffer on the device (evicting nothing); the next
     layer's routing drops it or loads only the rest (measurements: docs/bench/moe_offload.md)."""
     prefetch_top_k: Optional[int] = Field(1, ge=1)
-    """Guesses per layer (``None``: the model's top-k), best first. Staged (the CPU tier without
-    ``cpu_compute``): each of the first ``prefetch_top_k`` guesses that is not resident stages its head in a
+    """Guesses per layer (``None``: the model's top-k), best first. Staged (the CPU tier, ``cpu_compute`` off or
+    ``auto``): each of the first ``prefetch_top_k`` guesses that is not resident stages its head in a
     buffer of its own (96 MiB of device memory each; a wrong one costs link time, never an eviction). Into
-    slots (an NVMe tier, or with ``cpu_compute``): a wrong guess evicts a resident expert the next layer needs.
+    slots (an NVMe tier, or with ``cpu_compute: misses``): a wrong guess evicts a resident expert the next layer needs.
     1 measured best both ways on Mixtral-shaped models (staged: an int4 decode at 24 layers, 3 slots a layer,
     took 67.0-68.2 ms a token with 1 and 68.2-68.4 with 2, which moved 10% more bytes; docs/bench/moe_offload.md)."""
 
