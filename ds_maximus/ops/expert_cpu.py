@@ -136,3 +136,11 @@ def quant_decode(bits: int, group_size: int) -> str:
 def max_threads() -> int:
     """OpenMP threads one call uses (``OMP_NUM_THREADS``, else the host's cores)."""
     return load_op().omp_max_threads()
+
+
+def set_dynamic_rows(on: bool) -> None:
+    """Spread a call's row blocks over the OpenMP team dynamically (``True``, the default: about 8 chunks a thread,
+    taken as threads come free) or in equal static shares (``False``). Static shares make a call last as long as
+    its slowest thread; each row's sums are the same either way. For comparisons
+    (``scripts/gpu/probe_host_table.py``)."""
+    load_op().set_dynamic_rows(bool(on))

@@ -14,6 +14,8 @@ op, one token at a time, four ways:
 * **cycle + GPU**: the same while the GPU runs matmuls (the host thread only launches work: CPU contention from the
   CUDA driver, not from memory).
 
+Each way runs with the op's row blocks spread dynamically over the OpenMP team (the default) and in static
+shares (``expert_cpu.set_dynamic_rows(False)``: a call then lasts as long as its slowest thread).
 It prints the host's NUMA layout and transparent-huge-page setting, and the pinned table's AnonHugePages.
 
     python scripts/gpu/probe_host_table.py [--modes int4,bf16] [--experts 256] [--calls 96]
@@ -146,28 +148,32 @@ def main() -> None:
         rng = random.Random(0)
         order = [rng.randrange(n) for _ in range(a.calls)]
         time_calls(host, [0] * 4, x)
-        same = time_calls(host, [0] * a.calls, x)
-        cycle = time_calls(host, order, x)
-        with Background(host, "link", n) as bg:
-            link = time_calls(host, order, x)
         link_alone = Background(host, "link", n)
         with link_alone:
             time.sleep(1.0)
-        with Background(host, "gpu", n):
-            gpu = time_calls(host, order, x)
-        cycle2 = time_calls(host, order, x)
         gb = host.layout.nbytes / 1e9
-        for name, ms, extra in (("same expert", same, ""), ("cycle", cycle, ""),
-                                ("cycle + link", link, f"link {bg.gbps():.1f} GB/s (alone {link_alone.gbps():.1f})"),
-                                ("cycle + GPU matmuls", gpu, ""), ("cycle again", cycle2, "")):
-            med = statistics.median(ms)
-            rows.append(f"| {mode} | {n} | {name} | {min(ms):.2f} | {med:.2f} | {statistics.fmean(ms):.2f} | "
-                        f"{gb / med * 1e3:.1f} | {extra} |")
+        for dynamic in (True, False):
+            expert_cpu.set_dynamic_rows(dynamic)
+            same = time_calls(host, [0] * a.calls, x)
+            cycle = time_calls(host, order, x)
+            with Background(host, "link", n) as bg:
+                link = time_calls(host, order, x)
+            with Background(host, "gpu", n):
+                gpu = time_calls(host, order, x)
+            link_note = f"link {bg.gbps():.1f} GB/s (alone {link_alone.gbps():.1f})"
+            for name, ms, extra in (("same expert", same, ""), ("cycle", cycle, ""), ("cycle + link", link, link_note),
+                                    ("cycle + GPU matmuls", gpu, "")):
+                med = statistics.median(ms)
+                rows.append(f"| {mode} | {n} | {'dynamic' if dynamic else 'static'} | {name} | {min(ms):.2f} | "
+                            f"{med:.2f} | {statistics.fmean(ms):.2f} | {max(ms):.2f} | {gb / med * 1e3:.1f} | "
+                            f"{extra} |")
+        expert_cpu.set_dynamic_rows(True)
         host.store.close()
         del host
         torch.cuda.empty_cache()
-    print("\n| weights | experts in table | calls | min ms | median ms | mean ms | GB/s (median) | note |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| weights | experts in table | row blocks | calls | min ms | median ms | mean ms | max ms | "
+          "GB/s (median) | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows), flush=True)
 
 

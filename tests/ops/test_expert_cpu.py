@@ -192,7 +192,13 @@ def test_result_does_not_depend_on_the_thread_count(bits):
     with torch_threads(2):
         assert expert_cpu.max_threads() == 2
         two = expert_cpu.swiglu(x, w1, w3, w2)
-    assert torch.equal(one, two)
+        assert expert_cpu.load_op().dynamic_rows()  # the default: row blocks taken as threads come free
+        expert_cpu.set_dynamic_rows(False)
+        try:
+            static = expert_cpu.swiglu(x, w1, w3, w2)
+        finally:
+            expert_cpu.set_dynamic_rows(True)
+    assert torch.equal(one, two) and torch.equal(one, static)
 
 
 def test_fp32_fallback_equals_reference():

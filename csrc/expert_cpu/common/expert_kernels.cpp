@@ -1,6 +1,7 @@
 #include "expert_cpu/common/expert_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +15,19 @@ namespace maximus {
 namespace expert_cpu {
 
 namespace {
+
+std::atomic<bool> g_dynamic_rows{true};
+
+// Sets the calling thread's run-time schedule, which the `omp for schedule(runtime)` loops over a weight's `blocks`
+// row blocks below inherit (see set_dynamic_rows).
+inline void row_schedule(int64_t blocks) {
+    if (g_dynamic_rows.load(std::memory_order_relaxed)) {
+        const int64_t chunk = std::max<int64_t>(1, blocks / (8 * static_cast<int64_t>(omp_get_max_threads())));
+        omp_set_schedule(omp_sched_dynamic, static_cast<int>(chunk));
+    } else {
+        omp_set_schedule(omp_sched_static, 0);
+    }
+}
 
 // The fp32 path (fp32 weights, and every weight on a host without AVX512-BF16; the bf16 path is further down).
 // A row is decoded kChunk columns at a time into an L1 buffer and used there by every token, so its bytes are read
@@ -616,10 +630,11 @@ inline int64_t scale_buf_len(const WeightView& w) {
 void linear_bf16(const float* x, int64_t tokens, const WeightView& w, float* y) {
     const SplitX xs = split_x(x, tokens, w);
     const int64_t R = rows_per_block(w), blocks = (w.rows + R - 1) / R;
+    row_schedule(blocks);
 #pragma omp parallel
     {
         std::vector<float> scale_buf(scale_buf_len(w)), dots(R * tokens);
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t r0 = b * R, n = std::min(R, w.rows - r0);
             rows_dots(w, r0, n, xs, tokens, scale_buf.data(), dots.data());
@@ -632,10 +647,11 @@ void linear_bf16(const float* x, int64_t tokens, const WeightView& w, float* y) 
 void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const WeightView& w3, float* h) {
     const SplitX xs = split_x(x, tokens, w1);  // w1 and w3 share a width and group size
     const int64_t ffn = w1.rows, R = rows_per_block(w1), blocks = (ffn + R - 1) / R;
+    row_schedule(blocks);
 #pragma omp parallel
     {
         std::vector<float> scale_buf(scale_buf_len(w1)), d1(R * tokens), d3(R * tokens);
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t f0 = b * R, n = std::min(R, ffn - f0);
             rows_dots(w1, f0, n, xs, tokens, scale_buf.data(), d1.data());
@@ -647,6 +663,9 @@ void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const We
     }
 }
 }  // namespace
+void set_dynamic_rows(bool on) { g_dynamic_rows.store(on, std::memory_order_relaxed); }
+bool dynamic_rows() { return g_dynamic_rows.load(std::memory_order_relaxed); }
+
 const char* kernel_isa() { return bf16_isa() ? "avx512_bf16" : "fp32"; }
 
 const char* quant_decode(int bits, int64_t group_size) {
@@ -683,10 +702,11 @@ void linear(const float* x, int64_t tokens, const WeightView& w, float* y) {
     if (bf16_path(w)) return linear_bf16(x, tokens, w, y);
     std::vector<float> xp;
     if (is_planar(w)) x = (xp = planar_x(x, tokens, w)).data();
+    row_schedule(w.rows);
 #pragma omp parallel
     {
         std::vector<float> acc(tokens * kLanes), buf(chunk_of(w)), dots(tokens);
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t n = 0; n < w.rows; ++n) {
             row_dots(x, tokens, w, n, acc.data(), buf.data(), dots.data());
             for (int64_t t = 0; t < tokens; ++t) y[t * w.rows + n] = dots[t];
@@ -703,10 +723,11 @@ void swiglu(const float* x, int64_t tokens, const WeightView& w1, const WeightVi
     const int64_t ffn = w1.rows;
     std::vector<float> xp;  // w1 and w3 share a width and group size (checked by the bindings' caller)
     if (is_planar(w1)) x = (xp = planar_x(x, tokens, w1)).data();
+    row_schedule(ffn);
 #pragma omp parallel
     {
         std::vector<float> acc(tokens * kLanes), buf(chunk_of(w1)), d1(tokens), d3(tokens);
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t f = 0; f < ffn; ++f) {
             row_dots(x, tokens, w1, f, acc.data(), buf.data(), d1.data());
             row_dots(x, tokens, w3, f, acc.data(), buf.data(), d3.data());

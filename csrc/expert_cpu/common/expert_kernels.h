@@ -42,6 +42,13 @@ const char* kernel_isa();
 // blocks), "lookup" (the byte lookup), or "fp32" (the fp32 path: no AVX512-BF16).
 const char* quant_decode(int bits, int64_t group_size);
 
+// How a call spreads a weight's row blocks over the OpenMP team: dynamically, about 8 chunks a thread, taken as
+// threads come free (the default), or statically, one equal share each. With static shares a call lasts as long as
+// its slowest thread, so one core taken by something else (the CUDA driver, another thread, the hypervisor) holds
+// the whole call; each row's sums are the same either way. Process-wide; the probe scripts compare the two.
+void set_dynamic_rows(bool on);
+bool dynamic_rows();
+
 // The fp16 bit pattern's value (exact).
 float half_to_float(uint16_t h);
 
