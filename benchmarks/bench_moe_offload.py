@@ -633,8 +633,14 @@ def main(argv=None):
                    "an expert has several rows (a prefill, batched decode): the tensor-core kernel at "
                    "quant_triton.MMA_CONFIG (on, the default) or the token-tile kernel (ds_maximus.experts.compute."
                    "ROUND_MMA)")
+    p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
+                   "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
+                   "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
+    if args.host_rows == "static":
+        from ds_maximus.ops import expert_cpu
+        expert_cpu.set_dynamic_rows(False)
     from ds_maximus.experts import compute
     from ds_maximus.experts.quant_triton import MMA_CONFIG
     compute.DECODE_GEMV = args.decode_gemv == "one-row"
