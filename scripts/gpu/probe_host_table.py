@@ -5,17 +5,19 @@ Inside the 32-layer decode the host expert (``expert_cpu.swiglu``, one token) to
 alone figure reads one expert over and over, while a decode reads a different expert of a 25 GB table each call,
 with the link's DMA reading the same host memory beside it. This probe builds the CPU tier of ``--experts``
 Mixtral-8x7B experts (the product's ``CpuExpertStore``: pinned, 2 MiB pages where the kernel allows) and times the
-op, one token at a time, four ways:
+op, one token at a time:
 
 * **same**: one expert over and over (the "alone" figure of the earlier probes);
 * **cycle**: every call a different expert, in a shuffled order over the whole table;
-* **cycle + link**: the same while a side CUDA stream copies other experts of the table to the GPU back to back
-  (the link's reads of host memory), with the link's GB/s over the same time;
-* **cycle + GPU**: the same while the GPU runs matmuls (the host thread only launches work: CPU contention from the
-  CUDA driver, not from memory).
+* **cycle + link / GPU matmuls (queued)**: the same while a side CUDA stream copies other experts of the table to the
+  GPU back to back (the link's reads of host memory), or runs matmuls, all queued from this thread before the calls
+  (no other host thread runs);
+* **cycle + a thread waiting on the link / GPU matmuls**: the same work queued and waited on in a loop by a Python
+  thread: one more runnable host thread beside the op's team (a CUDA wait spins on its core).
 
-Each way runs with the op's row blocks spread dynamically over the OpenMP team (the default) and in static
-shares (``expert_cpu.set_dynamic_rows(False)``: a call then lasts as long as its slowest thread).
+Each way runs with the op's row blocks spread dynamically over the OpenMP team (the default), in static shares
+(``expert_cpu.set_dynamic_rows(False)``: a call then lasts as long as its slowest thread), and dynamically with two
+threads fewer than the host's cores.
 It prints the host's NUMA layout and transparent-huge-page setting, and the pinned table's AnonHugePages.
 
     python scripts/gpu/probe_host_table.py [--modes int4,bf16] [--experts 256] [--calls 96]
@@ -82,48 +84,56 @@ def time_calls(host: HostExpertCompute, uids, x) -> list:
 
 
 class Background:
-    """A side stream's work on the GPU until stopped: ``link`` copies experts of the table to the device (the
-    returned GB/s), ``gpu`` runs matmuls."""
+    """Work beside the op on the GPU: ``link`` copies experts of the table to the device back to back on a side
+    stream, ``gpu`` runs matmuls there. ``thread=False``: queued from this thread before the op's calls (no other
+    host thread runs); ``thread=True``: a Python thread queues and waits on it in a loop (one more runnable host
+    thread: a CUDA wait spins on its core)."""
 
-    def __init__(self, host: HostExpertCompute, kind: str, n: int):
-        self.host, self.kind, self.n = host, kind, n
+    def __init__(self, host: HostExpertCompute, kind: str, n: int, thread: bool, seconds: float = 0.4):
+        self.host, self.kind, self.n, self.thread_mode, self.seconds = host, kind, n, thread, seconds
         self.stop = threading.Event()
+        self.stream = torch.cuda.Stream()
         self.bytes = 0
-        self.seconds = 0.0
-        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.busy_at_end = None
+        self.thread = threading.Thread(target=self.loop, daemon=True)
 
-    def run(self):
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
+    def queue(self, seconds: float) -> None:
+        with torch.cuda.stream(self.stream):
             if self.kind == "link":
-                dst = torch.empty_like(self.host.store.host_view(0), device="cuda")
-                t0, uid = time.perf_counter(), 0
-                while not self.stop.is_set():
-                    for _ in range(4):
-                        uid = (uid + 37) % self.n
-                        src = self.host.store.host_view(uid)
-                        dst.copy_(src, non_blocking=True)
-                        self.bytes += src.numel() * src.element_size()
-                    stream.synchronize()
-                self.seconds = time.perf_counter() - t0
+                if not hasattr(self, "dst"):
+                    self.dst = torch.empty_like(self.host.store.host_view(0), device="cuda")
+                uid = 0
+                for _ in range(max(1, int(seconds * 50e9 / self.host.layout.nbytes))):
+                    uid = (uid + 37) % self.n
+                    src = self.host.store.host_view(uid)
+                    self.dst.copy_(src, non_blocking=True)
+                    self.bytes += src.numel() * src.element_size()
             else:
-                a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-                while not self.stop.is_set():
-                    for _ in range(8):
-                        a = (a @ a).clamp_(-1, 1)
-                    stream.synchronize()
+                if not hasattr(self, "a"):
+                    self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+                for _ in range(max(1, int(seconds / 1.5e-3))):
+                    self.a = (self.a @ self.a).clamp_(-1, 1)
+
+    def loop(self):
+        while not self.stop.is_set():
+            self.queue(0.02)
+            self.stream.synchronize()
 
     def __enter__(self):
-        self.thread.start()
-        time.sleep(0.2)
+        if self.thread_mode:
+            self.thread.start()
+            time.sleep(0.2)
+        else:
+            self.queue(self.seconds)
         return self
 
     def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+        if self.thread_mode:
+            self.stop.set()
+            self.thread.join()
+        else:
+            self.busy_at_end = not self.stream.query()
+            self.stream.synchronize()
 
 
 def main() -> None:
@@ -148,30 +158,35 @@ def main() -> None:
         rng = random.Random(0)
         order = [rng.randrange(n) for _ in range(a.calls)]
         time_calls(host, [0] * 4, x)
-        link_alone = Background(host, "link", n)
-        with link_alone:
-            time.sleep(1.0)
-        gb = host.layout.nbytes / 1e9
-        for dynamic in (True, False):
+        default_threads = torch.get_num_threads()
+        for threads, dynamic in ((default_threads, True), (default_threads, False), (default_threads - 2, True)):
+            torch.set_num_threads(threads)
             expert_cpu.set_dynamic_rows(dynamic)
-            same = time_calls(host, [0] * a.calls, x)
-            cycle = time_calls(host, order, x)
-            with Background(host, "link", n) as bg:
-                link = time_calls(host, order, x)
-            with Background(host, "gpu", n):
-                gpu = time_calls(host, order, x)
-            link_note = f"link {bg.gbps():.1f} GB/s (alone {link_alone.gbps():.1f})"
-            for name, ms, extra in (("same expert", same, ""), ("cycle", cycle, ""), ("cycle + link", link, link_note),
-                                    ("cycle + GPU matmuls", gpu, "")):
+            label = f"{threads}, {'dynamic' if dynamic else 'static'}"
+            for name, kind, thread in (("same expert", None, False), ("cycle", None, False),
+                                       ("cycle + link (queued)", "link", False),
+                                       ("cycle + GPU matmuls (queued)", "gpu", False),
+                                       ("cycle + a thread waiting on the link", "link", True),
+                                       ("cycle + a thread waiting on GPU matmuls", "gpu", True)):
+                uids = [0] * a.calls if name == "same expert" else order
+                extra = ""
+                if kind is None:
+                    ms = time_calls(host, uids, x)
+                else:
+                    with Background(host, kind, n, thread) as bg:
+                        ms = time_calls(host, uids, x)
+                    if not thread:
+                        extra = f"side stream still busy at the end: {bg.busy_at_end}"
                 med = statistics.median(ms)
-                rows.append(f"| {mode} | {n} | {'dynamic' if dynamic else 'static'} | {name} | {min(ms):.2f} | "
-                            f"{med:.2f} | {statistics.fmean(ms):.2f} | {max(ms):.2f} | {gb / med * 1e3:.1f} | "
-                            f"{extra} |")
+                gbps = host.layout.nbytes / 1e9 / med * 1e3
+                rows.append(f"| {mode} | {n} | {label} | {name} | {min(ms):.2f} | {med:.2f} | "
+                            f"{statistics.fmean(ms):.2f} | {max(ms):.2f} | {gbps:.1f} | {extra} |")
+        torch.set_num_threads(default_threads)
         expert_cpu.set_dynamic_rows(True)
         host.store.close()
         del host
         torch.cuda.empty_cache()
-    print("\n| weights | experts in table | row blocks | calls | min ms | median ms | mean ms | max ms | "
+    print("\n| weights | experts in table | threads, row blocks | calls | min ms | median ms | mean ms | max ms | "
           "GB/s (median) | note |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows), flush=True)
