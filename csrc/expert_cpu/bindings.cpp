@@ -114,7 +114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("quant_decode", [](int64_t bits, int64_t group_size) {
               return std::string(ec::quant_decode(static_cast<int>(bits), group_size));
           }, "how quantized codes are decoded: words, lookup or fp32", "bits"_a, "group_size"_a);
-    m.def("omp_max_threads", [] { return omp_get_max_threads(); }, "OpenMP threads a call uses");
+    m.def("omp_max_threads", [] { return omp_get_max_threads(); }, "the OpenMP team size (torch's threads)");
+    m.def("threads_per_call", &ec::threads_per_call, "threads a call runs on: the team size less one per 8");
     m.def("set_dynamic_rows", &ec::set_dynamic_rows, "spread row blocks dynamically (true) or in static shares",
           "on"_a);
     m.def("dynamic_rows", &ec::dynamic_rows, "whether row blocks are spread dynamically");

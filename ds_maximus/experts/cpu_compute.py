@@ -8,7 +8,8 @@ routed at most ``cpu_compute_max_tokens`` tokens (a prefill's crowded experts go
 once the copy is shared by many tokens), and on a CUDA device it splits those light misses between the host and
 the link (:func:`balance`): the link loads some into free slots, where they stay for later tokens, while the host
 computes the rest, so that both sides finish together. The two sides' costs are estimates: one timed pinned copy
-of an expert for the link, the host's measured seconds per expert (a running mean) for the host.
+of an expert for the link; for the host one timed expert at the start, then the running mean of its measured
+seconds per expert (each measurement counted at most twice the mean).
 
 The result equals the GPU path's within fp32-accumulation tolerances: the host computes each expert's
 SwiGLU in fp32 from the same weights (exact, or the quantized tier's packed form, decoded in the op), scales it by
@@ -45,6 +46,8 @@ from ds_maximus.ops import expert_cpu
 _SILU = ("SiLU", "SiLUActivation")
 HOST_GBPS_PRIOR = 20.0  # host seconds per expert before the first one is measured: its bytes at this rate
 EMA = 0.2               # weight of the newest measurement in the host's running mean
+SPIKE = 2.0             # a measurement counts at most this many times the running mean (one preempted call must not
+                        # turn auto away from the host for the rest of the run)
 
 
 def balance(light: Sequence[int], counts: Sequence[int], free_slots: int, host_s: float, link_s: float,
@@ -95,6 +98,7 @@ class HostExpertCompute:
         self.link_s: Optional[float] = None
         if device is not None and torch.device(device).type == "cuda" and self.mode == ExpertCPUCompute.AUTO:
             self.link_s = self._time_link(torch.device(device))
+            self.host_s = self._time_host()
 
     def _time_link(self, device: torch.device) -> float:
         """Seconds of one expert's pinned host-to-device copy (the faster of two, after a warm-up)."""
@@ -106,6 +110,20 @@ class HostExpertCompute:
             t0 = time.perf_counter()
             dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    def _time_host(self) -> float:
+        """Seconds of one token through one expert on the host (the faster of two, after a warm-up): auto's first
+        estimate, which the running mean then follows (a fixed prior far from the host's speed would keep auto from
+        ever trying the host, and so from ever measuring it)."""
+        w = self.weights(0)
+        x = torch.zeros(1, w[0].shape[1])
+        best = float("inf")
+        for i in range(3):
+            t0 = time.perf_counter()
+            expert_cpu.swiglu(x, *w)
             if i:
                 best = min(best, time.perf_counter() - t0)
         return best
@@ -176,7 +194,7 @@ class HostExpertCompute:
             t = torch.tensor(tok, dtype=torch.long)
             y = expert_cpu.swiglu(x[t], *self.weights(group * self.num_experts + e))
             out.index_add_(0, t, y * rw[t, torch.tensor(pos, dtype=torch.long), None])
-            self.host_s += EMA * (time.perf_counter() - t0 - self.host_s)
+            self.host_s += EMA * (min(time.perf_counter() - t0, SPIKE * self.host_s) - self.host_s)
             self.experts_computed += 1
             self.tokens_computed += len(tok)
         return out

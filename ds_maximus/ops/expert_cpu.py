@@ -134,8 +134,16 @@ def quant_decode(bits: int, group_size: int) -> str:
 
 
 def max_threads() -> int:
-    """OpenMP threads one call uses (``OMP_NUM_THREADS``, else the host's cores)."""
+    """The OpenMP team size the op shares with torch (``torch.get_num_threads()``: ``OMP_NUM_THREADS``, else the
+    host's cores)."""
     return load_op().omp_max_threads()
+
+
+def threads_per_call() -> int:
+    """Threads one call runs on: :func:`max_threads` less one per 8 (14 of 16), so that another runnable host thread
+    (a CUDA wait spinning on its core) never shares a core with the call's team, which waits for its slowest
+    thread (``scripts/gpu/probe_host_table.py`` measured ~24 ms calls of a ~2 ms expert when it did)."""
+    return load_op().threads_per_call()
 
 
 def set_dynamic_rows(on: bool) -> None:

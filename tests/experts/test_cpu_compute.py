@@ -63,6 +63,19 @@ def test_host_seconds_an_expert_follow_the_measured_forward():
     assert h.host_s < 10.0 * (1 - 0.2) ** 2 + 1.0 and h.stats()["cpu_ms_per_expert"] == h.host_s * 1e3
 
 
+def test_a_slow_host_call_moves_the_running_mean_at_most_by_its_cap():
+    """One call far slower than the mean (a preempted thread) counts as twice the mean, not as itself; the first
+    estimate is one timed expert."""
+    store, t = _store()
+    h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO)
+    first = h._time_host()
+    assert 0.0 < first < 1.0
+    h.host_s = 1e-9  # every real call is far slower than this
+    x, rw = torch.randn(3, t["down_proj"].shape[1]), torch.rand(3, 2)
+    h.forward(0, x, rw, [1, 2], {1: ([0], [0]), 2: ([1, 0], [1, 2])})
+    assert h.host_s == pytest.approx(1e-9 * (1 + 0.2) ** 2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_host_forward_equals_the_eager_expert_loop(dtype):
     store, t = _store(dtype=dtype)

@@ -18,11 +18,20 @@ namespace {
 
 std::atomic<bool> g_dynamic_rows{true};
 
+// The threads a call runs on: the OpenMP team size less one thread per 8 (14 of 16). A call's team waits for its
+// slowest thread; with every core in the team, any other runnable host thread (a CUDA wait spinning on its core,
+// the driver's own threads) shares a core with one of ours and the call lasts a scheduler time slice (~24 ms
+// measured where it takes ~2 ms). The free cores keep that from happening (scripts/gpu/probe_host_table.py).
+inline int team_size() {
+    const int n = omp_get_max_threads();
+    return std::max(1, n - n / 8);
+}
+
 // Sets the calling thread's run-time schedule, which the `omp for schedule(runtime)` loops over a weight's `blocks`
 // row blocks below inherit (see set_dynamic_rows).
 inline void row_schedule(int64_t blocks) {
     if (g_dynamic_rows.load(std::memory_order_relaxed)) {
-        const int64_t chunk = std::max<int64_t>(1, blocks / (8 * static_cast<int64_t>(omp_get_max_threads())));
+        const int64_t chunk = std::max<int64_t>(1, blocks / (8 * static_cast<int64_t>(team_size())));
         omp_set_schedule(omp_sched_dynamic, static_cast<int>(chunk));
     } else {
         omp_set_schedule(omp_sched_static, 0);
@@ -631,7 +640,7 @@ void linear_bf16(const float* x, int64_t tokens, const WeightView& w, float* y) 
     const SplitX xs = split_x(x, tokens, w);
     const int64_t R = rows_per_block(w), blocks = (w.rows + R - 1) / R;
     row_schedule(blocks);
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     {
         std::vector<float> scale_buf(scale_buf_len(w)), dots(R * tokens);
 #pragma omp for schedule(runtime)
@@ -648,7 +657,7 @@ void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const We
     const SplitX xs = split_x(x, tokens, w1);  // w1 and w3 share a width and group size
     const int64_t ffn = w1.rows, R = rows_per_block(w1), blocks = (ffn + R - 1) / R;
     row_schedule(blocks);
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     {
         std::vector<float> scale_buf(scale_buf_len(w1)), d1(R * tokens), d3(R * tokens);
 #pragma omp for schedule(runtime)
@@ -665,6 +674,8 @@ void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const We
 }  // namespace
 void set_dynamic_rows(bool on) { g_dynamic_rows.store(on, std::memory_order_relaxed); }
 bool dynamic_rows() { return g_dynamic_rows.load(std::memory_order_relaxed); }
+
+int threads_per_call() { return team_size(); }
 
 const char* kernel_isa() { return bf16_isa() ? "avx512_bf16" : "fp32"; }
 
@@ -703,7 +714,7 @@ void linear(const float* x, int64_t tokens, const WeightView& w, float* y) {
     std::vector<float> xp;
     if (is_planar(w)) x = (xp = planar_x(x, tokens, w)).data();
     row_schedule(w.rows);
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     {
         std::vector<float> acc(tokens * kLanes), buf(chunk_of(w)), dots(tokens);
 #pragma omp for schedule(runtime)
@@ -724,7 +735,7 @@ void swiglu(const float* x, int64_t tokens, const WeightView& w1, const WeightVi
     std::vector<float> xp;  // w1 and w3 share a width and group size (checked by the bindings' caller)
     if (is_planar(w1)) x = (xp = planar_x(x, tokens, w1)).data();
     row_schedule(ffn);
-#pragma omp parallel
+#pragma omp parallel num_threads(team_size())
     {
         std::vector<float> acc(tokens * kLanes), buf(chunk_of(w1)), d1(tokens), d3(tokens);
 #pragma omp for schedule(runtime)

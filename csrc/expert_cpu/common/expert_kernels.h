@@ -42,6 +42,10 @@ const char* kernel_isa();
 // blocks), "lookup" (the byte lookup), or "fp32" (the fp32 path: no AVX512-BF16).
 const char* quant_decode(int bits, int64_t group_size);
 
+// The threads one call runs on: the OpenMP team size (omp_get_max_threads) less one per 8, so that other host
+// threads always find a free core.
+int threads_per_call();
+
 // How a call spreads a weight's row blocks over the OpenMP team: dynamically, about 8 chunks a thread, taken as
 // threads come free (the default), or statically, one equal share each. With static shares a call lasts as long as
 // its slowest thread, so one core taken by something else (the CUDA driver, another thread, the hypervisor) holds
