@@ -142,7 +142,8 @@ def max_threads() -> int:
 def threads_per_call() -> int:
     """Threads one call runs on: :func:`max_threads` less one per 8 (14 of 16), so that another runnable host thread
     (a CUDA wait spinning on its core) never shares a core with the call's team, which waits for its slowest
-    thread (``scripts/gpu/probe_host_table.py`` measured ~24 ms calls of a ~2 ms expert when it did)."""
+    thread, and so would last a scheduler time slice (``scripts/gpu/probe_host_table.py``,
+    docs/bench/moe_offload.md)."""
     return load_op().threads_per_call()
 
 

@@ -20,8 +20,8 @@ std::atomic<bool> g_dynamic_rows{true};
 
 // The threads a call runs on: the OpenMP team size less one thread per 8 (14 of 16). A call's team waits for its
 // slowest thread; with every core in the team, any other runnable host thread (a CUDA wait spinning on its core,
-// the driver's own threads) shares a core with one of ours and the call lasts a scheduler time slice (~24 ms
-// measured where it takes ~2 ms). The free cores keep that from happening (scripts/gpu/probe_host_table.py).
+// the driver's own threads) shares a core with one of ours and the call lasts a scheduler time slice, many times
+// its own work. The free cores keep that from happening (scripts/gpu/probe_host_table.py, docs/bench/moe_offload.md).
 inline int team_size() {
     const int n = omp_get_max_threads();
     return std::max(1, n - n / 8);
