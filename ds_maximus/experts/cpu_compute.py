@@ -100,33 +100,31 @@ class HostExpertCompute:
             self.link_s = self._time_link(torch.device(device))
             self.host_s = self._time_host()
 
-    def _time_link(self, device: torch.device) -> float:
-        """Seconds of one expert's pinned host-to-device copy (the faster of two, after a warm-up)."""
-        src = self.store.host_view(0)
-        dst = torch.empty_like(src, device=device)
+    @staticmethod
+    def _fastest(run) -> float:
+        """Seconds of the faster of two calls of ``run()``, after a warm-up call."""
         best = float("inf")
         for i in range(3):
-            torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize(device)
+            run()
             if i:
                 best = min(best, time.perf_counter() - t0)
         return best
 
+    def _time_link(self, device: torch.device) -> float:
+        """Seconds of one expert's pinned host-to-device copy."""
+        src = self.store.host_view(0)
+        dst = torch.empty_like(src, device=device)
+        torch.cuda.synchronize(device)
+        return self._fastest(lambda: (dst.copy_(src, non_blocking=True), torch.cuda.synchronize(device)))
+
     def _time_host(self) -> float:
-        """Seconds of one token through one expert on the host (the faster of two, after a warm-up): auto's first
-        estimate, which the running mean then follows (a fixed prior far from the host's speed would keep auto from
-        ever trying the host, and so from ever measuring it)."""
+        """Seconds of one token through one expert on the host: auto's first estimate, which the running mean then
+        follows (a fixed prior far from the host's speed would keep auto from ever trying the host, and so from
+        ever measuring it)."""
         w = self.weights(0)
         x = torch.zeros(1, w[0].shape[1])
-        best = float("inf")
-        for i in range(3):
-            t0 = time.perf_counter()
-            expert_cpu.swiglu(x, *w)
-            if i:
-                best = min(best, time.perf_counter() - t0)
-        return best
+        return self._fastest(lambda: expert_cpu.swiglu(x, *w))
 
     @staticmethod
     def check_supported(store, original, form) -> None:

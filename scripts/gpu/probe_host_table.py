@@ -95,12 +95,13 @@ class Background:
         self.stream = torch.cuda.Stream()
         self.bytes = 0
         self.busy_at_end = None
+        self.dst = self.a = None  # the copies' destination, the matmuls' operand (made at the first queue)
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
     def queue(self, seconds: float) -> None:
         with torch.cuda.stream(self.stream):
             if self.kind == "link":
-                if not hasattr(self, "dst"):
+                if self.dst is None:
                     self.dst = torch.empty_like(self.host.store.host_view(0), device="cuda")
                 uid = 0
                 for _ in range(max(1, int(seconds * 50e9 / self.host.layout.nbytes))):
@@ -109,7 +110,7 @@ class Background:
                     self.dst.copy_(src, non_blocking=True)
                     self.bytes += src.numel() * src.element_size()
             else:
-                if not hasattr(self, "a"):
+                if self.a is None:
                     self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
                 for _ in range(max(1, int(seconds / 1.5e-3))):
                     self.a = (self.a @ self.a).clamp_(-1, 1)

@@ -28,14 +28,16 @@ inline int team_size() {
 }
 
 // Sets the calling thread's run-time schedule, which the `omp for schedule(runtime)` loops over a weight's `blocks`
-// row blocks below inherit (see set_dynamic_rows).
-inline void row_schedule(int64_t blocks) {
+// row blocks below inherit (see set_dynamic_rows); returns the team size the call's parallel region takes.
+inline int row_schedule(int64_t blocks) {
+    const int team = team_size();
     if (g_dynamic_rows.load(std::memory_order_relaxed)) {
-        const int64_t chunk = std::max<int64_t>(1, blocks / (8 * static_cast<int64_t>(team_size())));
+        const int64_t chunk = std::max<int64_t>(1, blocks / (8 * static_cast<int64_t>(team)));
         omp_set_schedule(omp_sched_dynamic, static_cast<int>(chunk));
     } else {
         omp_set_schedule(omp_sched_static, 0);
     }
+    return team;
 }
 
 // The fp32 path (fp32 weights, and every weight on a host without AVX512-BF16; the bf16 path is further down).
@@ -639,8 +641,8 @@ inline int64_t scale_buf_len(const WeightView& w) {
 void linear_bf16(const float* x, int64_t tokens, const WeightView& w, float* y) {
     const SplitX xs = split_x(x, tokens, w);
     const int64_t R = rows_per_block(w), blocks = (w.rows + R - 1) / R;
-    row_schedule(blocks);
-#pragma omp parallel num_threads(team_size())
+    const int team = row_schedule(blocks);
+#pragma omp parallel num_threads(team)
     {
         std::vector<float> scale_buf(scale_buf_len(w)), dots(R * tokens);
 #pragma omp for schedule(runtime)
@@ -656,8 +658,8 @@ void linear_bf16(const float* x, int64_t tokens, const WeightView& w, float* y) 
 void gate_up_bf16(const float* x, int64_t tokens, const WeightView& w1, const WeightView& w3, float* h) {
     const SplitX xs = split_x(x, tokens, w1);  // w1 and w3 share a width and group size
     const int64_t ffn = w1.rows, R = rows_per_block(w1), blocks = (ffn + R - 1) / R;
-    row_schedule(blocks);
-#pragma omp parallel num_threads(team_size())
+    const int team = row_schedule(blocks);
+#pragma omp parallel num_threads(team)
     {
         std::vector<float> scale_buf(scale_buf_len(w1)), d1(R * tokens), d3(R * tokens);
 #pragma omp for schedule(runtime)
@@ -713,8 +715,8 @@ void linear(const float* x, int64_t tokens, const WeightView& w, float* y) {
     if (bf16_path(w)) return linear_bf16(x, tokens, w, y);
     std::vector<float> xp;
     if (is_planar(w)) x = (xp = planar_x(x, tokens, w)).data();
-    row_schedule(w.rows);
-#pragma omp parallel num_threads(team_size())
+    const int team = row_schedule(w.rows);
+#pragma omp parallel num_threads(team)
     {
         std::vector<float> acc(tokens * kLanes), buf(chunk_of(w)), dots(tokens);
 #pragma omp for schedule(runtime)
@@ -734,8 +736,8 @@ void swiglu(const float* x, int64_t tokens, const WeightView& w1, const WeightVi
     const int64_t ffn = w1.rows;
     std::vector<float> xp;  // w1 and w3 share a width and group size (checked by the bindings' caller)
     if (is_planar(w1)) x = (xp = planar_x(x, tokens, w1)).data();
-    row_schedule(ffn);
-#pragma omp parallel num_threads(team_size())
+    const int team = row_schedule(ffn);
+#pragma omp parallel num_threads(team)
     {
         std::vector<float> acc(tokens * kLanes), buf(chunk_of(w1)), d1(tokens), d3(tokens);
 #pragma omp for schedule(runtime)
