@@ -7,9 +7,12 @@ while the GPU computes the resident ones. ``misses`` sends every missed expert t
 routed at most ``cpu_compute_max_tokens`` tokens (a prefill's crowded experts go to the GPU, whose GEMM wins
 once the copy is shared by many tokens), and on a CUDA device it splits those light misses between the host and
 the link (:func:`balance`): the link loads some into free slots, where they stay for later tokens, while the host
-computes the rest, so that both sides finish together. The two sides' costs are estimates: one timed pinned copy
-of an expert for the link; for the host one timed expert at the start, then the running mean of its measured
-seconds per expert (each measurement counted at most twice the mean).
+computes the rest, so that both sides finish together. The two sides' costs are estimates, timed once the tier is
+filled (:meth:`HostExpertCompute.calibrate`): one pinned copy of an expert for the link; for the host the median of a
+few experts, then the running mean of its measured seconds per expert (each measurement counted at most twice the
+mean). A mean that keeps the host idle is sampled again: after ``EXPLORE`` layers in a row whose light misses all
+went over the link, one of them goes to the host (a first estimate taken while the host was busy would otherwise
+stand for the rest of the run).
 
 The result equals the GPU path's within fp32-accumulation tolerances: the host computes each expert's
 SwiGLU in fp32 from the same weights (exact, or the quantized tier's packed form, decoded in the op), scales it by
@@ -48,6 +51,8 @@ HOST_GBPS_PRIOR = 20.0  # host seconds per expert before the first one is measur
 EMA = 0.2               # weight of the newest measurement in the host's running mean
 SPIKE = 2.0             # a measurement counts at most this many times the running mean (one preempted call must not
                         # turn auto away from the host for the rest of the run)
+EXPLORE = 32            # layers in a row with light misses but none on the host, after which one goes to the host
+HOST_SAMPLES = 4        # experts timed (after a warm-up call) for the host's first estimate; their median counts
 
 
 def balance(light: Sequence[int], counts: Sequence[int], free_slots: int, host_s: float, link_s: float,
@@ -94,10 +99,16 @@ class HostExpertCompute:
         self.experts_computed = 0  # experts computed on the host
         self.tokens_computed = 0   # (token, expert) pairs computed on the host
         self.host_s = self.layout.nbytes / (HOST_GBPS_PRIOR * 1e9)  # host seconds per expert (running mean)
-        # auto's split between host and link needs a link: on a CUDA device, one timed copy of an expert
+        # auto's split between host and link needs a link: on a CUDA device, timed by calibrate()
         self.link_s: Optional[float] = None
-        if device is not None and torch.device(device).type == "cuda" and self.mode == ExpertCPUCompute.AUTO:
-            self.link_s = self._time_link(torch.device(device))
+        self.device = torch.device(device) if device is not None else None
+        self._idle = 0  # auto's layers in a row with light misses, none of them sent to the host
+
+    def calibrate(self) -> None:
+        """Auto's first estimates of both sides, on a CUDA device: call once the tier holds the experts (the host's
+        timing reads them as a decode does, and nothing else fills the tier meanwhile)."""
+        if self.device is not None and self.device.type == "cuda" and self.mode == ExpertCPUCompute.AUTO:
+            self.link_s = self._time_link(self.device)
             self.host_s = self._time_host()
 
     @staticmethod
@@ -119,12 +130,20 @@ class HostExpertCompute:
         return self._fastest(lambda: (dst.copy_(src, non_blocking=True), torch.cuda.synchronize(device)))
 
     def _time_host(self) -> float:
-        """Seconds of one token through one expert on the host: auto's first estimate, which the running mean then
-        follows (a fixed prior far from the host's speed would keep auto from ever trying the host, and so from
-        ever measuring it)."""
-        w = self.weights(0)
-        x = torch.zeros(1, w[0].shape[1])
-        return self._fastest(lambda: expert_cpu.swiglu(x, *w))
+        """Seconds of one token through one expert on the host, the median over ``HOST_SAMPLES`` different experts
+        after a warm-up call (each read from memory, as a decode's miss is): auto's first estimate, which the
+        running mean then follows (a fixed prior far from the host's speed would keep auto from ever trying the
+        host, and so from ever measuring it)."""
+        n = min(self.store.num_uids, HOST_SAMPLES + 1)
+        x = torch.zeros(1, self.weights(0)[0].shape[1])
+        times = []
+        for uid in range(n):
+            w = self.weights(uid)
+            t0 = time.perf_counter()
+            expert_cpu.swiglu(x, *w)
+            times.append(time.perf_counter() - t0)
+        times = sorted(times[1:] if n > 1 else times)
+        return times[len(times) // 2]
 
     @staticmethod
     def check_supported(store, original, form) -> None:
@@ -161,8 +180,16 @@ class HostExpertCompute:
                 return light
             crowded = len(missed) - len(light)   # these go over the link whatever the split
             free = int(slots) - (len(used) - len(missed)) - crowded
-            return balance(light, counts, max(0, free), self.host_s, self.link_s, crowded * self.link_s,
-                           staged, staged_frac)
+            on_host = balance(light, counts, max(0, free), self.host_s, self.link_s, crowded * self.link_s,
+                              staged, staged_frac)
+            if on_host or not light:
+                self._idle = 0
+                return on_host
+            self._idle += 1
+            if self._idle < EXPLORE:
+                return on_host
+            self._idle = 0  # sample the host again: the lightest miss, the staged guess last (its head has crossed)
+            return [min(light, key=lambda e: (e == staged, counts[e], e))]
         return missed
 
     def weights(self, uid: int) -> Tuple[expert_cpu.Weight, expert_cpu.Weight, expert_cpu.Weight]:

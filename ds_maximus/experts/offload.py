@@ -328,4 +328,6 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
             handle.modules.append(mod)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if handle.host_compute is not None:
+        handle.host_compute.calibrate()  # auto's estimates, from the filled tier
     return handle

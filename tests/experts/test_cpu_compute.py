@@ -54,6 +54,25 @@ def test_auto_splits_light_misses_between_host_and_link():
     assert m.choose(used=[0, 1], counts=[1, 1], resident=[], slots=2) == [0, 1]
 
 
+def test_auto_samples_an_idle_host_again():
+    """A host estimate that keeps every light miss on the link is measured again: after EXPLORE such layers one
+    light miss goes to the host, the lightest and not the staged guess; a layer that uses the host restarts the
+    count, and one without light misses leaves it."""
+    from ds_maximus.experts.cpu_compute import EXPLORE
+    store, _ = _store()
+    h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO, max_tokens=4)
+    h.host_s, h.link_s = 100.0, 1.0  # the host looks far slower than the link
+    ask = dict(used=[0, 1, 2], counts=[2, 1, 3, 0], resident=[], slots=3, staged=1, staged_frac=0.5)
+    got = [h.choose(**ask) for _ in range(EXPLORE)]
+    assert got[:-1] == [[]] * (EXPLORE - 1) and got[-1] == [0]
+    assert h.choose(used=[3], counts=[0, 0, 0, 9], resident=[], slots=3) == []  # crowded only: not counted
+    got = [h.choose(**ask) for _ in range(EXPLORE - 1)]
+    h.host_s = 1.5  # now the host takes the second miss: the count restarts
+    assert h.choose(used=[0, 1, 2], counts=[1, 1, 1, 0], resident=[], slots=3) == [1]
+    h.host_s = 100.0
+    assert [h.choose(**ask) for _ in range(EXPLORE)][-1] == [0] and got == [[]] * (EXPLORE - 1)
+
+
 def test_host_seconds_an_expert_follow_the_measured_forward():
     store, t = _store()
     h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO)
@@ -65,7 +84,7 @@ def test_host_seconds_an_expert_follow_the_measured_forward():
 
 def test_a_slow_host_call_moves_the_running_mean_at_most_by_its_cap():
     """One call far slower than the mean (a preempted thread) counts as twice the mean, not as itself; the first
-    estimate is one timed expert."""
+    estimate is the median of a few timed experts."""
     store, t = _store()
     h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO)
     first = h._time_host()
