@@ -636,6 +636,9 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
+    p.add_argument("--busy-guesses", choices=("skip", "queue"), default="skip", help="cpu_compute=misses peers: drop "
+                   "a layer's guess while an earlier one is still crossing the link (skip, the product's behaviour) "
+                   "or queue it behind (MoEOffload.skip_busy_guesses)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     if args.host_rows == "static":
@@ -877,9 +880,14 @@ def main(argv=None):
             bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
             checkpoint()
             return
+        if args.busy_guesses == "queue" and handle.skip_busy_guesses:
+            handle.skip_busy_guesses = False
+            name += ", busy guesses queued"
         src.settle()
         progress(f"{name}: {slots} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
         peer(name, "ours", model, ids, args.tokens, handle, need=0)
+        if handle.skip_busy_guesses:
+            progress(f"{name}: guesses skipped while the link was busy: {handle.stats()['guesses_skipped']}")
         handle.close()
 
     def run_bnb():

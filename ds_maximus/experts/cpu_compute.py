@@ -7,12 +7,12 @@ while the GPU computes the resident ones. ``misses`` sends every missed expert t
 routed at most ``cpu_compute_max_tokens`` tokens (a prefill's crowded experts go to the GPU, whose GEMM wins
 once the copy is shared by many tokens), and on a CUDA device it splits those light misses between the host and
 the link (:func:`balance`): the link loads some into free slots, where they stay for later tokens, while the host
-computes the rest, so that both sides finish together. The two sides' costs are estimates, timed once the tier is
-filled (:meth:`HostExpertCompute.calibrate`): one pinned copy of an expert for the link; for the host the median of a
-few experts, then the running mean of its measured seconds per expert (each measurement counted at most twice the
-mean). A mean that keeps the host idle is sampled again: after ``EXPLORE`` layers in a row whose light misses all
-went over the link, one of them goes to the host (a first estimate taken while the host was busy would otherwise
-stand for the rest of the run).
+computes the rest, so that both sides finish together. The two sides' costs are estimates: one pinned copy of an
+expert for the link, timed as the tier is made; for the host the median of a few experts, timed once the tier is
+filled (:meth:`HostExpertCompute.calibrate`), then the running mean of its measured seconds per expert (each
+measurement counted at most twice the mean). A mean that keeps the host idle is sampled again: after ``EXPLORE``
+layers in a row whose light misses all went over the link, one of them goes to the host (a first estimate taken
+while the host was busy would otherwise stand for the rest of the run).
 
 The result equals the GPU path's within fp32-accumulation tolerances: the host computes each expert's
 SwiGLU in fp32 from the same weights (exact, or the quantized tier's packed form, decoded in the op), scales it by
@@ -103,12 +103,16 @@ class HostExpertCompute:
         self.link_s: Optional[float] = None
         self.device = torch.device(device) if device is not None else None
         self._idle = 0  # auto's layers in a row with light misses, none of them sent to the host
+        if self._timed():  # the link before the tier fills: timed after it, the copy ran at half the decode's rate
+            self.link_s = self._time_link(self.device)
+
+    def _timed(self) -> bool:
+        return self.device is not None and self.device.type == "cuda" and self.mode == ExpertCPUCompute.AUTO
 
     def calibrate(self) -> None:
-        """Auto's first estimates of both sides, on a CUDA device: call once the tier holds the experts (the host's
-        timing reads them as a decode does, and nothing else fills the tier meanwhile)."""
-        if self.device is not None and self.device.type == "cuda" and self.mode == ExpertCPUCompute.AUTO:
-            self.link_s = self._time_link(self.device)
+        """Auto's first host estimate, on a CUDA device: call once the tier holds the experts (the timing then reads
+        them as a decode does, and nothing else fills the tier meanwhile)."""
+        if self._timed():
             self.host_s = self._time_host()
 
     @staticmethod

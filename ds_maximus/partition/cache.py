@@ -554,6 +554,10 @@ class SlotCache(CacheCore):
         if done:
             g.map.unpin(torch.tensor(done, dtype=torch.long))
 
+    def prefetching(self) -> bool:
+        """Whether a prefetch into a slot of any group is still crossing the link."""
+        return any(not self.transfer.done(ev) for g in self.groups for ev in g.inflight.values())
+
     def _drain(self, g: _Group) -> None:
         """Wait (host) for every prefetch of the group in flight, then unpin them."""
         t0 = time.perf_counter()

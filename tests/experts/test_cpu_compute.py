@@ -137,6 +137,31 @@ def test_offload_with_cpu_misses_generates_the_same(kind, impl):
     assert st["prefetch_useful"] > 0  # the next layer's guesses land in slots and the GPU computes them there
 
 
+@pytest.mark.parametrize("busy", [True, False])
+def test_misses_drops_a_guess_while_the_link_is_busy(busy):
+    """With cpu_compute "misses" a layer's guess goes into a slot only while no earlier guess is crossing the link
+    (a dropped one's expert is computed on the host); either way the tokens are the plain model's."""
+    model = tiny_model("mixtral", "eager", top_k=2)
+    ref = clone(model)
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(7))
+    seq_ref, logits_ref = greedy(ref, ids, 8)
+    handle = offload_experts(model, {"gpu_experts_per_layer": 1, "cpu_compute": "misses"})
+    try:
+        assert handle.skip_busy_guesses
+        handle.cache.prefetching = lambda: busy  # the link as the cache would see it: still busy, or free
+        seq, logits = greedy(model, ids, 8)
+        st = handle.stats()
+    finally:
+        handle.close()
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
+    if busy:
+        assert st["guesses_skipped"] > 0 and st["prefetch_issued"] == 0
+    else:
+        assert st["guesses_skipped"] == 0 and st["prefetch_issued"] > 0
+    assert st["cpu_experts"] > 0
+
+
 def test_auto_sends_crowded_experts_to_the_device():
     """auto with max 1 token: a prefill's experts (many tokens) go to the slots, decode misses to the host."""
     model = tiny_model("mixtral", top_k=2)
