@@ -338,5 +338,8 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if handle.host_compute is not None:
-        handle.host_compute.calibrate()  # auto's estimates, from the filled tier
+        handle.host_compute.calibrate()  # auto's host estimate, from the filled tier
+        if handle.host_compute.host_first():  # no guess is staged yet: from here on they go into slots
+            cache.stage_guesses = 0
+            handle.skip_busy_guesses = True
     return handle

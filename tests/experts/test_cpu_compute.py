@@ -54,6 +54,20 @@ def test_auto_splits_light_misses_between_host_and_link():
     assert m.choose(used=[0, 1], counts=[1, 1], resident=[], slots=2) == [0, 1]
 
 
+def test_auto_puts_the_host_first_only_where_its_link_is_slower():
+    """Auto on a CUDA device whose link moves an expert slower than the host computes one guesses into slots (as
+    misses does); a faster link, no link (CPU), or another mode keeps the staged guesses."""
+    store, _ = _store()
+    h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO)
+    assert not h.host_first()  # no device: no link
+    h.device, h.link_s, h.host_s = torch.device("cuda", 0), 2.0, 1.0
+    assert h.host_first()
+    h.host_s = 3.0
+    assert not h.host_first()
+    h.mode, h.host_s = ExpertCPUCompute.MISSES, 1.0
+    assert not h.host_first()
+
+
 def test_auto_samples_an_idle_host_again():
     """A host estimate that keeps every light miss on the link is measured again: after EXPLORE such layers one
     light miss goes to the host, the lightest and not the staged guess; a layer that uses the host restarts the
