@@ -637,7 +637,7 @@ def main(argv=None):
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
     p.add_argument("--busy-guesses", choices=("skip", "queue"), default="skip", help="cpu_compute=misses peers: drop "
-                   "a layer's guess while an earlier one is still crossing the link (skip, the product's behaviour) "
+                   "a layer's guess while the link still has copies queued (skip, the product's behaviour) "
                    "or queue it behind (MoEOffload.skip_busy_guesses)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)

@@ -105,9 +105,9 @@ class MoEOffload:
         self.cfg = cfg
         self.speculative_prefetch = bool(cfg.speculative_prefetch)
         self.keep_predicted = True  # in-slot guesses evict only residents outside the predicted routing
-        # with cpu_compute "misses" a guess goes into a slot only while no earlier guess is still crossing the link:
-        # the host computes an expert that did not come, so a guess queued behind another (a bf16 expert's copy
-        # outlasts a layer) would keep the link busy with guesses that land after their layer has passed
+        # with cpu_compute "misses" a guess goes into a slot only while the link has nothing queued (an earlier
+        # guess's rest, say): the host computes an expert that did not come, so a guess queued behind another (a
+        # bf16 expert's copy outlasts a layer) would keep the link busy with guesses that land after their layer
         self.skip_busy_guesses = cfg.cpu_compute == ExpertCPUCompute.MISSES
         self._guesses_skipped = 0
         self._tokens = 0
@@ -202,7 +202,7 @@ class MoEOffload:
         guess, predicted = votes[:E], votes[E:]
         limit = min(self.cfg.guesses(self.blocks[group].top_k), self.cache.slots_per_group)
         ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
-        if self.skip_busy_guesses and ranked and self.cache.prefetching():
+        if self.skip_busy_guesses and ranked and self.cache.link_busy():
             self._guesses_skipped += 1
             return
         # a guess never evicts a resident expert the prediction also routes to (it would likely hit)

@@ -554,9 +554,9 @@ class SlotCache(CacheCore):
         if done:
             g.map.unpin(torch.tensor(done, dtype=torch.long))
 
-    def prefetching(self) -> bool:
-        """Whether a prefetch into a slot of any group is still crossing the link."""
-        return any(not self.transfer.done(ev) for g in self.groups for ev in g.inflight.values())
+    def link_busy(self) -> bool:
+        """Whether the link still has copies queued (loads, prefetch heads or rests, staged heads)."""
+        return self.transfer.busy()
 
     def _drain(self, g: _Group) -> None:
         """Wait (host) for every prefetch of the group in flight, then unpin them."""

@@ -153,7 +153,7 @@ def test_offload_with_cpu_misses_generates_the_same(kind, impl):
 
 @pytest.mark.parametrize("busy", [True, False])
 def test_misses_drops_a_guess_while_the_link_is_busy(busy):
-    """With cpu_compute "misses" a layer's guess goes into a slot only while no earlier guess is crossing the link
+    """With cpu_compute "misses" a layer's guess goes into a slot only while the link has nothing queued
     (a dropped one's expert is computed on the host); either way the tokens are the plain model's."""
     model = tiny_model("mixtral", "eager", top_k=2)
     ref = clone(model)
@@ -162,7 +162,7 @@ def test_misses_drops_a_guess_while_the_link_is_busy(busy):
     handle = offload_experts(model, {"gpu_experts_per_layer": 1, "cpu_compute": "misses"})
     try:
         assert handle.skip_busy_guesses
-        handle.cache.prefetching = lambda: busy  # the link as the cache would see it: still busy, or free
+        handle.cache.link_busy = lambda: busy  # the link as the cache would see it: still busy, or free
         seq, logits = greedy(model, ids, 8)
         st = handle.stats()
     finally:
