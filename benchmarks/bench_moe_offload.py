@@ -391,14 +391,6 @@ class ExpertSource:
             torch.cuda.reset_peak_memory_stats()
 
 
-def _busy_list(text: str):
-    """``--busy-guesses``: a comma list of skip / queue."""
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values or any(v not in ("skip", "queue") for v in values):
-        raise argparse.ArgumentTypeError(f"--busy-guesses takes skip and/or queue, comma separated; got {text!r}")
-    return values
-
-
 def apply_cap(cap_gib, device):
     """Cap the GPU at ``cap_gib`` (``torch.cuda.set_per_process_memory_fraction``); ``None``: no cap."""
     if cap_gib and device.type == "cuda":
@@ -644,10 +636,6 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
-    p.add_argument("--busy-guesses", type=_busy_list, default=["skip"], help="cpu_compute peers that guess into "
-                   "slots (misses; auto with exact experts on a link slower than the host): drop a layer's guess while "
-                   "the link still has copies queued (skip, the product's behaviour) or queue it behind "
-                   "(MoEOffload.skip_busy_guesses); a comma list (skip,queue,skip) runs those peers once per value")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     if args.host_rows == "static":
@@ -861,13 +849,11 @@ def main(argv=None):
 
     def run_variant(key):
         """The default cache (staged guesses) with CPU compute of misses and/or the quantized tier, once per
-        ``--prefetch-top-k`` value (and, for CPU-compute peers, per ``--busy-guesses`` value)."""
-        busy_values = args.busy_guesses if CPU_MODES.get(key.partition("+")[2]) else ["skip"]
+        ``--prefetch-top-k`` value."""
         for k in args.prefetch_top_k or [None]:
-            for busy in busy_values:
-                run_variant_once(key, k, busy)
+            run_variant_once(key, k)
 
-    def run_variant_once(key, top_k, busy="skip"):
+    def run_variant_once(key, top_k):
         base, _, suffix = key.partition("+")
         bits, cpu = QUANT_BITS.get(base), CPU_MODES.get(suffix)
         name = (f"ours int{bits} (group {args.group_size})" if bits else "ours bf16") + \
@@ -891,14 +877,9 @@ def main(argv=None):
             bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
             checkpoint()
             return
-        if busy == "queue" and handle.skip_busy_guesses:
-            handle.skip_busy_guesses = False
-            name += ", busy guesses queued"
         src.settle()
         progress(f"{name}: {slots} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
         peer(name, "ours", model, ids, args.tokens, handle, need=0)
-        if handle.skip_busy_guesses:
-            progress(f"{name}: guesses skipped while the link was busy: {handle.stats()['guesses_skipped']}")
         handle.close()
 
     def run_bnb():

@@ -247,15 +247,12 @@ class ExpertCPUCompute(str, enum.Enum):
     MISSES = "misses"
     """Compute every missed expert on the host from its CPU-tier weights (the ``maximus_expert_cpu`` op) while the
     GPU computes the resident ones: one token through an expert reads it once from host memory, where a copy
-    moves all of it over the link. The next layer's guesses go into slots, each only while the link has nothing
-    queued (behind another copy it would land after its layer); the host computes a dropped guess's expert."""
+    moves all of it over the link."""
     AUTO = "auto"
     """Per missed expert, from the tokens routed to it: at most ``cpu_compute_max_tokens`` on the host, more (a
     prefill) on the GPU, whose GEMM is faster once the copy is shared by many tokens. On a CUDA device the light
     misses are split between the host and the link so that both finish together: the link loads its share into
-    free slots (they stay for later tokens) while the host computes the rest. Where the link moves an expert
-    slower than the host computes one (exact bf16 experts, timed at ``offload_experts``), guesses go into slots
-    as with ``misses``; elsewhere they are staged as with ``off``."""
+    free slots (they stay for later tokens) while the host computes the rest."""
 
 
 class ExpertQuantConfig(_Section):

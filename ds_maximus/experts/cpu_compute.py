@@ -115,12 +115,6 @@ class HostExpertCompute:
         if self._timed():
             self.host_s = self._time_host()
 
-    def host_first(self) -> bool:
-        """Auto on a link that moves an expert slower than the host computes one (exact bf16 experts): then
-        ``offload_experts`` guesses as ``misses`` does, into slots and only while the link is free, rather than
-        staging guesses whose rest would cross after the layer's routing is known."""
-        return self._timed() and self.link_s is not None and self.host_s < self.link_s
-
     @staticmethod
     def _fastest(run) -> float:
         """Seconds of the faster of two calls of ``run()``, after a warm-up call."""

@@ -105,11 +105,6 @@ class MoEOffload:
         self.cfg = cfg
         self.speculative_prefetch = bool(cfg.speculative_prefetch)
         self.keep_predicted = True  # in-slot guesses evict only residents outside the predicted routing
-        # with cpu_compute "misses" a guess goes into a slot only while the link has nothing queued (an earlier
-        # guess's rest, say): the host computes an expert that did not come, so a guess queued behind another (a
-        # bf16 expert's copy outlasts a layer) would keep the link busy with guesses that land after their layer
-        self.skip_busy_guesses = cfg.cpu_compute == ExpertCPUCompute.MISSES
-        self._guesses_skipped = 0
         self._tokens = 0
         self._layer_calls = 0   # MoE layer forwards (a step of a batch, or a prefill, is one call a layer)
         self._experts_hit = 0   # distinct experts those calls routed to, summed
@@ -202,9 +197,6 @@ class MoEOffload:
         guess, predicted = votes[:E], votes[E:]
         limit = min(self.cfg.guesses(self.blocks[group].top_k), self.cache.slots_per_group)
         ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
-        if self.skip_busy_guesses and ranked and self.cache.link_busy():
-            self._guesses_skipped += 1
-            return
         # a guess never evicts a resident expert the prediction also routes to (it would likely hit)
         keep = [e for e in range(E) if predicted[e] > 0] if self.keep_predicted else None
         self.cache.prefetch(group, ranked, keep=keep)
@@ -223,7 +215,6 @@ class MoEOffload:
         s["layer_calls"] = self._layer_calls
         s["experts_per_layer"] = self._experts_hit / self._layer_calls if self._layer_calls else 0.0
         s["experts_per_layer_max"] = self._experts_hit_max
-        s["guesses_skipped"] = self._guesses_skipped  # layers whose guess was dropped: the link was still busy
         s["tokens_per_s"] = self._tokens / span if span > 0 else 0.0
         s["tier"] = self.cache.store.tier
         s["speculative_prefetch"] = self.speculative_prefetch
@@ -240,7 +231,7 @@ class MoEOffload:
         if self.host_compute is not None:
             self.host_compute.reset_stats()
         self._tokens, self._t_first, self._t_last = 0, None, None
-        self._layer_calls = self._experts_hit = self._experts_hit_max = self._guesses_skipped = 0
+        self._layer_calls = self._experts_hit = self._experts_hit_max = 0
 
     def close(self) -> None:
         self.cache.close()
@@ -339,7 +330,4 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
         torch.cuda.empty_cache()
     if handle.host_compute is not None:
         handle.host_compute.calibrate()  # auto's host estimate, from the filled tier
-        if handle.host_compute.host_first():  # no guess is staged yet: from here on they go into slots
-            cache.stage_guesses = 0
-            handle.skip_busy_guesses = True
     return handle

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import threading
 import time
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -139,25 +138,6 @@ class CpuTransfer:
     def __init__(self, delay_s: float = 0.0):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="maximus-moe-copy")
         self.delay_s = float(delay_s)  # tests slow the copier down to keep loads in flight
-        self._pending = 0  # copies submitted to the worker and not yet run
-        self._pending_lock = threading.Lock()
-
-    def _submit(self, fn, *args) -> concurrent.futures.Future:
-        """Every copy goes to the worker through here, so that :meth:`busy` can count it."""
-        with self._pending_lock:
-            self._pending += 1
-
-        def run():
-            try:
-                return fn(*args)
-            finally:  # before the future is done, so that whoever waits on it sees the count without this copy
-                with self._pending_lock:
-                    self._pending -= 1
-        return self._pool.submit(run)
-
-    def busy(self) -> bool:
-        """Whether the worker still has copies to run (the link is busy)."""
-        return self._pending > 0
 
     def load(self, dst: torch.Tensor, store, uid: int, after=None, head: Optional[torch.Tensor] = None):
         def run():
@@ -172,7 +152,7 @@ class CpuTransfer:
                 store.read_into(uid, dst)
             else:
                 dst.copy_(src)
-        return self._submit(run)
+        return self._pool.submit(run)
 
     def load_head(self, stage: torch.Tensor, store, uid: int, after=None):
         """Copy the first ``stage.numel()`` elements of expert ``uid`` into ``stage`` (a staged guess)."""
@@ -180,7 +160,7 @@ class CpuTransfer:
             if self.delay_s:
                 time.sleep(self.delay_s)
             stage.copy_(store.host_view(uid).view(-1)[:stage.numel()])
-        return self._submit(run)
+        return self._pool.submit(run)
 
     def prefetch(self, dst: torch.Tensor, store, uid: int, after=None, chunk_bytes: Optional[int] = None):
         """A speculative load: a job whose head the worker copies first (when ``chunk_bytes`` is set and the
@@ -189,7 +169,7 @@ class CpuTransfer:
         if src is None or not chunk_bytes:
             return self.load(dst, store, uid, after)
         job = PrefetchJob(dst, src, after, chunk_bytes // dst.element_size())
-        self._submit(self._head, job)
+        self._pool.submit(self._head, job)
         return job
 
     def _head(self, job: PrefetchJob) -> None:
@@ -210,7 +190,7 @@ class CpuTransfer:
             if r is None:
                 return
             job.final = True
-        self._submit(self._copy, job, *r)
+        self._pool.submit(self._copy, job, *r)
 
     @staticmethod
     def _copy(job: PrefetchJob, a: int, b: int) -> None:
@@ -263,7 +243,7 @@ class CpuTransfer:
             if self.delay_s:
                 time.sleep(self.delay_s)
             dst.copy_(src)
-        return dst, self._submit(run)
+        return dst, self._pool.submit(run)
 
     def take(self, t: torch.Tensor, event) -> torch.Tensor:
         """``t`` once its load ``event`` is done."""
@@ -289,7 +269,7 @@ class CpuTransfer:
 
     def drain(self) -> None:
         """Wait until every copy queued on the worker so far has finished."""
-        self._submit(lambda: None).result()
+        self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -391,10 +371,6 @@ class CudaTransfer:
                 self._queue(job, *r)
 
     cancel = staticmethod(cancel)
-
-    def busy(self) -> bool:
-        """Whether the copy stream still has copies queued (the link is busy)."""
-        return not self.stream.query()
 
     @staticmethod
     def done(event) -> bool:

@@ -54,20 +54,6 @@ def test_auto_splits_light_misses_between_host_and_link():
     assert m.choose(used=[0, 1], counts=[1, 1], resident=[], slots=2) == [0, 1]
 
 
-def test_auto_puts_the_host_first_only_where_its_link_is_slower():
-    """Auto on a CUDA device whose link moves an expert slower than the host computes one guesses into slots (as
-    misses does); a faster link, no link (CPU), or another mode keeps the staged guesses."""
-    store, _ = _store()
-    h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO)
-    assert not h.host_first()  # no device: no link
-    h.device, h.link_s, h.host_s = torch.device("cuda", 0), 2.0, 1.0
-    assert h.host_first()
-    h.host_s = 3.0
-    assert not h.host_first()
-    h.mode, h.host_s = ExpertCPUCompute.MISSES, 1.0
-    assert not h.host_first()
-
-
 def test_auto_samples_an_idle_host_again():
     """A host estimate that keeps every light miss on the link is measured again: after EXPLORE such layers one
     light miss goes to the host, the lightest and not the staged guess; a layer that uses the host restarts the
@@ -149,31 +135,6 @@ def test_offload_with_cpu_misses_generates_the_same(kind, impl):
     torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
     assert st["cpu_experts"] > 0 and st["cpu_expert_tokens"] >= st["cpu_experts"]
     assert st["prefetch_useful"] > 0  # the next layer's guesses land in slots and the GPU computes them there
-
-
-@pytest.mark.parametrize("busy", [True, False])
-def test_misses_drops_a_guess_while_the_link_is_busy(busy):
-    """With cpu_compute "misses" a layer's guess goes into a slot only while the link has nothing queued
-    (a dropped one's expert is computed on the host); either way the tokens are the plain model's."""
-    model = tiny_model("mixtral", "eager", top_k=2)
-    ref = clone(model)
-    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(7))
-    seq_ref, logits_ref = greedy(ref, ids, 8)
-    handle = offload_experts(model, {"gpu_experts_per_layer": 1, "cpu_compute": "misses"})
-    try:
-        assert handle.skip_busy_guesses
-        handle.cache.link_busy = lambda: busy  # the link as the cache would see it: still busy, or free
-        seq, logits = greedy(model, ids, 8)
-        st = handle.stats()
-    finally:
-        handle.close()
-    assert torch.equal(seq, seq_ref)
-    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
-    if busy:
-        assert st["guesses_skipped"] > 0 and st["prefetch_issued"] == 0
-    else:
-        assert st["guesses_skipped"] == 0 and st["prefetch_issued"] > 0
-    assert st["cpu_experts"] > 0
 
 
 def test_auto_sends_crowded_experts_to_the_device():

@@ -150,31 +150,3 @@ def test_gpu_storing_without_a_write_back_stream_uses_the_fill_stream():
     host, ev = tr.to_host(x)
     ev.synchronize()
     assert torch.equal(host, torch.arange(1000.0))
-
-
-def test_cpu_busy_while_a_copy_waits_to_run(cpu):
-    """busy() (the link still has copies queued: cpu_compute misses then drops a guess) holds from the submit until
-    the worker has run the copy, a chunk held back by its event included."""
-    assert not cpu.busy()
-    gate = concurrent.futures.Future()
-    dst, ev = cpu.load_chunk(torch.ones(4), after=gate)
-    assert cpu.busy()
-    gate.set_result(None)
-    cpu.take(dst, ev)
-    cpu.drain()
-    assert not cpu.busy()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_busy_while_its_stream_copies():
-    t = CudaTransfer(torch.device("cuda", 0))
-    src = pinned_empty((64 * N,), torch.float32)
-    dst = torch.empty(64 * N, device="cuda")
-    gate = torch.cuda.Event()
-    torch.cuda._sleep(100_000_000)  # the compute stream busy, the copy held behind it by the gate
-    gate.record()
-    ev = t._copies(gate, (dst, src))
-    assert t.busy()
-    ev.synchronize()
-    assert not t.busy()
