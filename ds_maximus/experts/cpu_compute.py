@@ -99,11 +99,12 @@ class HostExpertCompute:
         self.experts_computed = 0  # experts computed on the host
         self.tokens_computed = 0   # (token, expert) pairs computed on the host
         self.host_s = self.layout.nbytes / (HOST_GBPS_PRIOR * 1e9)  # host seconds per expert (running mean)
-        # auto's split between host and link needs a link: on a CUDA device, timed by calibrate()
+        # auto's split between host and link needs a link: on a CUDA device, one copy timed now, before the tier
+        # fills (timed after it, the copy ran at half the decode's rate)
         self.link_s: Optional[float] = None
         self.device = torch.device(device) if device is not None else None
         self._idle = 0  # auto's layers in a row with light misses, none of them sent to the host
-        if self._timed():  # the link before the tier fills: timed after it, the copy ran at half the decode's rate
+        if self._timed():
             self.link_s = self._time_link(self.device)
 
     def _timed(self) -> bool:
@@ -115,23 +116,19 @@ class HostExpertCompute:
         if self._timed():
             self.host_s = self._time_host()
 
-    @staticmethod
-    def _fastest(run) -> float:
-        """Seconds of the faster of two calls of ``run()``, after a warm-up call."""
-        best = float("inf")
-        for i in range(3):
-            t0 = time.perf_counter()
-            run()
-            if i:
-                best = min(best, time.perf_counter() - t0)
-        return best
-
     def _time_link(self, device: torch.device) -> float:
-        """Seconds of one expert's pinned host-to-device copy."""
+        """Seconds of one expert's pinned host-to-device copy (the faster of two, after a warm-up)."""
         src = self.store.host_view(0)
         dst = torch.empty_like(src, device=device)
         torch.cuda.synchronize(device)
-        return self._fastest(lambda: (dst.copy_(src, non_blocking=True), torch.cuda.synchronize(device)))
+        best = float("inf")
+        for i in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return best
 
     def _time_host(self) -> float:
         """Seconds of one token through one expert on the host, the median over ``HOST_SAMPLES`` different experts
@@ -139,10 +136,10 @@ class HostExpertCompute:
         running mean then follows (a fixed prior far from the host's speed would keep auto from ever trying the
         host, and so from ever measuring it)."""
         n = min(self.store.num_uids, HOST_SAMPLES + 1)
-        x = torch.zeros(1, self.weights(0)[0].shape[1])
+        experts = [self.weights(uid) for uid in range(n)]
+        x = torch.zeros(1, experts[0][0].shape[1])
         times = []
-        for uid in range(n):
-            w = self.weights(uid)
+        for w in experts:
             t0 = time.perf_counter()
             expert_cpu.swiglu(x, *w)
             times.append(time.perf_counter() - t0)

@@ -56,8 +56,8 @@ def test_auto_splits_light_misses_between_host_and_link():
 
 def test_auto_samples_an_idle_host_again():
     """A host estimate that keeps every light miss on the link is measured again: after EXPLORE such layers one
-    light miss goes to the host, the lightest and not the staged guess; a layer that uses the host restarts the
-    count, and one without light misses leaves it."""
+    light miss goes to the host, the lightest and not the staged guess; a layer that uses the host, or has no light
+    miss, restarts the count (the layers must be in a row)."""
     from ds_maximus.experts.cpu_compute import EXPLORE
     store, _ = _store()
     h = HostExpertCompute(store, 4, ExpertCPUCompute.AUTO, max_tokens=4)
@@ -65,7 +65,7 @@ def test_auto_samples_an_idle_host_again():
     ask = dict(used=[0, 1, 2], counts=[2, 1, 3, 0], resident=[], slots=3, staged=1, staged_frac=0.5)
     got = [h.choose(**ask) for _ in range(EXPLORE)]
     assert got[:-1] == [[]] * (EXPLORE - 1) and got[-1] == [0]
-    assert h.choose(used=[3], counts=[0, 0, 0, 9], resident=[], slots=3) == []  # crowded only: not counted
+    assert h.choose(used=[3], counts=[0, 0, 0, 9], resident=[], slots=3) == []  # crowded only: the row restarts
     got = [h.choose(**ask) for _ in range(EXPLORE - 1)]
     h.host_s = 1.5  # now the host takes the second miss: the count restarts
     assert h.choose(used=[0, 1, 2], counts=[1, 1, 1, 0], resident=[], slots=3) == [1]
