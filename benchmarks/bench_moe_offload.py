@@ -636,8 +636,14 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
+    p.add_argument("--host-overlap", choices=("on", "off"), default="on", help="the +cpu/+auto peers' host experts "
+                   "on a worker thread while the Python thread queues the next layer (on, the default) or in line "
+                   "(off, for comparison)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
+    if args.host_overlap == "off":
+        from ds_maximus.experts import cpu_compute
+        cpu_compute.OVERLAP = False
     if args.host_rows == "static":
         from ds_maximus.ops import expert_cpu
         expert_cpu.set_dynamic_rows(False)
@@ -674,7 +680,7 @@ def main(argv=None):
                          "agree tokens": args.agree_tokens, "batch": args.batch,
                          "prefill tokens": args.prefill_len or "-", "group size": args.group_size,
                          "GPU cap GiB": cap if cap else "none", "expert source": source,
-                         "decode gemv": args.decode_gemv,
+                         "decode gemv": args.decode_gemv, "host overlap": args.host_overlap,
                          "host GB/s": round(host_gbps, 1)},
                   notes=f"tokens/s = decode only (after prefill), every sequence of the batch; ms = 1000 / "
                         f"tokens/s; hit rates, prefetch, GB/token, stall ms, host experts/token: the decode's "

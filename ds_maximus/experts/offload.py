@@ -137,6 +137,8 @@ class MoEOffload:
             now = time.perf_counter()
             self._t_first = self._t_first or now
             self._tokens += hidden.shape[0]
+        if self.host_compute is not None:
+            self.host_compute.wait()  # the previous layer's host experts: their error, if any, stops the forward
         E = mod.num_experts
         counts = count_ids(top_k_index, E)
         votes = None
@@ -151,9 +153,11 @@ class MoEOffload:
         self._experts_hit += len(used)
         self._experts_hit_max = max(self._experts_hit_max, len(used))
         on_host = self._host_experts(group, used, counts) if self.host_compute else []
-        if on_host:  # copied before the GPU's expert work is queued, so the host computes while the GPU does
+        if on_host:  # started before the GPU's expert work is queued, so the host computes while the GPU does
             used = [e for e in used if e not in on_host]
-            host_in = (hidden.to("cpu"), top_k_weights.to("cpu"))
+            host_sum = self.host_compute.start(group, hidden, top_k_weights, on_host,
+                                               compute._pairs_of(pairs, top_k_index.size(-1), on_host),
+                                               wait=group == len(self.blocks) - 1)
         ctx = compute.ExpertComputeContext(self.cache, group, mod._original._apply_gate, E, mod.form)
         ctx.needed = used
         if votes:
@@ -168,8 +172,7 @@ class MoEOffload:
             prefetch, ctx.on_first_acquire = ctx.on_first_acquire, None
             if prefetch is not None:  # no slot was acquired (every expert on the host): queue it now
                 prefetch()
-            where = compute._pairs_of(pairs, top_k_index.size(-1), on_host)
-            out = out + self.host_compute.forward(group, *host_in, on_host, where).to(out.device, out.dtype)
+            out = out + host_sum(out.dtype)
         elif impl == "grouped_mm":
             out = compute.grouped_forward(ctx, hidden, top_k_index, top_k_weights, used, counts)
         elif impl == "batched_mm":
@@ -234,6 +237,8 @@ class MoEOffload:
         self._layer_calls = self._experts_hit = self._experts_hit_max = 0
 
     def close(self) -> None:
+        if self.host_compute is not None:
+            self.host_compute.close()
         self.cache.close()
         self.cache.store.close()
 

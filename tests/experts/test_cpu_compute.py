@@ -199,3 +199,25 @@ def test_offload_with_cpu_misses_on_the_gpu(mode):
     assert torch.equal(seq, seq_ref)
     torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
     assert st["cpu_experts"] > 0
+    assert st["cpu_layers_overlapped"] > 0  # the worker thread computed them while the Python thread went on
+
+
+@pytest.mark.gpu
+def test_a_host_expert_error_is_raised_and_leaves_no_stream_blocked(monkeypatch):
+    """A worker-thread error opens the gate (the device goes on) and is raised by the next layer's wait."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    store, _ = _store()
+    h = HostExpertCompute(store, 4, ExpertCPUCompute.MISSES)
+
+    def fail(*a):
+        raise RuntimeError("host expert failed")
+    monkeypatch.setattr(h, "forward", fail)
+    hidden = torch.randn(1, 16, device="cuda")
+    join = h.start(0, hidden, torch.ones(1, 2, device="cuda"), [1], {1: ([0], [0])})
+    assert join(torch.float32).shape == (1, 16)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="host expert failed"):
+        h.wait()
+    h.wait()  # raised once
+    h.close()
