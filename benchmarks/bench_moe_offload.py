@@ -165,6 +165,16 @@ def fill_experts(tensors: dict, layer: int, stds: dict) -> None:
         t.normal_(0.0, stds[name], generator=gen)
 
 
+def fill_host_experts(tensors: dict, layer: int, stds: dict, device) -> None:
+    """:func:`fill_experts` of host tensors through ``device``: the layer is drawn there (the numbers a build on
+    ``device`` draws) and copied into ``tensors``."""
+    with torch.no_grad():
+        tmp = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in tensors.items()}
+        fill_experts(tmp, layer, stds)
+        for n, t in tensors.items():
+            t.copy_(tmp[n])
+
+
 def init_stds(args, cfg) -> tuple:
     """``(std, embed_std, out_std)`` of ``--init``: ``hf``, every matrix N(0, initializer_range); ``scaled`` (the
     default), the projections that write into the residual stream (attention's o_proj, the experts' and shared
@@ -182,8 +192,11 @@ def _is_residual_out(name: str) -> bool:
     return name.endswith("o_proj.weight") or "down_proj" in name or name.endswith("w2")
 
 
-def build(args, device):
-    """The random model of ``--family``, allocated directly on ``device`` in ``args.dtype``.
+def build(args, device, host_experts: bool = False):
+    """The random model of ``--family``, allocated directly on ``device`` in ``args.dtype``; with
+    ``host_experts`` its experts in pageable host memory instead (made on the device a layer at a time and
+    copied there: the same numbers), as a model loaded on the host for ``offload_experts`` has them, so that a
+    model whose experts do not fit the GPU can be built at all.
 
     HF's weight init is skipped (``no_init_weights``: 11B parameters through ``_init_weights`` is slow,
     on CPU in fp32 minutes); every matrix is then filled in place from a normal of :func:`init_stds`' std
@@ -194,10 +207,18 @@ def build(args, device):
     from transformers.initialization import no_init_weights
     cfg, cls = model_config(args)
     torch.manual_seed(0)
-    with default_dtype(args.dtype), torch.device(device), no_init_weights():
-        model = cls(cfg)
+    with default_dtype(args.dtype), torch.device("cpu" if host_experts else device), no_init_weights():
+        model = cls(cfg)  # on the host: untouched pages until the experts are copied in
     blocks = find_moe_blocks(model)
     experts = {id(t) for b in blocks for t in b.expert_tensors().values()}
+    if host_experts:  # everything but the experts to the device
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) not in experts:
+                    mod._parameters[name] = nn.Parameter(p.data.to(device), requires_grad=p.requires_grad)
+            for name, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[name] = b.to(device)
     std, embed_std, out_std = init_stds(args, cfg)
     emb = model.get_input_embeddings().weight
     with torch.no_grad():
@@ -210,7 +231,10 @@ def build(args, device):
                 p.normal_(0.0, embed_std if p is emb else out_std if _is_residual_out(name) else std)
         model.bench_expert_stds = {n: out_std if _is_residual_out(n) else std for n in blocks[0].expert_tensors()}
         for i, b in enumerate(blocks):
-            fill_experts(b.expert_tensors(), i, model.bench_expert_stds)
+            if host_experts:
+                fill_host_experts(b.expert_tensors(), i, model.bench_expert_stds, device)
+            else:
+                fill_experts(b.expert_tensors(), i, model.bench_expert_stds)
     return model.eval()
 
 
@@ -331,15 +355,20 @@ def detach_offload(blocks):
             host_empty()
 
 
-def regenerate_experts(blocks, specs: dict, device, std: dict):
+def regenerate_experts(blocks, specs: dict, device, std: dict, on_host: bool = False):
     """Every MoE layer's experts made again on ``device``, layer by layer, from the generators the build used
-    (:func:`fill_experts`): the same weights, bit for bit, as the model had before an earlier offload took them.
+    (:func:`fill_experts`): the same weights, bit for bit, as the model had before an earlier offload took them
+    (``on_host``: drawn there and kept in pageable host memory, :func:`fill_host_experts`).
     ``specs``: ``{name: (shape, dtype)}`` of one layer's expert tensors, in the block's order."""
     detach_offload(blocks)
     with torch.no_grad():
         for i, b in enumerate(blocks):
-            tensors = {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in specs.items()}
-            fill_experts(tensors, i, std)
+            tensors = {n: torch.empty(shape, dtype=dtype, device="cpu" if on_host else device)
+                       for n, (shape, dtype) in specs.items()}
+            if on_host:
+                fill_host_experts(tensors, i, std, device)
+            else:
+                fill_experts(tensors, i, std)
             for n, t in tensors.items():
                 setattr(b.experts, n, nn.Parameter(t, requires_grad=False))
 
@@ -348,7 +377,12 @@ class ExpertSource:
     """Where each offloaded peer's experts come from, and the GPU cap around it.
 
     ``host``: one pageable host copy of every expert (:func:`experts_to_host`), re-attached before each offload:
-    for small runs and the CPU. ``gpu``: no host copy; each peer regenerates the experts on the compute device
+    for small runs and the CPU. ``host-regen``: the model was built with its experts in pageable host memory
+    (:func:`build`'s ``host_experts``), and each peer regenerates them there (:func:`regenerate_experts`
+    ``on_host``), as a user's model loaded from a checkpoint on the host has them: the GPU never holds more than
+    one layer of them, so a model whose experts exceed the GPU runs (the 32-layer Mixtral-8x7B on an 80 GB card);
+    the peers that need the whole model on the GPU (full, the agreement reference) do not run.
+    ``gpu``: no host copy; each peer regenerates the experts on the compute device
     (:func:`regenerate_experts`) with the cap lifted, offloads them (``offload_experts`` quantizes on the device
     and copies into the host tier, freeing the device copies), and :meth:`settle` applies the cap again and
     resets the peak. That set-up peaks above the cap (the whole model on the GPU for a moment; a user with a
@@ -360,7 +394,7 @@ class ExpertSource:
         self.kind, self.blocks, self.device, self.std, self.cap_gib = kind, blocks, device, std, cap_gib
         self.specs = {n: (tuple(t.shape), t.dtype) for n, t in blocks[0].expert_tensors().items()}
         self.snap = experts_to_host(blocks) if kind == "host" else None
-        if kind == "gpu":  # the build's copies go: every peer makes its own, and the cap holds until then
+        if kind in ("gpu", "host-regen"):  # the build's copies go: every peer makes its own (the cap holds)
             for b in blocks:
                 for n in self.specs:
                     delattr(b.experts, n)
@@ -380,7 +414,7 @@ class ExpertSource:
         if self.snap is not None:
             attach_experts(self.blocks, self.snap)
         else:
-            regenerate_experts(self.blocks, self.specs, self.device, self.std)
+            regenerate_experts(self.blocks, self.specs, self.device, self.std, on_host=self.kind == "host-regen")
 
     def settle(self):
         """After an offload: free what it left, cap the GPU, and start the peak count from here."""
@@ -620,8 +654,10 @@ def main(argv=None):
     p.add_argument("--peers", default=None, help=f"comma-separated peers to run, of: {', '.join(PEERS)}")
     p.add_argument("--cap-gib", type=float, default=None, help="cap the GPU at this many GiB for every peer but "
                    "'full' (torch.cuda.set_per_process_memory_fraction); on the CPU only --slots auto uses it")
-    p.add_argument("--expert-source", choices=("gpu", "host"), default=None, help="where each offloaded peer's "
-                   "experts come from: 'host', one pageable host copy; 'gpu', regenerated on the compute device "
+    p.add_argument("--expert-source", choices=("gpu", "host", "host-regen"), default=None, help="where each "
+                   "offloaded peer's experts come from: 'host', one pageable host copy; 'gpu', regenerated on the "
+                   "compute device; 'host-regen', built and regenerated in host memory (experts larger than the "
+                   "GPU; no 'full' peer, no agreement reference) "
                    "(default: host when the experts take under 40%% of host memory)")
     p.add_argument("--host-bw-gb", type=float, default=2.0, help="GB read to measure the host's bandwidth")
     p.add_argument("--budget-s", type=float, default=165.0, help="wall-clock budget; peers that no longer fit "
@@ -670,7 +706,10 @@ def main(argv=None):
     progress(f"host memory bandwidth: {host_gbps:.1f} GB/s ({torch.get_num_threads()} threads, sum() of fp32)")
     progress(f"building the {args.family} model on {device} ({args.layers} layers, H={args.hidden}, F={args.ffn}, "
              f"E={args.experts}, top-{args.top_k}, {args.dtype})")
-    model = build(args, device)
+    if source == "host-regen" and "full" in want:
+        progress("expert source host-regen: the experts never all sit on the GPU, so no 'full' peer")
+        want = [w for w in want if w != "full"]
+    model = build(args, device, host_experts=source == "host-regen")
     expert_gib = expert_bytes / GIB
     cap = args.cap_gib if device.type == "cuda" else None
     bench = Bench("moe_offload", dtype=str(args.dtype).replace("torch.", ""),
@@ -746,7 +785,10 @@ def main(argv=None):
     # length (~40 ms each on the H200), cached for the later peers
     if "full" in want:
         peer(base, "full", model, ids, args.tokens, warmup_tokens=args.tokens)
-    if budget.allows(cost["reference"] * scale, "the bf16 reference (token agree, rel err)"):
+    if source == "host-regen":
+        progress("expert source host-regen: no bf16 reference (it needs the whole model on the GPU); token agree "
+                 "and rel err are not measured")
+    elif budget.allows(cost["reference"] * scale, "the bf16 reference (token agree, rel err)"):
         progress(f"the bf16 model's {args.agree_tokens}-token greedy continuation and logits (the quality "
                  f"reference)")
         reference = Reference(model, ids, args.agree_tokens, mask)
@@ -755,8 +797,9 @@ def main(argv=None):
     blocks = find_moe_blocks(model)
     std = model.bench_expert_stds
     resident = resident_bytes(model, blocks)
-    progress("experts: " + ("moved to host memory (each offloaded peer starts from there)" if source == "host"
-                            else "regenerated on the device by each offloaded peer"))
+    progress("experts: " + {"host": "moved to host memory (each offloaded peer starts from there)",
+                            "host-regen": "in host memory, regenerated there by each offloaded peer"}.get(
+        source, "regenerated on the device by each offloaded peer"))
     src = ExpertSource(source, blocks, device, std, cap)
     src.settle()
     if cap:

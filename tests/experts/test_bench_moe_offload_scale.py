@@ -92,6 +92,33 @@ def test_regenerated_experts_equal_the_build(family, device):
         assert torch.equal(model(ids).logits, logits)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_host_regen_source_builds_the_same_weights_with_the_experts_on_the_host(device):
+    """``--expert-source host-regen``: the build keeps the experts in host memory (drawn on the device a layer at a
+    time: the device build's numbers), everything else on the device; each peer regenerates them there."""
+    device = torch.device(device)
+    args = small_args("mixtral")
+    if device.type == "cuda":
+        args.dtype = torch.bfloat16
+    want = dict(build(args, device).named_parameters())
+    model = build(args, device, host_experts=True)
+    blocks = find_moe_blocks(model)
+    experts = {id(t) for b in blocks for t in b.expert_tensors().values()}
+    for name, p in model.named_parameters():
+        assert p.device.type == ("cpu" if id(p) in experts else device.type), name
+        assert torch.equal(p.detach().cpu(), want[name].detach().cpu()), name
+    ids = torch.randint(1, args.vocab, (1, 12), generator=torch.Generator().manual_seed(3)).to(device)
+    src = ExpertSource("host-regen", blocks, device, model.bench_expert_stds)
+    src.restore()
+    for b in blocks:
+        for n, t in b.expert_tensors().items():
+            assert t.device.type == "cpu" and torch.equal(t, want[f"{b.name}.experts.{n}"].cpu()), n
+    handle = offload_experts(model, {"gpu_experts_per_layer": 2})
+    with torch.no_grad():
+        assert model(ids).logits.shape[-1] == args.vocab
+    handle.close()
+
+
 def test_reference_length_is_agree_tokens():
     """The quality reference is the bf16 model's continuation of ``--agree-tokens``, whatever the decode length."""
     args = small_args("mixtral")
