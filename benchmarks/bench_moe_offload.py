@@ -672,6 +672,9 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
+    p.add_argument("--busy-guesses", default="queue", help="the +cpu/+auto peers' next-layer guesses while the "
+                   "link still has copies queued: queue (the default), skip (dropped; the host computes the expert "
+                   "if routed), or queue,skip for both runs of each peer")
     p.add_argument("--host-overlap", choices=("on", "off"), default="on", help="the +cpu/+auto peers' host experts "
                    "on a worker thread while the Python thread queues the next layer (on, the default) or in line "
                    "(off, for comparison)")
@@ -900,13 +903,15 @@ def main(argv=None):
         """The default cache (staged guesses) with CPU compute of misses and/or the quantized tier, once per
         ``--prefetch-top-k`` value."""
         for k in args.prefetch_top_k or [None]:
-            run_variant_once(key, k)
+            for busy in args.busy_guesses.split(",") if CPU_MODES.get(key.partition("+")[2]) else ["queue"]:
+                run_variant_once(key, k, busy)
 
-    def run_variant_once(key, top_k):
+    def run_variant_once(key, top_k, busy="queue"):
         base, _, suffix = key.partition("+")
         bits, cpu = QUANT_BITS.get(base), CPU_MODES.get(suffix)
         name = (f"ours int{bits} (group {args.group_size})" if bits else "ours bf16") + \
-            (f" + cpu_compute={cpu}" if cpu else "") + (f", prefetch top-{top_k}" if top_k is not None else "")
+            (f" + cpu_compute={cpu}" if cpu else "") + (f", prefetch top-{top_k}" if top_k is not None else "") + \
+            (", busy guesses skipped" if busy == "skip" else "")
         need = setup_need(bits, "quant setup" if bits else "ours setup") + cost["ours"] * (bits / 16 if bits else 1)
         if not budget.allows(need * scale, name):
             bench.skip(name)
@@ -926,9 +931,12 @@ def main(argv=None):
             bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
             checkpoint()
             return
+        handle.skip_busy_guesses = busy == "skip"
         src.settle()
         progress(f"{name}: {slots} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
         peer(name, "ours", model, ids, args.tokens, handle, need=0)
+        if handle.skip_busy_guesses:
+            progress(f"{name}: guesses skipped while the link was busy: {handle.stats()['guesses_skipped']}")
         handle.close()
 
     def run_bnb():

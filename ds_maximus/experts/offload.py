@@ -105,6 +105,10 @@ class MoEOffload:
         self.cfg = cfg
         self.speculative_prefetch = bool(cfg.speculative_prefetch)
         self.keep_predicted = True  # in-slot guesses evict only residents outside the predicted routing
+        # a guess dropped while the link still has copies queued (bench_moe_offload --busy-guesses skip): the host
+        # computes the expert if it is routed; off by default until it measures faster
+        self.skip_busy_guesses = False
+        self._guesses_skipped = 0
         self._tokens = 0
         self._layer_calls = 0   # MoE layer forwards (a step of a batch, or a prefill, is one call a layer)
         self._experts_hit = 0   # distinct experts those calls routed to, summed
@@ -200,6 +204,9 @@ class MoEOffload:
         guess, predicted = votes[:E], votes[E:]
         limit = min(self.cfg.guesses(self.blocks[group].top_k), self.cache.slots_per_group)
         ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
+        if self.skip_busy_guesses and ranked and self.cache.link_busy():
+            self._guesses_skipped += 1
+            return
         # a guess never evicts a resident expert the prediction also routes to (it would likely hit)
         keep = [e for e in range(E) if predicted[e] > 0] if self.keep_predicted else None
         self.cache.prefetch(group, ranked, keep=keep)
@@ -218,6 +225,7 @@ class MoEOffload:
         s["layer_calls"] = self._layer_calls
         s["experts_per_layer"] = self._experts_hit / self._layer_calls if self._layer_calls else 0.0
         s["experts_per_layer_max"] = self._experts_hit_max
+        s["guesses_skipped"] = self._guesses_skipped  # layers whose guess was dropped: the link was still busy
         s["tokens_per_s"] = self._tokens / span if span > 0 else 0.0
         s["tier"] = self.cache.store.tier
         s["speculative_prefetch"] = self.speculative_prefetch
@@ -234,7 +242,7 @@ class MoEOffload:
         if self.host_compute is not None:
             self.host_compute.reset_stats()
         self._tokens, self._t_first, self._t_last = 0, None, None
-        self._layer_calls = self._experts_hit = self._experts_hit_max = 0
+        self._layer_calls = self._experts_hit = self._experts_hit_max = self._guesses_skipped = 0
 
     def close(self) -> None:
         if self.host_compute is not None:

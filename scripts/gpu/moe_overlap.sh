@@ -2,7 +2,8 @@
 # Host experts beside the Python thread (cpu_compute's worker thread and HostGate), on whichever card comes:
 #   1. our ops (row_ops cuda with the gate, expert_cpu), then the gate's and cpu_compute's GPU tests
 #   2. the 32-layer Mixtral-8x7B shape at a 16 GiB cap, batch-1 decode of 32 tokens, each peer run twice (a
-#      process's first offloaded run is slow): int4 with 3 slots a layer, off and auto; bf16 with 1 slot, misses.
+#      process's first offloaded run is slow): int4 with 3 slots a layer, off and auto; bf16 with 1 slot, misses,
+#      its guesses queued and dropped while the link is busy (--busy-guesses; the first run warms the process up).
 #      On a card too small for the whole model (an H100's 80 GB against 93 GB) the experts are built and kept in
 #      host memory (--expert-source host-regen: no 'full' peer, no agreement reference); on an H200 on the GPU.
 #   3. with the time left, the same peers once more with --host-overlap off (the in-line host experts).
@@ -20,7 +21,7 @@ SRC=gpu
 [ "${MEM:-0}" -lt 120000 ] && [ "$LAYERS" -gt 24 ] && SRC=host-regen
 grep -E "MemTotal|MemAvailable" /proc/meminfo
 B="python -u -m benchmarks.bench_moe_offload --family mixtral --layers $LAYERS --cap-gib 16 --agree-tokens 16
-   --expert-source $SRC --ours-variants default --tokens 32 --prefetch-top-k 1,1"
+   --expert-source $SRC --ours-variants default --tokens 32"
 run() {  # run NAME SECONDS ARGS...: one bench process under a timeout, its table printed
   local name=$1 s=$2
   shift 2
@@ -31,6 +32,6 @@ run() {  # run NAME SECONDS ARGS...: one bench process under a timeout, its tabl
   cat "$OUT/$name.md"
 }
 left() { echo $(( ${TOTAL_S:-560} - (SECONDS - T0) )); }
-run overlap_int4 $(( $(left) * 45 / 100 )) --slots 3 --peers int4,int4+auto
-run overlap_bf16 $(( $(left) * 55 / 100 )) --slots 1 --peers bf16+cpu
+run overlap_int4 $(( $(left) * 42 / 100 )) --slots 3 --peers int4,int4+auto --prefetch-top-k 1,1
+run overlap_bf16 $(( $(left) * 85 / 100 )) --slots 1 --peers bf16+cpu --busy-guesses skip,queue,skip
 run overlap_off $(( $(left) - 10 )) --slots 3 --peers int4+auto --host-overlap off

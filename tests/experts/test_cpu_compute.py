@@ -221,3 +221,27 @@ def test_a_host_expert_error_is_raised_and_leaves_no_stream_blocked(monkeypatch)
         h.wait()
     h.wait()  # raised once
     h.close()
+
+
+def test_guesses_skipped_while_the_link_is_busy(monkeypatch):
+    """skip_busy_guesses (bench_moe_offload --busy-guesses skip): a layer's guess is dropped and counted while the
+    link has copies queued, and issued as before once it is idle; the tokens stay the reference's."""
+    model = tiny_model("mixtral", "eager", top_k=2)
+    ref = clone(model)
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(7))
+    seq_ref, _ = greedy(ref, ids, 6)
+    handle = offload_experts(model, {"gpu_experts_per_layer": 1, "cpu_compute": "misses"})
+    handle.skip_busy_guesses = True
+    monkeypatch.setattr(handle.cache, "link_busy", lambda: True)
+    try:
+        seq, _ = greedy(model, ids, 6)
+        st = handle.stats()
+        assert torch.equal(seq, seq_ref)
+        assert st["guesses_skipped"] > 0 and st["prefetch_issued"] == 0
+        handle.reset_stats()
+        monkeypatch.setattr(handle.cache, "link_busy", lambda: False)
+        greedy(model, ids, 2)
+        st = handle.stats()
+        assert st["guesses_skipped"] == 0 and st["prefetch_issued"] > 0
+    finally:
+        handle.close()
