@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Host experts beside the Python thread (cpu_compute's worker thread and HostGate), on whichever card comes:
 #   1. our ops (row_ops cuda with the gate, expert_cpu), then the gate's and cpu_compute's GPU tests
-#   2. the Mixtral-8x7B shape (32 layers on an H200, 24 on an H100 unless $LAYERS) at a 16 GiB cap, batch-1 decode of 32 tokens, each peer run twice (a
-#      process's first offloaded run is slow): int4 with 3 slots a layer, off and auto; bf16 with 1 slot, misses,
+#   2. the Mixtral-8x7B shape (32 layers on an H200, 24 on an H100 unless $LAYERS) at a 16 GiB cap, batch-1
+#      decode of 32 tokens, each peer run twice (a process's first offloaded run is slow): int4 with 3 slots a layer, off and auto; bf16 with 1 slot, misses,
 #      its guesses queued and dropped while the link is busy (--busy-guesses; the first run warms the process up).
 #      With LAYERS=32 on a card too small for the whole model (an H100's 80 GB against 93 GB) the experts are built
 #      and kept in host memory (--expert-source host-regen: no 'full' peer, no agreement reference).
