@@ -672,17 +672,8 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
-    p.add_argument("--busy-guesses", default="queue", help="the +cpu/+auto peers' next-layer guesses while the "
-                   "link still has copies queued: queue (the default), skip (dropped; the host computes the expert "
-                   "if routed), or queue,skip for both runs of each peer")
-    p.add_argument("--host-overlap", choices=("on", "off"), default="on", help="the +cpu/+auto peers' host experts "
-                   "on a worker thread while the Python thread queues the next layer (on, the default) or in line "
-                   "(off, for comparison)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
-    if args.host_overlap == "off":
-        from ds_maximus.experts import cpu_compute
-        cpu_compute.OVERLAP = False
     if args.host_rows == "static":
         from ds_maximus.ops import expert_cpu
         expert_cpu.set_dynamic_rows(False)
@@ -722,7 +713,7 @@ def main(argv=None):
                          "agree tokens": args.agree_tokens, "batch": args.batch,
                          "prefill tokens": args.prefill_len or "-", "group size": args.group_size,
                          "GPU cap GiB": cap if cap else "none", "expert source": source,
-                         "decode gemv": args.decode_gemv, "host overlap": args.host_overlap,
+                         "decode gemv": args.decode_gemv,
                          "host GB/s": round(host_gbps, 1)},
                   notes=f"tokens/s = decode only (after prefill), every sequence of the batch; ms = 1000 / "
                         f"tokens/s; hit rates, prefetch, GB/token, stall ms, host experts/token: the decode's "
@@ -903,15 +894,13 @@ def main(argv=None):
         """The default cache (staged guesses) with CPU compute of misses and/or the quantized tier, once per
         ``--prefetch-top-k`` value."""
         for k in args.prefetch_top_k or [None]:
-            for busy in args.busy_guesses.split(",") if CPU_MODES.get(key.partition("+")[2]) else ["queue"]:
-                run_variant_once(key, k, busy)
+            run_variant_once(key, k)
 
-    def run_variant_once(key, top_k, busy="queue"):
+    def run_variant_once(key, top_k):
         base, _, suffix = key.partition("+")
         bits, cpu = QUANT_BITS.get(base), CPU_MODES.get(suffix)
         name = (f"ours int{bits} (group {args.group_size})" if bits else "ours bf16") + \
-            (f" + cpu_compute={cpu}" if cpu else "") + (f", prefetch top-{top_k}" if top_k is not None else "") + \
-            (", busy guesses skipped" if busy == "skip" else "")
+            (f" + cpu_compute={cpu}" if cpu else "") + (f", prefetch top-{top_k}" if top_k is not None else "")
         need = setup_need(bits, "quant setup" if bits else "ours setup") + cost["ours"] * (bits / 16 if bits else 1)
         if not budget.allows(need * scale, name):
             bench.skip(name)
@@ -931,12 +920,9 @@ def main(argv=None):
             bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
             checkpoint()
             return
-        handle.skip_busy_guesses = busy == "skip"
         src.settle()
         progress(f"{name}: {slots} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
         peer(name, "ours", model, ids, args.tokens, handle, need=0)
-        if handle.skip_busy_guesses:
-            progress(f"{name}: guesses skipped while the link was busy: {handle.stats()['guesses_skipped']}")
         handle.close()
 
     def run_bnb():

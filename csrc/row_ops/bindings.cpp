@@ -97,13 +97,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "s0"_a, "s1"_a, "slots"_a, "grads"_a, "last_step"_a, "lr_hist"_a, "wd_hist"_a, "step"_a, "lr"_a,
           "weight_decay"_a, "beta1"_a, "beta2"_a, "eps"_a, "optimizer"_a, "lazy"_a, "has_grad"_a, "grad_scale"_a,
           "shadow"_a, nogil());
-#ifdef MAXIMUS_WITH_CUDA
-    pybind11::class_<maximus::HostGate>(m, "HostGate",
-                                        "holds back a CUDA stream's later work until open() (opened when dropped)")
-        .def(pybind11::init<>())
-        .def("wait_on", &maximus::HostGate::wait_on, "what is queued on this stream (cuda_stream) after now waits",
-             "stream"_a, nogil())
-        .def("open", &maximus::HostGate::open, "let the waiting streams run on", nogil())
-        .def("is_open", &maximus::HostGate::is_open);
-#endif
 }

@@ -3,10 +3,6 @@
 #pragma once
 #include <torch/extension.h>
 
-#include <condition_variable>
-#include <memory>
-#include <mutex>
-
 namespace maximus {
 
 struct RowUpdateArgs {
@@ -50,29 +46,6 @@ void copy_rows_cuda(const at::Tensor& src, const at::Tensor& src_idx, at::Tensor
 void row_update_cuda(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const at::Tensor& slots,
                      const at::Tensor& grads, const at::Tensor& last_step, const at::Tensor& lr_hist,
                      const at::Tensor& wd_hist, const RowUpdateArgs& a);
-
-struct HostGateState {
-    std::mutex m;
-    std::condition_variable cv;
-    bool open = false;
-};
-
-// Holds back what a CUDA stream runs after wait_on(stream) until open() (from any host thread): the GPU side of
-// work the host finishes later (a missed expert computed on the host while the Python thread queues the next
-// layer). Opened when dropped.
-class HostGate {
-  public:
-    HostGate();
-    ~HostGate();
-    HostGate(const HostGate&) = delete;
-    HostGate& operator=(const HostGate&) = delete;
-    void wait_on(int64_t stream);  // stream: a cudaStream_t as an integer (torch.cuda.Stream.cuda_stream)
-    void open();
-    bool is_open() const;
-
-  private:
-    std::shared_ptr<HostGateState> state_;
-};
 #endif
 
 inline void check_update_args(const at::Tensor& weight, const at::Tensor& s0, const at::Tensor& s1,

@@ -14,13 +14,6 @@ measurement counted at most twice the mean). A mean that keeps the host idle is 
 layers in a row whose light misses all went over the link, one of them goes to the host (a first estimate taken
 while the host was busy would otherwise stand for the rest of the run).
 
-On a CUDA device the host's share runs beside the Python thread (:meth:`HostExpertCompute.start`): the layer's
-hidden states cross to pinned memory on a side stream, a worker thread computes the experts, and the side stream
-waits at a :class:`HostGate` (the CUDA op's) before it copies the sum back; the layer's output waits for that copy
-on the device, not on the host. The Python thread meanwhile queues the next layer's attention, whose launches
-would otherwise follow the host's experts instead of running beside them. Without the CUDA op the share is
-computed on the calling thread, as on a CPU device.
-
 The result equals the GPU path's within fp32-accumulation tolerances: the host computes each expert's
 SwiGLU in fp32 from the same weights (exact, or the quantized tier's packed form, decoded in the op), scales it by
 the same routing weight, and adds it into the layer's output in the model's dtype (the order of the additions
@@ -40,8 +33,7 @@ Works with fused SwiGLU experts (``gate_up_proj`` ``[2F, H]`` with the gate rows
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -49,7 +41,7 @@ from torch import Tensor
 from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts.quant import QuantizedTensor
-from ds_maximus.ops import expert_cpu, row_ops
+from ds_maximus.ops import expert_cpu
 
 # expert_cpu is used as a module, its names read at call time: ops.expert_cpu imports experts.quant, so this
 # module can be reached while ops.expert_cpu is still initialising
@@ -60,8 +52,6 @@ EMA = 0.2               # weight of the newest measurement in the host's running
 SPIKE = 2.0             # a measurement counts at most this many times the running mean (one preempted call must not
                         # turn auto away from the host for the rest of the run)
 EXPLORE = 32            # layers in a row with light misses but none on the host, after which one goes to the host
-OVERLAP = True          # start() on a CUDA device runs the host's share on the worker thread (False: in line, as
-                        # before it; kept for the benchmark's comparison, bench_moe_offload --host-overlap off)
 HOST_SAMPLES = 4        # experts timed (after a warm-up call) for the host's first estimate; their median counts
 
 
@@ -108,17 +98,12 @@ class HostExpertCompute:
         self.max_tokens = int(max_tokens)
         self.experts_computed = 0  # experts computed on the host
         self.tokens_computed = 0   # (token, expert) pairs computed on the host
-        self.layers_overlapped = 0  # layer calls whose host share ran on the worker thread (start, CUDA)
         self.host_s = self.layout.nbytes / (HOST_GBPS_PRIOR * 1e9)  # host seconds per expert (running mean)
         # auto's split between host and link needs a link: on a CUDA device, one copy timed now, before the tier
         # fills (timed after it, the copy ran at half the decode's rate)
         self.link_s: Optional[float] = None
         self.device = torch.device(device) if device is not None else None
         self._idle = 0  # auto's layers in a row with light misses, none of them sent to the host
-        self._pool: Optional[ThreadPoolExecutor] = None  # the worker thread of start() on a CUDA device
-        self._side: Optional[torch.cuda.Stream] = None   # its copies and gate
-        self._job: Optional[Future] = None               # the layer in flight
-        self._gates = True                               # False once the CUDA op turned out not to build
         if self._timed():
             self.link_s = self._time_link(self.device)
 
@@ -219,86 +204,6 @@ class HostExpertCompute:
             return gate_up.rows(0, ffn), gate_up.rows(ffn, 2 * ffn), self.layout.view(flat, "down_proj")
         return gate_up[:ffn], gate_up[ffn:], self.layout.view(flat, "down_proj")
 
-    def start(self, group: int, hidden: Tensor, top_k_weights: Tensor, experts: Sequence[int],
-              where: Dict[int, Tuple[List[int], List[int]]], wait: bool = False) -> Callable[[torch.dtype], Tensor]:
-        """Start the host's share of a layer (arguments as :meth:`forward`); returns ``join(dtype)``, which gives
-        the sum on ``hidden``'s device in ``dtype``. Call it before queuing the layer's GPU experts and ``join``
-        after. On a CUDA device with the CUDA op the experts are computed by a worker thread while the caller goes
-        on, and ``join`` only makes the current stream wait for the sum (``wait``: the caller's thread waits too,
-        as after a model's last layer, where nothing is left to queue meanwhile); elsewhere the inputs are copied
-        now and ``join`` computes. A worker's error is raised by the next :meth:`wait` (every layer's forward
-        begins with one), before any later layer or the model's output can use its sum."""
-        self.wait()
-        gate = self._gate() if hidden.is_cuda and OVERLAP else None
-        if gate is None:
-            x, rw = hidden.detach().to("cpu"), top_k_weights.detach().to("cpu")
-            return lambda dtype: self.forward(group, x, rw, experts, where).to(hidden.device, dtype)
-        device = hidden.device
-        cur = torch.cuda.current_stream(device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maximus-host-experts")
-        side = self._side
-        n, width = hidden.shape
-        x_host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-        rw_host = torch.empty(top_k_weights.shape, dtype=top_k_weights.dtype, pin_memory=True)
-        out_host = torch.empty(n, width, dtype=torch.float32, pin_memory=True)
-        out = torch.empty(n, width, dtype=torch.float32, device=device)  # before the side stream waits on cur
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            hidden.record_stream(side)
-            top_k_weights.record_stream(side)
-            x_host.copy_(hidden.detach(), non_blocking=True)
-            rw_host.copy_(top_k_weights.detach(), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(side)
-            gate.wait_on(side.cuda_stream)
-            out.copy_(out_host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-        self.layers_overlapped += 1
-        self._job = self._pool.submit(self._work, gate, ready, group, x_host, rw_host, out_host, experts, where)
-
-        def join(dtype: torch.dtype) -> Tensor:
-            cur.wait_event(done)
-            if wait:
-                self.wait()
-            return out.to(dtype)
-        return join
-
-    def _gate(self):
-        """A new gate, or ``None`` when the CUDA op does not build here (then every layer computes in line)."""
-        if self._gates:
-            gate = row_ops.host_gate()
-            if gate is not None:
-                return gate
-            self._gates = False
-        return None
-
-    def _work(self, gate, ready, group, x_host, rw_host, out_host, experts, where) -> None:
-        """The worker thread's part of :meth:`start`; the gate opens whatever happens (a stream left blocked
-        would hang the device), and an error is raised by :meth:`wait`."""
-        try:
-            ready.synchronize()
-            out_host.copy_(self.forward(group, x_host, rw_host, experts, where))
-        finally:
-            gate.open()
-
-    def wait(self) -> None:
-        """Wait for the layer in flight on the worker thread, raising its error."""
-        job, self._job = self._job, None
-        if job is not None:
-            job.result()
-
-    def close(self) -> None:
-        """Finish the layer in flight and stop the worker thread."""
-        try:
-            self.wait()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = self._side = None
-
     def forward(self, group: int, hidden: Tensor, top_k_weights: Tensor, experts: Sequence[int],
                 where: Dict[int, Tuple[List[int], List[int]]]) -> Tensor:
         """Sum over ``experts`` of each expert's routing-weighted output, fp32 ``[tokens, hidden]`` on the host.
@@ -321,12 +226,10 @@ class HostExpertCompute:
         return out
 
     def stats(self) -> dict:
-        """Experts and (token, expert) pairs computed on the host, the layer calls of those that ran beside the
-        Python thread, the split's cost estimates (ms an expert)."""
+        """Experts and (token, expert) pairs computed on the host; the split's cost estimates, ms an expert."""
         return {"cpu_experts": self.experts_computed, "cpu_expert_tokens": self.tokens_computed,
-                "cpu_layers_overlapped": self.layers_overlapped,
                 "cpu_ms_per_expert": self.host_s * 1e3,
                 "link_ms_per_expert": self.link_s * 1e3 if self.link_s is not None else None}
 
     def reset_stats(self) -> None:
-        self.experts_computed = self.tokens_computed = self.layers_overlapped = 0
+        self.experts_computed = self.tokens_computed = 0

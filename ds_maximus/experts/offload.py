@@ -105,10 +105,6 @@ class MoEOffload:
         self.cfg = cfg
         self.speculative_prefetch = bool(cfg.speculative_prefetch)
         self.keep_predicted = True  # in-slot guesses evict only residents outside the predicted routing
-        # a guess dropped while the link still has copies queued (bench_moe_offload --busy-guesses skip): the host
-        # computes the expert if it is routed; off by default until it measures faster
-        self.skip_busy_guesses = False
-        self._guesses_skipped = 0
         self._tokens = 0
         self._layer_calls = 0   # MoE layer forwards (a step of a batch, or a prefill, is one call a layer)
         self._experts_hit = 0   # distinct experts those calls routed to, summed
@@ -141,8 +137,6 @@ class MoEOffload:
             now = time.perf_counter()
             self._t_first = self._t_first or now
             self._tokens += hidden.shape[0]
-        if self.host_compute is not None:
-            self.host_compute.wait()  # the previous layer's host experts: their error, if any, stops the forward
         E = mod.num_experts
         counts = count_ids(top_k_index, E)
         votes = None
@@ -157,11 +151,9 @@ class MoEOffload:
         self._experts_hit += len(used)
         self._experts_hit_max = max(self._experts_hit_max, len(used))
         on_host = self._host_experts(group, used, counts) if self.host_compute else []
-        if on_host:  # started before the GPU's expert work is queued, so the host computes while the GPU does
+        if on_host:  # copied before the GPU's expert work is queued, so the host computes while the GPU does
             used = [e for e in used if e not in on_host]
-            host_sum = self.host_compute.start(group, hidden, top_k_weights, on_host,
-                                               compute._pairs_of(pairs, top_k_index.size(-1), on_host),
-                                               wait=group == len(self.blocks) - 1)
+            host_in = (hidden.to("cpu"), top_k_weights.to("cpu"))
         ctx = compute.ExpertComputeContext(self.cache, group, mod._original._apply_gate, E, mod.form)
         ctx.needed = used
         if votes:
@@ -176,7 +168,8 @@ class MoEOffload:
             prefetch, ctx.on_first_acquire = ctx.on_first_acquire, None
             if prefetch is not None:  # no slot was acquired (every expert on the host): queue it now
                 prefetch()
-            out = out + host_sum(out.dtype)
+            where = compute._pairs_of(pairs, top_k_index.size(-1), on_host)
+            out = out + self.host_compute.forward(group, *host_in, on_host, where).to(out.device, out.dtype)
         elif impl == "grouped_mm":
             out = compute.grouped_forward(ctx, hidden, top_k_index, top_k_weights, used, counts)
         elif impl == "batched_mm":
@@ -204,9 +197,6 @@ class MoEOffload:
         guess, predicted = votes[:E], votes[E:]
         limit = min(self.cfg.guesses(self.blocks[group].top_k), self.cache.slots_per_group)
         ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
-        if self.skip_busy_guesses and ranked and self.cache.link_busy():
-            self._guesses_skipped += 1
-            return
         # a guess never evicts a resident expert the prediction also routes to (it would likely hit)
         keep = [e for e in range(E) if predicted[e] > 0] if self.keep_predicted else None
         self.cache.prefetch(group, ranked, keep=keep)
@@ -225,7 +215,6 @@ class MoEOffload:
         s["layer_calls"] = self._layer_calls
         s["experts_per_layer"] = self._experts_hit / self._layer_calls if self._layer_calls else 0.0
         s["experts_per_layer_max"] = self._experts_hit_max
-        s["guesses_skipped"] = self._guesses_skipped  # layers whose guess was dropped: the link was still busy
         s["tokens_per_s"] = self._tokens / span if span > 0 else 0.0
         s["tier"] = self.cache.store.tier
         s["speculative_prefetch"] = self.speculative_prefetch
@@ -242,11 +231,9 @@ class MoEOffload:
         if self.host_compute is not None:
             self.host_compute.reset_stats()
         self._tokens, self._t_first, self._t_last = 0, None, None
-        self._layer_calls = self._experts_hit = self._experts_hit_max = self._guesses_skipped = 0
+        self._layer_calls = self._experts_hit = self._experts_hit_max = 0
 
     def close(self) -> None:
-        if self.host_compute is not None:
-            self.host_compute.close()
         self.cache.close()
         self.cache.store.close()
 

@@ -61,13 +61,6 @@ def host_op():
     return op if op is not None else load_op("cpu")
 
 
-def host_gate():
-    """A new ``HostGate`` of the CUDA op (:meth:`wait_on` a stream, then :meth:`open` from any host thread), or
-    ``None`` when the CUDA op cannot be built here."""
-    op = load_op("cuda") if torch.cuda.is_available() else None
-    return op.HostGate() if op is not None else None
-
-
 def gather(table: Tensor, slots: Tensor, inverse: Tensor, out_dtype: torch.dtype) -> Tensor:
     """``out[n] = table[slots[inverse[n]]]`` in ``out_dtype`` (one fused kernel)."""
     op = op_for(table)

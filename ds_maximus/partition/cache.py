@@ -554,10 +554,6 @@ class SlotCache(CacheCore):
         if done:
             g.map.unpin(torch.tensor(done, dtype=torch.long))
 
-    def link_busy(self) -> bool:
-        """Whether the link still has copies queued (loads, prefetch heads or rests, staged heads)."""
-        return self.transfer.busy()
-
     def _drain(self, g: _Group) -> None:
         """Wait (host) for every prefetch of the group in flight, then unpin them."""
         t0 = time.perf_counter()

@@ -201,11 +201,6 @@ class CpuTransfer:
     cancel = staticmethod(cancel)
 
     @staticmethod
-    def busy() -> bool:
-        """Whether the link has copies queued: never on a CPU device (no link between tier and slots)."""
-        return False
-
-    @staticmethod
     def done(event) -> bool:
         if isinstance(event, PrefetchJob):
             return event.cancelled or event.landed.is_set()
@@ -376,10 +371,6 @@ class CudaTransfer:
                 self._queue(job, *r)
 
     cancel = staticmethod(cancel)
-
-    def busy(self) -> bool:
-        """Whether the copy stream still has copies queued (the link is busy)."""
-        return not self.stream.query()
 
     @staticmethod
     def done(event) -> bool:

@@ -284,31 +284,3 @@ def test_ops_fall_back_to_reference_when_disabled(monkeypatch):
     assert ops.load_op("cpu") is None
     out = ops.gather(torch.eye(4), torch.tensor([1]), torch.tensor([0, 0]), torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out[0, 1] == 1
-
-
-@pytest.mark.gpu
-def test_host_gate_holds_a_stream_until_opened():
-    """Work queued after HostGate.wait_on runs only once a host thread opens the gate; a dropped gate opens."""
-    import threading
-    import time
-    _op("cuda")
-    stream = torch.cuda.Stream()
-    x = torch.zeros(4, device="cuda")
-    gate = ops.host_gate()
-    with torch.cuda.stream(stream):
-        gate.wait_on(stream.cuda_stream)
-        x.fill_(1.0)
-        done = torch.cuda.Event()
-        done.record(stream)
-    time.sleep(0.05)
-    assert not done.query() and not gate.is_open()
-    threading.Thread(target=gate.open).start()
-    done.synchronize()
-    assert gate.is_open() and x.tolist() == [1.0] * 4
-    dropped = ops.host_gate()
-    with torch.cuda.stream(stream):
-        dropped.wait_on(stream.cuda_stream)
-        x.fill_(2.0)
-    del dropped
-    stream.synchronize()
-    assert x.tolist() == [2.0] * 4

@@ -279,44 +279,4 @@ void row_update_cuda(at::Tensor& weight, at::Tensor& s0, at::Tensor& s1, const a
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// ---- HostGate: work queued on a stream after wait_on() runs once the host calls open() ----------------------
-// A host function (cudaLaunchHostFunc) blocks the stream's queue on a condition variable; it makes no CUDA call.
-// The state is shared with every queued wait, so a gate dropped while waits are queued leaves nothing dangling,
-// and dropping it opens it (a stream is never left blocked by a gate nobody holds).
-namespace {
-void CUDART_CB host_gate_block(void* p) {
-    auto* hold = static_cast<std::shared_ptr<HostGateState>*>(p);
-    {
-        HostGateState& s = **hold;
-        std::unique_lock<std::mutex> lock(s.m);
-        s.cv.wait(lock, [&] { return s.open; });
-    }
-    delete hold;
-}
-}  // namespace
-
-HostGate::HostGate() : state_(std::make_shared<HostGateState>()) {}
-
-HostGate::~HostGate() { open(); }
-
-void HostGate::wait_on(int64_t stream) {
-    auto* hold = new std::shared_ptr<HostGateState>(state_);
-    cudaError_t err = cudaLaunchHostFunc(reinterpret_cast<cudaStream_t>(stream), host_gate_block, hold);
-    if (err != cudaSuccess) delete hold;
-    C10_CUDA_CHECK(err);
-}
-
-void HostGate::open() {
-    {
-        std::lock_guard<std::mutex> lock(state_->m);
-        state_->open = true;
-    }
-    state_->cv.notify_all();
-}
-
-bool HostGate::is_open() const {
-    std::lock_guard<std::mutex> lock(state_->m);
-    return state_->open;
-}
-
 }  // namespace maximus
