@@ -155,24 +155,19 @@ def model_config(args):
                          max_position_embeddings=4096), MixtralForCausalLM
 
 
-def fill_experts(tensors: dict, layer: int, stds: dict) -> None:
+def fill_experts(tensors: dict, layer: int, stds: dict, device=None) -> None:
     """Fill one MoE layer's expert tensors (``{name: [E, ...]}``, in the block's order) in place from that
     layer's own generator, ``torch.Generator(device).manual_seed(EXPERT_SEED + layer)``, each with its std
-    (``stds[name]``): the build and every regeneration (``--expert-source gpu``) draw the same numbers."""
-    device = next(iter(tensors.values())).device
+    (``stds[name]``): the build and every regeneration (``--expert-source gpu``) draw the same numbers.
+    ``device``: where they are drawn (default: the tensors' own); a tensor on another device type (the host, with
+    ``--expert-source host-regen``) gets a copy of what ``device`` draws, one tensor at a time."""
+    device = torch.device(device) if device is not None else next(iter(tensors.values())).device
     gen = torch.Generator(device).manual_seed(EXPERT_SEED + layer)
     for name, t in tensors.items():
-        t.normal_(0.0, stds[name], generator=gen)
-
-
-def fill_host_experts(tensors: dict, layer: int, stds: dict, device) -> None:
-    """:func:`fill_experts` of host tensors through ``device``: the layer is drawn there (the numbers a build on
-    ``device`` draws) and copied into ``tensors``."""
-    with torch.no_grad():
-        tmp = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in tensors.items()}
-        fill_experts(tmp, layer, stds)
-        for n, t in tensors.items():
-            t.copy_(tmp[n])
+        if t.device.type == device.type:
+            t.normal_(0.0, stds[name], generator=gen)
+        else:
+            t.copy_(torch.empty(t.shape, dtype=t.dtype, device=device).normal_(0.0, stds[name], generator=gen))
 
 
 def init_stds(args, cfg) -> tuple:
@@ -194,7 +189,7 @@ def _is_residual_out(name: str) -> bool:
 
 def build(args, device, host_experts: bool = False):
     """The random model of ``--family``, allocated directly on ``device`` in ``args.dtype``; with
-    ``host_experts`` its experts in pageable host memory instead (made on the device a layer at a time and
+    ``host_experts`` its experts in pageable host memory instead (drawn on the device a tensor at a time and
     copied there: the same numbers), as a model loaded on the host for ``offload_experts`` has them, so that a
     model whose experts do not fit the GPU can be built at all.
 
@@ -231,10 +226,7 @@ def build(args, device, host_experts: bool = False):
                 p.normal_(0.0, embed_std if p is emb else out_std if _is_residual_out(name) else std)
         model.bench_expert_stds = {n: out_std if _is_residual_out(n) else std for n in blocks[0].expert_tensors()}
         for i, b in enumerate(blocks):
-            if host_experts:
-                fill_host_experts(b.expert_tensors(), i, model.bench_expert_stds, device)
-            else:
-                fill_experts(b.expert_tensors(), i, model.bench_expert_stds)
+            fill_experts(b.expert_tensors(), i, model.bench_expert_stds, device)
     return model.eval()
 
 
@@ -358,17 +350,14 @@ def detach_offload(blocks):
 def regenerate_experts(blocks, specs: dict, device, std: dict, on_host: bool = False):
     """Every MoE layer's experts made again on ``device``, layer by layer, from the generators the build used
     (:func:`fill_experts`): the same weights, bit for bit, as the model had before an earlier offload took them
-    (``on_host``: drawn there and kept in pageable host memory, :func:`fill_host_experts`).
+    (``on_host``: drawn there and kept in pageable host memory).
     ``specs``: ``{name: (shape, dtype)}`` of one layer's expert tensors, in the block's order."""
     detach_offload(blocks)
     with torch.no_grad():
         for i, b in enumerate(blocks):
             tensors = {n: torch.empty(shape, dtype=dtype, device="cpu" if on_host else device)
                        for n, (shape, dtype) in specs.items()}
-            if on_host:
-                fill_host_experts(tensors, i, std, device)
-            else:
-                fill_experts(tensors, i, std)
+            fill_experts(tensors, i, std, device)
             for n, t in tensors.items():
                 setattr(b.experts, n, nn.Parameter(t, requires_grad=False))
 
@@ -379,9 +368,10 @@ class ExpertSource:
     ``host``: one pageable host copy of every expert (:func:`experts_to_host`), re-attached before each offload:
     for small runs and the CPU. ``host-regen``: the model was built with its experts in pageable host memory
     (:func:`build`'s ``host_experts``), and each peer regenerates them there (:func:`regenerate_experts`
-    ``on_host``), as a user's model loaded from a checkpoint on the host has them: the GPU never holds more than
-    one layer of them, so a model whose experts exceed the GPU runs (the 32-layer Mixtral-8x7B on an 80 GB card);
-    the peers that need the whole model on the GPU (full, the agreement reference) do not run.
+    ``on_host``; the first peer offloads the build's own), as a user's model loaded from a checkpoint on the host
+    has them: the GPU never holds more than one layer's tensor of them, so a model whose experts exceed the GPU
+    can run (the 32-layer Mixtral-8x7B on an 80 GB card); the peers that need the whole model on the GPU (full,
+    the agreement reference) do not run.
     ``gpu``: no host copy; each peer regenerates the experts on the compute device
     (:func:`regenerate_experts`) with the cap lifted, offloads them (``offload_experts`` quantizes on the device
     and copies into the host tier, freeing the device copies), and :meth:`settle` applies the cap again and
@@ -394,7 +384,7 @@ class ExpertSource:
         self.kind, self.blocks, self.device, self.std, self.cap_gib = kind, blocks, device, std, cap_gib
         self.specs = {n: (tuple(t.shape), t.dtype) for n, t in blocks[0].expert_tensors().items()}
         self.snap = experts_to_host(blocks) if kind == "host" else None
-        if kind in ("gpu", "host-regen"):  # the build's copies go: every peer makes its own (the cap holds)
+        if kind == "gpu":  # the build's copies go: every peer makes its own, and the cap holds until then
             for b in blocks:
                 for n in self.specs:
                     delattr(b.experts, n)
@@ -413,6 +403,9 @@ class ExpertSource:
             gpu_fraction(1.0, self.device)
         if self.snap is not None:
             attach_experts(self.blocks, self.snap)
+        elif self.kind == "host-regen" and all(b.block.experts is b.experts and hasattr(b.experts, n)
+                                               for b in self.blocks for n in self.specs):
+            pass  # the build's host copies, not offloaded yet: the first peer takes them as they are
         else:
             regenerate_experts(self.blocks, self.specs, self.device, self.std, on_host=self.kind == "host-regen")
 
