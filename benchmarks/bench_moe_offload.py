@@ -68,7 +68,10 @@ the cap lifted, then ``offload_experts`` quantizes them there and copies them in
 above the cap (the whole model on the GPU for a moment; a user with a 16 GB card would load the experts from a
 checkpoint on the host instead); the cap is applied again before the timed decode, and ``peak GiB`` is the capped
 run's peak. The host's read bandwidth is measured once at the start (a ~2 GB ``sum()``), and every ``+cpu`` row
-shows ``host bound tok/s`` = that bandwidth / the expert bytes the host read per token, beside the PCIe bound.
+shows ``host bound tok/s`` = that bandwidth / the expert bytes the host read per token, beside the PCIe bound, and
+``both bound tok/s``: the bytes moved and host-read a token over the two rates added, the ceiling of any split
+of those bytes between the link and the host (``scripts/gpu/probe_host_dma.py`` measures whether the two sides
+keep their rates while both run).
 ``cpu``: CPU-only inference of the whole model, where it fits host memory next to what is held there (else a row
 that says why); it runs after every other peer but ``whole``. ``bnb``: bitsandbytes' 4-bit model,
 not offloaded: the fused 3-D expert tensors are not ``nn.Linear`` (``Linear4bit`` cannot take them), so each is
@@ -518,6 +521,10 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
         if handle.host_compute is not None:
             row.update({"host GB/token": round(host_tok / 1e9, 3),
                         "host bound tok/s": round(host_gbps * 1e9 / host_tok, 2) if host_tok and host_gbps else "-",
+                        # the same bytes (moved and host-read) if any of them could go to either side, both at their
+                        # rates alone: the ceiling of any split between the link and the host
+                        "both bound tok/s": round((H2D_GBPS + host_gbps) * 1e9 / (per_tok + host_tok), 2)
+                        if host_gbps and per_tok + host_tok else "-",
                         # auto's two cost estimates (what split it made): host ms an expert (running mean of the
                         # experts it computed), link ms an expert (one timed copy)
                         "host ms/expert": round(st["cpu_ms_per_expert"], 2),

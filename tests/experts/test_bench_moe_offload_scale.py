@@ -179,6 +179,8 @@ def test_bench_small_gpu_source_auto_slots(family, capsys):
     assert float(cpu["token agree"]) == 1 and float(cpu["rel err"]) < 1e-4
     assert 0 < float(q4["rel err"]) < 0.5 and q4["host bound tok/s"] == ""  # only +cpu rows have a host bound
     assert float(cpu["host experts/token"]) > 0 and float(cpu["host bound tok/s"]) > 0
+    # the two sides together bound higher than the host alone
+    assert float(cpu["both bound tok/s"]) > float(cpu["host bound tok/s"])
     assert any(name.startswith("bitsandbytes nf4 experts") for name in rows)
     only = rows["CPU only (whole model on the host)"]
     assert float(only["tokens/s"]) > 0 and float(only["token agree"]) == 1
