@@ -137,6 +137,47 @@ def test_offload_with_cpu_misses_generates_the_same(kind, impl):
     assert st["prefetch_useful"] > 0  # the next layer's guesses land in slots and the GPU computes them there
 
 
+def _split(model, cfg, device="cpu", batch=1, prompt_len=6, new_tokens=12):
+    """Greedy tokens and logits of the plain model and of the offloaded one with ``split_down`` on, and its stats."""
+    ref = clone(model)
+    ids = torch.randint(1, 128, (batch, prompt_len), generator=torch.Generator().manual_seed(7)).to(device)
+    seq_ref, logits_ref = greedy(ref, ids, new_tokens)
+    handle = offload_experts(model, cfg)
+    handle.host_compute.split_down = True
+    try:
+        seq, logits = greedy(model, ids, new_tokens)
+        return seq, logits, seq_ref, logits_ref, handle.stats()
+    finally:
+        handle.close()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_split_misses_generate_the_same(batch):
+    """split_down: the host computes a missed expert's gate/up, the device its down projection from a copied
+    down_proj; the same greedy tokens and logits as the plain model (a batch's layer has more misses than the
+    top-k buffers, which are then reused in turn)."""
+    model = tiny_model("mixtral", "eager", top_k=2)
+    seq, logits, seq_ref, logits_ref, st = _split(model, {"gpu_experts_per_layer": 1, "cpu_compute": "misses"},
+                                                  batch=batch)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
+    assert st["cpu_experts_split"] == st["cpu_experts"] > 0
+
+
+@pytest.mark.gpu
+def test_split_misses_on_the_gpu():
+    """On CUDA the down_proj copies run on a stream of their own while the host computes gate/up; bf16 as the bench
+    runs it: the same greedy tokens as the plain model."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny_model("mixtral", top_k=2).cuda().to(torch.bfloat16)
+    seq, logits, seq_ref, logits_ref, st = _split(model, {"gpu_experts_per_layer": 1, "cpu_compute": "misses"},
+                                                  device="cuda", prompt_len=16)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(logits.float(), logits_ref.float(), rtol=0.02, atol=0.02 * logits_ref.abs().max().item())
+    assert st["cpu_experts_split"] == st["cpu_experts"] > 0
+
+
 def test_auto_sends_crowded_experts_to_the_device():
     """auto with max 1 token: a prefill's experts (many tokens) go to the slots, decode misses to the host."""
     model = tiny_model("mixtral", top_k=2)
