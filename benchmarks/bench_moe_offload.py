@@ -673,9 +673,9 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
-    p.add_argument("--host-split", choices=("off", "on"), default="off", help="bf16 + cpu_compute=misses: each "
-                   "missed expert's gate/up on the host while the link brings its down_proj for the GPU (on), or "
-                   "the whole expert on the host (off) (ds_maximus.experts.cpu_compute.SPLIT_DOWN)")
+    p.add_argument("--host-split", choices=("off", "on"), default="off", help="the cpu_compute=misses peers (bf16 "
+                   "and packed): each missed expert's gate/up on the host while the link brings its down_proj for "
+                   "the GPU (on), or the whole expert on the host (off) (ds_maximus.experts.cpu_compute.SPLIT_DOWN)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     from ds_maximus.experts import cpu_compute

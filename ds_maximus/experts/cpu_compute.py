@@ -32,6 +32,7 @@ Works with fused SwiGLU experts (``gate_up_proj`` ``[2F, H]`` with the gate rows
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -40,7 +41,9 @@ from torch import Tensor
 
 from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.errors import ConfigError
+from ds_maximus.experts import quant
 from ds_maximus.experts.quant import QuantizedTensor
+from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 from ds_maximus.ops import expert_cpu
 
 # expert_cpu is used as a module, its names read at call time: ops.expert_cpu imports experts.quant, so this
@@ -55,7 +58,7 @@ EXPLORE = 32            # layers in a row with light misses but none on the host
 HOST_SAMPLES = 4        # experts timed (after a warm-up call) for the host's first estimate; their median counts
 
 
-# cpu_compute "misses" with exact experts: split each missed expert, the host's gate/up beside the link's down_proj
+# cpu_compute "misses": split each missed expert, the host's gate/up beside the link's down_proj
 # (HostExpertCompute.forward_split); False: the host computes the whole expert (benchmarks/bench_moe_offload.py
 # --host-split, for comparison).
 SPLIT_DOWN = False
@@ -105,7 +108,7 @@ class HostExpertCompute:
         self.experts_computed = 0  # experts computed on the host
         self.tokens_computed = 0   # (token, expert) pairs computed on the host
         self.experts_split = 0     # of those, experts whose down projection the device computed (forward_split)
-        self.split_down = False    # misses: forward_split instead of forward for exact experts on a device
+        self.split_down = False    # misses: forward_split instead of forward (SPLIT_DOWN, set by offload_experts)
         self.split_buffers = 2     # device buffers of down_proj copies (the model's top-k, set by offload_experts)
         self._down: List[Tensor] = []
         self._down_free: list = []
@@ -237,24 +240,46 @@ class HostExpertCompute:
             self.tokens_computed += len(tok)
         return out
 
+    def _down_range(self) -> Tuple[int, int]:
+        """``(start, stop)``: the elements of an expert's flat buffer that hold its ``down_proj`` (exact: the
+        weight; packed: its codes, scales and offsets, which lie one after another)."""
+        lay = self.layout
+        if isinstance(lay, QuantizedExpertLayout):
+            p, _, z = lay.parts["down_proj"]
+            return p, z + lay._bytes("down_proj")[1]
+        o = lay.offsets["down_proj"]
+        return o, o + lay.size_of("down_proj")
+
+    def _down_weight(self, buf: Tensor):
+        """The ``down_proj`` held in ``buf`` (the elements ``_down_range`` of an expert), as the device computes
+        with it: a ``[H, F]`` view, or a :class:`QuantizedTensor` of views."""
+        lay = self.layout
+        if isinstance(lay, QuantizedExpertLayout):  # the packed layout's view, its offsets moved to the range's start
+            start = self._down_range()[0]
+            shifted = {"down_proj": tuple(o - start for o in lay.parts["down_proj"])}
+            return dataclasses.replace(lay, parts=shifted, numel=buf.numel()).view(buf, "down_proj")
+        return buf.view(lay.shapes["down_proj"])
+
     def forward_split(self, group: int, hidden: Tensor, top_k_weights: Tensor, experts: Sequence[int],
                       where: Dict[int, Tuple[List[int], List[int]]], out: Tensor) -> None:
         """Each of ``experts`` split between the two sides, added into ``out`` (the layer's output, on the device).
 
-        The link copies the expert's ``down_proj`` (a third of its bytes) to the device on a stream of its own,
-        while the host computes ``h = silu(x W1^T) * (x W3^T)`` from the tier (the other two thirds); ``h`` then
-        crosses (a row a token) and the device computes ``h W2^T``, weighted as the eager loop weights it. The two
-        sides run at once, so a miss costs about the longer of the two instead of the host's whole expert.
-        ``hidden`` and ``top_k_weights``: the layer's, on the host (fp32 copies are made here).
+        The link copies the expert's ``down_proj`` (a third of its bytes, exact or packed) to the device on a
+        stream of its own, while the host computes ``h = silu(x W1^T) * (x W3^T)`` from the tier (the other two
+        thirds); ``h`` then crosses (a row a token) in the model's dtype, as the eager loop's gate output is, and
+        the device computes ``h W2^T`` (packed: the dequant-GEMM of :func:`ds_maximus.experts.quant.linear`),
+        weighted as the eager loop weights it. The two sides run at once, so a miss costs about the longer of
+        the two instead of the host's whole expert. ``hidden``: the layer's input on the host; ``top_k_weights``
+        on ``out``'s device.
         """
         x = hidden.detach().to("cpu", torch.float32)
         bufs = self._down_buffers(out.device, len(experts))
-        dtype = bufs[0].dtype
+        start, stop = self._down_range()
         n = len(bufs)
 
         def copy(i: int):  # expert i's down_proj into buffer i % n (after the buffer's previous product)
-            w2 = self.layout.view(self.store.host_view(group * self.num_experts + experts[i]), "down_proj")
-            return self._copy_down(bufs[i % n], w2, i % n)
+            src = self.store.host_view(group * self.num_experts + experts[i])[start:stop]
+            return self._copy_down(bufs[i % n], src, i % n)
 
         ready = [copy(i) for i in range(min(n, len(experts)))]  # queued before the host starts
         for i, e in enumerate(experts):
@@ -266,13 +291,15 @@ class HostExpertCompute:
             idx = torch.tensor(tok + pos, dtype=torch.long)
             if out.is_cuda:
                 h, idx = h.pin_memory(), idx.pin_memory()
-            h = h.to(out.device, non_blocking=True).to(dtype)  # the eager loop's gate output is in the model dtype
+            h = h.to(out.device, non_blocking=True).to(out.dtype)
             idx = idx.to(out.device, non_blocking=True)
             t_dev, p_dev = idx[:len(tok)], idx[len(tok):]
             slot = i % n
             if ready[i] is not None:
                 torch.cuda.current_stream(out.device).wait_event(ready[i])
-            y = (h @ bufs[slot].t()) * top_k_weights[t_dev, p_dev, None]
+            w2 = self._down_weight(bufs[slot])
+            y = (quant.linear(h, w2) if isinstance(w2, QuantizedTensor) else h @ w2.t()).to(out.dtype)
+            y = y * top_k_weights[t_dev, p_dev, None]
             out.index_add_(0, t_dev, y.to(out.dtype))
             if out.is_cuda:
                 self._down_free[slot].record(torch.cuda.current_stream(out.device))
@@ -287,23 +314,23 @@ class HostExpertCompute:
         """Device buffers for ``down_proj`` copies: one per missed expert of a layer, up to the model's top-k
         (more misses reuse them in turn, each copy waiting for the previous use of its buffer)."""
         want = max(1, min(n, self.split_buffers))
-        shape = self.layout.shapes["down_proj"]  # exact experts only (offload_experts sets split_down so)
+        start, stop = self._down_range()
         while len(self._down) < want:
-            self._down.append(torch.empty(shape, dtype=self.layout.dtype, device=device))
+            self._down.append(torch.empty(stop - start, dtype=self.layout.dtype, device=device))
             if device.type == "cuda":
                 self._down_free.append(torch.cuda.Event())
         return self._down[:want]
 
-    def _copy_down(self, buf: Tensor, w2: Tensor, slot: int):
-        """Queue ``w2`` (pinned, on the host) into ``buf``; the event the device waits for, or None off CUDA."""
+    def _copy_down(self, buf: Tensor, src: Tensor, slot: int):
+        """Queue ``src`` (pinned, on the host) into ``buf``; the event the device waits for, or None off CUDA."""
         if not buf.is_cuda:
-            buf.copy_(w2)
+            buf.copy_(src)
             return None
         if self._stream is None:
             self._stream = torch.cuda.Stream(buf.device)
         self._stream.wait_event(self._down_free[slot])  # the buffer's last product has been computed
         with torch.cuda.stream(self._stream):
-            buf.copy_(w2, non_blocking=True)
+            buf.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         return done

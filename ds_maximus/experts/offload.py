@@ -314,8 +314,7 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
         HostExpertCompute.check_supported(store, blocks[0].experts, blocks[0].form)
         handle.host_compute = HostExpertCompute(store, E, cfg.cpu_compute, cfg.cpu_compute_max_tokens, device)
         handle.host_compute.split_buffers = blocks[0].top_k
-        handle.host_compute.split_down = (cpu_compute.SPLIT_DOWN and cfg.cpu_compute == ExpertCPUCompute.MISSES
-                                          and not handle.quantized)
+        handle.host_compute.split_down = cpu_compute.SPLIT_DOWN and cfg.cpu_compute == ExpertCPUCompute.MISSES
     with torch.no_grad():
         for gi, b in enumerate(blocks):
             tensors = b.expert_tensors()

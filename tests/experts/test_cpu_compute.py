@@ -164,6 +164,28 @@ def test_split_misses_generate_the_same(batch):
     assert st["cpu_experts_split"] == st["cpu_experts"] > 0
 
 
+def test_split_misses_from_packed_weights_equal_the_whole_host_expert():
+    """With moe.quant the device's down projection runs on the packed down_proj copied from the tier: the same
+    greedy tokens and logits as the host computing each whole expert from the same packed form."""
+    cfg = {"gpu_experts_per_layer": 1, "cpu_compute": "misses", "quant": {"bits": 4, "group_size": 16}}
+    model = tiny_model("mixtral", "eager", top_k=2)
+    twin = clone(model)
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(7))
+    whole = offload_experts(twin, cfg)
+    split = offload_experts(model, cfg)
+    split.host_compute.split_down = True
+    try:
+        seq_w, logits_w = greedy(twin, ids, 10)
+        seq_s, logits_s = greedy(model, ids, 10)
+        st = split.stats()
+    finally:
+        whole.close()
+        split.close()
+    assert torch.equal(seq_s, seq_w)
+    torch.testing.assert_close(logits_s, logits_w, rtol=1e-4, atol=1e-4)
+    assert st["cpu_experts_split"] == st["cpu_experts"] > 0
+
+
 @pytest.mark.gpu
 def test_split_misses_on_the_gpu():
     """On CUDA the down_proj copies run on a stream of their own while the host computes gate/up; bf16 as the bench
@@ -175,6 +197,31 @@ def test_split_misses_on_the_gpu():
                                                   device="cuda", prompt_len=16)
     assert torch.equal(seq, seq_ref)
     torch.testing.assert_close(logits.float(), logits_ref.float(), rtol=0.02, atol=0.02 * logits_ref.abs().max().item())
+    assert st["cpu_experts_split"] == st["cpu_experts"] > 0
+
+
+@pytest.mark.gpu
+def test_split_misses_from_packed_weights_on_the_gpu():
+    """On CUDA with moe.quant: the packed down_proj's dequant-GEMM on the device, the same greedy tokens as the
+    host computing the whole packed expert."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cfg = {"gpu_experts_per_layer": 1, "cpu_compute": "misses", "quant": {"bits": 4, "group_size": 16}}
+    model = tiny_model("mixtral", top_k=2).cuda().to(torch.bfloat16)
+    twin = clone(model)
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(7)).cuda()
+    whole = offload_experts(twin, cfg)
+    split = offload_experts(model, cfg)
+    split.host_compute.split_down = True
+    try:
+        seq_w, logits_w = greedy(twin, ids, 12)
+        seq_s, logits_s = greedy(model, ids, 12)
+        st = split.stats()
+    finally:
+        whole.close()
+        split.close()
+    assert torch.equal(seq_s, seq_w)
+    torch.testing.assert_close(logits_s.float(), logits_w.float(), rtol=0.02, atol=0.02 * logits_w.abs().max().item())
     assert st["cpu_experts_split"] == st["cpu_experts"] > 0
 
 
