@@ -70,8 +70,8 @@ checkpoint on the host instead); the cap is applied again before the timed decod
 run's peak. The host's read bandwidth is measured once at the start (a ~2 GB ``sum()``), and every ``+cpu`` row
 shows ``host bound tok/s`` = that bandwidth / the expert bytes the host read per token, beside the PCIe bound, and
 ``both bound tok/s``: the bytes moved and host-read a token over the two rates added, the ceiling of any split
-of those bytes between the link and the host (``scripts/gpu/probe_host_dma.py`` measures whether the two sides
-keep their rates while both run).
+of those bytes between the link and the host (``scripts/gpu/probe_host_table.py`` measures whether the host op
+keeps its speed while the link copies).
 ``cpu``: CPU-only inference of the whole model, where it fits host memory next to what is held there (else a row
 that says why); it runs after every other peer but ``whole``. ``bnb``: bitsandbytes' 4-bit model,
 not offloaded: the fused 3-D expert tensors are not ``nn.Linear`` (``Linear4bit`` cannot take them), so each is
