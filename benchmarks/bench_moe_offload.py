@@ -528,7 +528,6 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
                         # auto's two cost estimates (what split it made): host ms an expert (running mean of the
                         # experts it computed), link ms an expert (one timed copy)
                         "host ms/expert": round(st["cpu_ms_per_expert"], 2),
-                        "split experts/token": round(st["cpu_experts_split"] / max(st["tokens"], 1), 2),
                         "link ms/expert": round(st["link_ms_per_expert"], 2) if st.get("link_ms_per_expert") else "-"})
         row["experts/layer"] = round(st["experts_per_layer"], 2)
     row.update(pre)
@@ -673,13 +672,8 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
-    p.add_argument("--host-split", choices=("off", "on"), default="off", help="the cpu_compute=misses peers (bf16 "
-                   "and packed): each missed expert's gate/up on the host while the link brings its down_proj for "
-                   "the GPU (on), or the whole expert on the host (off) (ds_maximus.experts.cpu_compute.SPLIT_DOWN)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
-    from ds_maximus.experts import cpu_compute
-    cpu_compute.SPLIT_DOWN = args.host_split == "on"
     if args.host_rows == "static":
         from ds_maximus.ops import expert_cpu
         expert_cpu.set_dynamic_rows(False)

@@ -32,7 +32,6 @@ Works with fused SwiGLU experts (``gate_up_proj`` ``[2F, H]`` with the gate rows
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -41,9 +40,7 @@ from torch import Tensor
 
 from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.errors import ConfigError
-from ds_maximus.experts import quant
 from ds_maximus.experts.quant import QuantizedTensor
-from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 from ds_maximus.ops import expert_cpu
 
 # expert_cpu is used as a module, its names read at call time: ops.expert_cpu imports experts.quant, so this
@@ -56,12 +53,6 @@ SPIKE = 2.0             # a measurement counts at most this many times the runni
                         # turn auto away from the host for the rest of the run)
 EXPLORE = 32            # layers in a row with light misses but none on the host, after which one goes to the host
 HOST_SAMPLES = 4        # experts timed (after a warm-up call) for the host's first estimate; their median counts
-
-
-# cpu_compute "misses": split each missed expert, the host's gate/up beside the link's down_proj
-# (HostExpertCompute.forward_split); False: the host computes the whole expert (benchmarks/bench_moe_offload.py
-# --host-split, for comparison).
-SPLIT_DOWN = False
 
 
 def balance(light: Sequence[int], counts: Sequence[int], free_slots: int, host_s: float, link_s: float,
@@ -107,12 +98,6 @@ class HostExpertCompute:
         self.max_tokens = int(max_tokens)
         self.experts_computed = 0  # experts computed on the host
         self.tokens_computed = 0   # (token, expert) pairs computed on the host
-        self.experts_split = 0     # of those, experts whose down projection the device computed (forward_split)
-        self.split_down = False    # misses: forward_split instead of forward (SPLIT_DOWN, set by offload_experts)
-        self.split_buffers = 2     # device buffers of down_proj copies (the model's top-k, set by offload_experts)
-        self._down: List[Tensor] = []
-        self._down_free: list = []
-        self._stream = None
         self.host_s = self.layout.nbytes / (HOST_GBPS_PRIOR * 1e9)  # host seconds per expert (running mean)
         # auto's split between host and link needs a link: on a CUDA device, one copy timed now, before the tier
         # fills (timed after it, the copy ran at half the decode's rate)
@@ -240,107 +225,11 @@ class HostExpertCompute:
             self.tokens_computed += len(tok)
         return out
 
-    def _down_range(self) -> Tuple[int, int]:
-        """``(start, stop)``: the elements of an expert's flat buffer that hold its ``down_proj`` (exact: the
-        weight; packed: its codes, scales and offsets, which lie one after another)."""
-        lay = self.layout
-        if isinstance(lay, QuantizedExpertLayout):
-            p, _, z = lay.parts["down_proj"]
-            return p, z + lay._bytes("down_proj")[1]
-        o = lay.offsets["down_proj"]
-        return o, o + lay.size_of("down_proj")
-
-    def _down_weight(self, buf: Tensor):
-        """The ``down_proj`` held in ``buf`` (the elements ``_down_range`` of an expert), as the device computes
-        with it: a ``[H, F]`` view, or a :class:`QuantizedTensor` of views."""
-        lay = self.layout
-        if isinstance(lay, QuantizedExpertLayout):  # the packed layout's view, its offsets moved to the range's start
-            start = self._down_range()[0]
-            shifted = {"down_proj": tuple(o - start for o in lay.parts["down_proj"])}
-            return dataclasses.replace(lay, parts=shifted, numel=buf.numel()).view(buf, "down_proj")
-        return buf.view(lay.shapes["down_proj"])
-
-    def forward_split(self, group: int, hidden: Tensor, top_k_weights: Tensor, experts: Sequence[int],
-                      where: Dict[int, Tuple[List[int], List[int]]], out: Tensor) -> None:
-        """Each of ``experts`` split between the two sides, added into ``out`` (the layer's output, on the device).
-
-        The link copies the expert's ``down_proj`` (a third of its bytes, exact or packed) to the device on a
-        stream of its own, while the host computes ``h = silu(x W1^T) * (x W3^T)`` from the tier (the other two
-        thirds); ``h`` then crosses (a row a token) in the model's dtype, as the eager loop's gate output is, and
-        the device computes ``h W2^T`` (packed: the dequant-GEMM of :func:`ds_maximus.experts.quant.linear`),
-        weighted as the eager loop weights it. The two sides run at once, so a miss costs about the longer of
-        the two instead of the host's whole expert. ``hidden``: the layer's input on the host; ``top_k_weights``
-        on ``out``'s device.
-        """
-        x = hidden.detach().to("cpu", torch.float32)
-        bufs = self._down_buffers(out.device, len(experts))
-        start, stop = self._down_range()
-        n = len(bufs)
-
-        def copy(i: int):  # expert i's down_proj into buffer i % n (after the buffer's previous product)
-            src = self.store.host_view(group * self.num_experts + experts[i])[start:stop]
-            return self._copy_down(bufs[i % n], src, i % n)
-
-        ready = [copy(i) for i in range(min(n, len(experts)))]  # queued before the host starts
-        for i, e in enumerate(experts):
-            t0 = time.perf_counter()
-            pos, tok = where[e]
-            w1, w3, _ = self.weights(group * self.num_experts + e)
-            xt = x[torch.tensor(tok, dtype=torch.long)]
-            h = torch.nn.functional.silu(expert_cpu.linear(xt, w1)).mul_(expert_cpu.linear(xt, w3))
-            idx = torch.tensor(tok + pos, dtype=torch.long)
-            if out.is_cuda:
-                h, idx = h.pin_memory(), idx.pin_memory()
-            h = h.to(out.device, non_blocking=True).to(out.dtype)
-            idx = idx.to(out.device, non_blocking=True)
-            t_dev, p_dev = idx[:len(tok)], idx[len(tok):]
-            slot = i % n
-            if ready[i] is not None:
-                torch.cuda.current_stream(out.device).wait_event(ready[i])
-            w2 = self._down_weight(bufs[slot])
-            y = (quant.linear(h, w2) if isinstance(w2, QuantizedTensor) else h @ w2.t()).to(out.dtype)
-            y = y * top_k_weights[t_dev, p_dev, None]
-            out.index_add_(0, t_dev, y.to(out.dtype))
-            if out.is_cuda:
-                self._down_free[slot].record(torch.cuda.current_stream(out.device))
-            if i + n < len(experts):  # a layer with more misses than buffers: the next one into this buffer
-                ready.append(copy(i + n))
-            self.host_s += EMA * (min(time.perf_counter() - t0, SPIKE * self.host_s) - self.host_s)
-            self.experts_computed += 1
-            self.experts_split += 1
-            self.tokens_computed += len(tok)
-
-    def _down_buffers(self, device: torch.device, n: int) -> List[Tensor]:
-        """Device buffers for ``down_proj`` copies: one per missed expert of a layer, up to the model's top-k
-        (more misses reuse them in turn, each copy waiting for the previous use of its buffer)."""
-        want = max(1, min(n, self.split_buffers))
-        start, stop = self._down_range()
-        while len(self._down) < want:
-            self._down.append(torch.empty(stop - start, dtype=self.layout.dtype, device=device))
-            if device.type == "cuda":
-                self._down_free.append(torch.cuda.Event())
-        return self._down[:want]
-
-    def _copy_down(self, buf: Tensor, src: Tensor, slot: int):
-        """Queue ``src`` (pinned, on the host) into ``buf``; the event the device waits for, or None off CUDA."""
-        if not buf.is_cuda:
-            buf.copy_(src)
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(buf.device)
-        self._stream.wait_event(self._down_free[slot])  # the buffer's last product has been computed
-        with torch.cuda.stream(self._stream):
-            buf.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        return done
-
     def stats(self) -> dict:
         """Experts and (token, expert) pairs computed on the host; the split's cost estimates, ms an expert."""
         return {"cpu_experts": self.experts_computed, "cpu_expert_tokens": self.tokens_computed,
-                "cpu_experts_split": self.experts_split,
                 "cpu_ms_per_expert": self.host_s * 1e3,
                 "link_ms_per_expert": self.link_s * 1e3 if self.link_s is not None else None}
 
     def reset_stats(self) -> None:
-        self.experts_computed = self.tokens_computed = self.experts_split = 0
+        self.experts_computed = self.tokens_computed = 0

@@ -32,7 +32,7 @@ from torch import nn
 
 from ds_maximus.config import ExpertCPUCompute, MaximusConfig, MoEConfig, OffloadDevice
 from ds_maximus.errors import ConfigError
-from ds_maximus.experts import compute, cpu_compute
+from ds_maximus.experts import compute
 from ds_maximus.experts.adapters import FusedExpertsForm, MoEBlockInfo, find_moe_blocks
 from ds_maximus.experts.cpu_compute import HostExpertCompute
 from ds_maximus.experts.expert_cache import ExpertCache
@@ -169,10 +169,7 @@ class MoEOffload:
             if prefetch is not None:  # no slot was acquired (every expert on the host): queue it now
                 prefetch()
             where = compute._pairs_of(pairs, top_k_index.size(-1), on_host)
-            if self.host_compute.split_down:
-                self.host_compute.forward_split(group, host_in[0], top_k_weights, on_host, where, out)
-            else:
-                out = out + self.host_compute.forward(group, *host_in, on_host, where).to(out.device, out.dtype)
+            out = out + self.host_compute.forward(group, *host_in, on_host, where).to(out.device, out.dtype)
         elif impl == "grouped_mm":
             out = compute.grouped_forward(ctx, hidden, top_k_index, top_k_weights, used, counts)
         elif impl == "batched_mm":
@@ -313,8 +310,6 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     if cfg.cpu_compute != ExpertCPUCompute.OFF:
         HostExpertCompute.check_supported(store, blocks[0].experts, blocks[0].form)
         handle.host_compute = HostExpertCompute(store, E, cfg.cpu_compute, cfg.cpu_compute_max_tokens, device)
-        handle.host_compute.split_buffers = blocks[0].top_k
-        handle.host_compute.split_down = cpu_compute.SPLIT_DOWN and cfg.cpu_compute == ExpertCPUCompute.MISSES
     with torch.no_grad():
         for gi, b in enumerate(blocks):
             tensors = b.expert_tensors()

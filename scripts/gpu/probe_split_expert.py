@@ -1,12 +1,13 @@
 """One missed expert split between the host and the link, against either side alone (#37, ``moe.cpu_compute``).
 
 ``cpu_compute: misses`` computes a missed expert on the host (``expert_cpu.swiglu``, one token); the link alone
-would copy the whole expert first. The split (``HostExpertCompute.forward_split``) lets the host compute
-``h = silu(x W1^T) * (x W3^T)`` (two thirds of the expert's bytes) while the link copies ``W2`` (the other third)
-to the GPU, which computes ``h W2^T``. This probe times one token through ``--experts`` Mixtral-8x7B experts in
-pinned host memory, cycling so each is read from memory, bf16 and int4 (group 64), wall ms to the output on the
-GPU: the host's whole expert, the link's whole copy, the split, and the split's host part alone. (Whether the host
-op keeps its speed while the link copies other experts: ``probe_host_table.py``.)
+would copy the whole expert first. The split (tried in the product as ``HostExpertCompute.forward_split`` and
+removed, slower: docs/bench/moe_offload.md) lets the host compute ``h = silu(x W1^T) * (x W3^T)`` (two thirds of
+the expert's bytes) while the link copies ``W2`` (the other third) to the GPU, which computes ``h W2^T``. This
+probe times one token through ``--experts`` Mixtral-8x7B experts in pinned host memory, cycling so each is read
+from memory, bf16 and int4 (group 64), wall ms to the output on the GPU: the host's whole expert, the link's whole
+copy, the split, and the split's host part alone. (Whether the host op keeps its speed while the link copies other
+experts: ``probe_host_table.py``.)
 
     python scripts/gpu/probe_split_expert.py [--experts 6] [--reps 3]
 """
