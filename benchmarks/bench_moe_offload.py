@@ -446,6 +446,26 @@ def auto_slots(cap_bytes: float, resident_bytes: float, layers: int, expert_byte
     return int(max(1, min(num_experts, free // (layers * expert_bytes))))
 
 
+def fill_bytes(cap_bytes: float, resident_bytes: float, layers: int, expert_bytes: int,
+               reserve_bytes: float = None) -> int:
+    """``--slots fill``: the bytes :func:`auto_slots` spreads over the layers (the same reserve), whole, as
+    ``moe.gpu_expert_total_bytes`` (at least a slot a layer).
+
+    >>> fill_bytes(16 * 2**30, 3.2e9, 32, 99_090_432) // 99_090_432   # Mixtral-8x7B int4 (group 64): 3.3 a layer
+    107
+    """
+    if reserve_bytes is None:
+        reserve_bytes = 1.5 * GIB + 0.1 * cap_bytes
+    return int(max(layers * expert_bytes, cap_bytes - resident_bytes - reserve_bytes))
+
+
+def slot_text(handle) -> str:
+    """A handle's slots a layer: ``3``, or ``4-5`` (mean 4.59) when a total budget spreads a remainder."""
+    n = handle.cache.group_slots
+    lo, hi = min(n), max(n)
+    return str(lo) if lo == hi else f"{lo}-{hi} (mean {sum(n) / len(n):.2f})"
+
+
 def resident_bytes(model, blocks) -> int:
     """Bytes of the model's parameters and buffers outside its experts (what stays on the GPU when they are
     offloaded)."""
@@ -511,7 +531,7 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
     if st is not None:
         per_tok = st["bytes_moved"] / max(st["tokens"], 1)
         host_tok = st.get("cpu_experts", 0) * st["expert_bytes"] / max(st["tokens"], 1)  # host bytes read a token
-        row.update({"slots/layer": st["slots_per_layer"], "hit rate": round(st["hit_rate"], 3),
+        row.update({"slots/layer": round(st["slots_per_layer"], 2), "hit rate": round(st["hit_rate"], 3),
                     "resident hit rate": round(st["resident_hit_rate"], 3),
                     "prefetch prec": round(st["prefetch_precision"], 3),
                     "prefetch recall": round(st["prefetch_recall"], 3), "GB/token": round(per_tok / 1e9, 3),
@@ -625,9 +645,10 @@ def main(argv=None):
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--vocab", type=int, default=None)
-    p.add_argument("--slots", default="2", help="GPU expert slots per layer: an integer, or 'auto' (as many as fit "
-                   "the --cap-gib, per peer from its packed expert size)")
-    p.add_argument("--reserve-gib", type=float, default=None, help="with --slots auto: GPU memory kept for "
+    p.add_argument("--slots", default="2", help="GPU expert slots per layer: an integer, 'auto' (as many as fit "
+                   "the --cap-gib in every layer alike, per peer from its packed expert size) or 'fill' (the same "
+                   "budget as moe.gpu_expert_total_bytes: its remainder gives some layers one slot more)")
+    p.add_argument("--reserve-gib", type=float, default=None, help="with --slots auto or fill: GPU memory kept for "
                    "activations, staging and the KV cache (default 1.5 GiB + 10%% of the cap)")
     p.add_argument("--tokens", type=int, default=None, help="timed decode tokens (32; --small 16)")
     p.add_argument("--agree-tokens", type=int, default=None, help="length of the bf16 model's greedy continuation "
@@ -685,8 +706,8 @@ def main(argv=None):
     want = parse_peers(args)
     resolve_shape(args)
     ours_variants = args.ours_variants or ("quick" if args.quick else "all")
-    if args.slots != "auto" and not args.slots.isdigit():
-        raise SystemExit(f"--slots takes a positive integer or 'auto', not {args.slots!r}")
+    if args.slots not in ("auto", "fill") and not args.slots.isdigit():
+        raise SystemExit(f"--slots takes a positive integer, 'auto' or 'fill', not {args.slots!r}")
     if args.batch < 1 or (args.prefill_len is not None and args.prefill_len < 1) or args.agree_tokens < 1:
         raise SystemExit("--batch, --prefill-len and --agree-tokens take positive integers")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -804,13 +825,17 @@ def main(argv=None):
     reserve = args.reserve_gib * GIB if args.reserve_gib is not None else None
 
     def slots_for(bits):
-        """GPU slots per layer of a peer whose tier holds ``bits``-bit experts (``None``: bf16)."""
-        if args.slots != "auto":
-            return int(args.slots)
+        """The ``moe`` keys sizing the GPU slots of a peer whose tier holds ``bits``-bit experts (``None``: bf16):
+        ``gpu_experts_per_layer``, or with ``--slots fill`` ``gpu_expert_total_bytes``."""
+        if args.slots not in ("auto", "fill"):
+            return {"gpu_experts_per_layer": int(args.slots)}
         lay = QuantizedExpertLayout.from_layout(exact, bits, args.group_size) if bits else exact
         if slot_cap is None:  # no cap on the CPU: every expert
-            return args.experts
-        return auto_slots(slot_cap, resident, args.layers, lay.nbytes, args.experts, reserve)
+            return {"gpu_experts_per_layer": args.experts}
+        if args.slots == "fill":
+            return {"gpu_expert_total_bytes": int(fill_bytes(slot_cap, resident, args.layers, lay.nbytes, reserve))}
+        return {"gpu_experts_per_layer": auto_slots(slot_cap, resident, args.layers, lay.nbytes, args.experts,
+                                                    reserve)}
 
     def setup_need(bits, key):
         """Estimated set-up seconds (at the default run's size) of an offload whose tier holds ``bits``."""
@@ -862,13 +887,13 @@ def main(argv=None):
         slots = slots_for(None)
         default_only = ours_variants == "default"
         try:
-            handle = offload_experts(model, {"gpu_experts_per_layer": slots, "speculative_prefetch": default_only})
+            handle = offload_experts(model, {**slots, "speculative_prefetch": default_only})
         except Exception as e:  # a configuration that cannot run (host memory, say) is a row
             bench.add(names[0], None, error=f"{type(e).__name__}: {str(e)[:60]}")
             checkpoint()
             return
         src.settle()
-        progress(f"ours: {slots} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
+        progress(f"ours: {slot_text(handle)} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
         cache = handle.cache
         if not default_only:
             peer(ours[0], "ours", model, ids, args.tokens, handle,
@@ -910,7 +935,7 @@ def main(argv=None):
         src.restore()
         try:
             slots = slots_for(bits)
-            cfg = {"gpu_experts_per_layer": slots, "cpu_compute": cpu or "off"}
+            cfg = {**slots, "cpu_compute": cpu or "off"}
             if top_k is not None:
                 cfg["prefetch_top_k"] = top_k
             if bits:
@@ -921,7 +946,7 @@ def main(argv=None):
             checkpoint()
             return
         src.settle()
-        progress(f"{name}: {slots} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
+        progress(f"{name}: {slot_text(handle)} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
         peer(name, "ours", model, ids, args.tokens, handle, need=0)
         handle.close()
 

@@ -281,6 +281,11 @@ class MoEConfig(_Section):
     """GPU expert-cache slots per MoE layer."""
     gpu_expert_bytes: Optional[int] = Field(None, ge=1)
     """Alternative budget per layer in bytes; overrides ``gpu_experts_per_layer`` when set."""
+    gpu_expert_total_bytes: Optional[int] = Field(None, ge=1)
+    """GPU bytes for the expert slots of all MoE layers together (what is left of the card after the rest of the
+    model); overrides ``gpu_experts_per_layer`` and ``gpu_expert_bytes``. ``bytes // expert`` slots are spread over
+    the layers, the remainder one more each to layers spaced evenly through the model, so no slot's worth of
+    budget is left unused when it does not divide by the layer count."""
     cache_policy: CachePolicy = CachePolicy.LRU
     """Eviction policy of the expert cache."""
     speculative_prefetch: bool = True

@@ -61,7 +61,7 @@ class ExpertComputeContext:
         """``used`` (ascending) in rounds of at most the layer's slots: resident experts (and the staged guess)
         first, the rest after, each part ascending. Sets ``needed`` to that order (the first round is its
         prefix, which is how the cache counts the overflow)."""
-        size = self.cache.slots_per_group
+        size = self.cache.slots_of(self.group)
         if len(used) <= size:
             order = list(used)
         else:
@@ -231,7 +231,7 @@ def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
     starts = [0] * (ctx.num_experts + 1)
     for e in range(ctx.num_experts):
         starts[e + 1] = starts[e] + counts[e]
-    n_slots = ctx.cache.slots_per_group
+    n_slots = ctx.cache.slots_of(ctx.group)
     gate_up, down = ctx.stacked("gate_up_proj"), ctx.stacked("down_proj")
     gate_up_b, down_b = ctx.stacked_bias("gate_up_proj"), ctx.stacked_bias("down_proj")
     tr = ctx.form.is_transposed

@@ -21,12 +21,12 @@ alike; training refreshes resident copies of updated experts with ``write_slot``
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
-from ds_maximus.config import CachePolicy
-from ds_maximus.errors import CapacityError
+from ds_maximus.config import CachePolicy, MoEConfig
+from ds_maximus.errors import CapacityError, ConfigError
 from ds_maximus.experts.expert_store import ExpertStore
 from ds_maximus.partition.cache import SlotCache
 
@@ -36,13 +36,15 @@ class ExpertCache(SlotCache):
 
     entry_name, group_name, size_key = "experts", "layer", "moe.gpu_experts_per_layer"
 
-    def __init__(self, store: ExpertStore, num_groups: int, num_experts: int, slots_per_group: int,
-                 device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
-                 prefetch_chunk_bytes: Optional[int] = None, stage_guesses: Union[bool, int] = False):
-        slots = int(min(slots_per_group, num_experts))
-        if slots < 1:
-            raise CapacityError(f"the expert cache needs at least one slot per layer, got {slots_per_group}; "
-                                "raise moe.gpu_experts_per_layer or moe.gpu_expert_bytes")
+    def __init__(self, store: ExpertStore, num_groups: int, num_experts: int,
+                 slots_per_group: Union[int, Sequence[int]], device, policy: CachePolicy = CachePolicy.LRU,
+                 transfer=None, prefetch_chunk_bytes: Optional[int] = None, stage_guesses: Union[bool, int] = False):
+        # one count for every layer, or one per layer (moe.gpu_expert_total_bytes spread over the layers)
+        per = [slots_per_group] * int(num_groups) if isinstance(slots_per_group, int) else list(slots_per_group)
+        slots = [int(min(n, num_experts)) for n in per]
+        if min(slots, default=1) < 1:
+            raise CapacityError(f"the expert cache needs at least one slot per layer, got {min(per)}; raise "
+                                "moe.gpu_experts_per_layer, moe.gpu_expert_bytes or moe.gpu_expert_total_bytes")
         self.layout = store.layout
         self.num_experts = int(num_experts)
         super().__init__(store, num_groups, num_experts, slots, self.layout.numel, self.layout.dtype, device,
@@ -70,6 +72,35 @@ class ExpertCache(SlotCache):
             "gpu_stall_ms": s["stall_ms"] - s["host_stall_ms"],
             "expert_bytes": self.layout.nbytes,
             "staging_bytes": self._stage_bytes(),
-            "slots_per_layer": self.slots_per_group,
+            "slots_per_layer": (self.slots_per_group if len(set(self.group_slots)) == 1
+                                else sum(self.group_slots) / len(self.group_slots)),
         })
         return s
+
+
+def layer_slots(cfg: MoEConfig, expert_bytes: int, num_layers: int, num_experts: int) -> List[int]:
+    """GPU slots of each MoE layer: ``gpu_experts_per_layer``, or ``gpu_expert_bytes // expert_bytes`` a layer, or
+    ``gpu_expert_total_bytes // expert_bytes`` spread over the layers (the most bytes set wins: total, then per
+    layer, then the count). A total that does not divide evenly gives ``remainder`` layers, spaced evenly through
+    the model, one slot more; a layer never gets more slots than it has experts, nor fewer than one (a total too
+    small for that is a ``ConfigError``, as the cache needs a slot a layer).
+
+    >>> from ds_maximus.config import MoEConfig
+    >>> layer_slots(MoEConfig(gpu_expert_total_bytes=11 * 100), 100, 4, 8)
+    [2, 3, 3, 3]
+    >>> layer_slots(MoEConfig(gpu_experts_per_layer=3), 100, 4, 8)
+    [3, 3, 3, 3]
+    """
+    if cfg.gpu_expert_total_bytes is not None:
+        total = min(cfg.gpu_expert_total_bytes // expert_bytes, num_layers * num_experts)
+        if total < num_layers:
+            raise ConfigError(f"moe.gpu_expert_total_bytes={cfg.gpu_expert_total_bytes} holds {total} experts of "
+                              f"{expert_bytes / 2**20:.1f} MiB, fewer than the model's {num_layers} MoE layers (the "
+                              f"cache needs a slot a layer): give it at least {num_layers * expert_bytes} bytes",
+                              "maximus.moe.gpu_expert_total_bytes")
+        base, extra = divmod(total, num_layers)
+        # the layers with one slot more, spread evenly: layer i gets one when floor((i+1)*extra/L) steps up
+        return [base + ((i + 1) * extra // num_layers - i * extra // num_layers) for i in range(num_layers)]
+    if cfg.gpu_expert_bytes is not None:
+        return [max(1, cfg.gpu_expert_bytes // expert_bytes)] * num_layers
+    return [cfg.gpu_experts_per_layer] * num_layers

@@ -35,7 +35,7 @@ from ds_maximus.errors import ConfigError
 from ds_maximus.experts import compute
 from ds_maximus.experts.adapters import FusedExpertsForm, MoEBlockInfo, find_moe_blocks
 from ds_maximus.experts.cpu_compute import HostExpertCompute
-from ds_maximus.experts.expert_cache import ExpertCache
+from ds_maximus.experts.expert_cache import ExpertCache, layer_slots
 from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.experts.layout import ExpertLayout
 from ds_maximus.experts.quant_layout import QuantizedExpertLayout
@@ -89,7 +89,7 @@ class OffloadedExperts(nn.Module):
     def extra_repr(self) -> str:
         h = self._handle
         return (f"layer={self.group}, num_experts={self.num_experts}, "
-                f"slots={h.cache.slots_per_group}, tier={h.cache.store.tier}")
+                f"slots={h.cache.slots_of(self.group)}, tier={h.cache.store.tier}")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -189,13 +189,13 @@ class MoEOffload:
         ids = self.cache.staged_ids(group)
         staged = ids[0] if ids else None
         frac = max(0.0, 1.0 - self.cache.stages[0].nbytes / self.cache.entry_bytes) if staged is not None else 1.0
-        return self.host_compute.choose(used, counts, self.cache.resident(group), self.cache.slots_per_group,
+        return self.host_compute.choose(used, counts, self.cache.resident(group), self.cache.slots_of(group),
                                         staged, frac)
 
     def _issue_prefetch(self, group: int, votes: List[int]) -> None:
         E = len(votes) // 2
         guess, predicted = votes[:E], votes[E:]
-        limit = min(self.cfg.guesses(self.blocks[group].top_k), self.cache.slots_per_group)
+        limit = min(self.cfg.guesses(self.blocks[group].top_k), self.cache.slots_of(group))
         ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
         # a guess never evicts a resident expert the prediction also routes to (it would likely hit)
         keep = [e for e in range(E) if predicted[e] > 0] if self.keep_predicted else None
@@ -279,9 +279,7 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     device = blocks[0].router.weight.device
     if cfg.quant.bits is not None:
         layout = _quantized_layout(layout, cfg, blocks[0], device)
-    slots = cfg.gpu_experts_per_layer
-    if cfg.gpu_expert_bytes is not None:
-        slots = max(1, cfg.gpu_expert_bytes // layout.nbytes)
+    slots = layer_slots(cfg, layout.nbytes, len(blocks), E)
     n = len(blocks) * E
     # the model's own CPU expert weights are freed layer by layer below as they are copied in: the CPU tier's
     # plan counts them as memory it gets back (on the GPU they free device memory instead)
@@ -303,7 +301,7 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     # demand is known), except with cpu_compute "misses": a staged guess is not resident, so the host would compute
     # it and its head would cross for nothing; there the link brings guesses into slots, where the GPU computes
     # them. "auto" keeps the stages: its split sends a staged guess to the link, which only moves the rest of it
-    stages = min(cfg.guesses(blocks[0].top_k), slots) if cfg.cpu_compute != ExpertCPUCompute.MISSES else 0
+    stages = min(cfg.guesses(blocks[0].top_k), min(slots)) if cfg.cpu_compute != ExpertCPUCompute.MISSES else 0
     cache = ExpertCache(store, len(blocks), E, slots, device, cfg.cache_policy,
                         prefetch_chunk_bytes=PREFETCH_CHUNK_BYTES, stage_guesses=stages)
     handle = MoEOffload(blocks, cache, cfg)

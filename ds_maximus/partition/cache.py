@@ -85,12 +85,18 @@ class CacheCore:
 
     counters: CacheCounters  # demand lookups, hits, misses (a variant says where they are kept)
 
-    def __init__(self, num_groups: int, num_slots: int, num_ids: int, policy: CachePolicy, write_back: bool):
+    def __init__(self, num_groups: int, num_slots: Union[int, Sequence[int]], num_ids: int, policy: CachePolicy,
+                 write_back: bool):
         self.num_groups = int(num_groups)
-        self.num_slots = int(num_slots)
+        # ``num_slots``: one count for every group, or one per group (a budget that does not divide evenly)
+        counts = ([int(num_slots)] * self.num_groups if isinstance(num_slots, (int, np.integer))
+                  else [int(n) for n in num_slots])
+        if len(counts) != self.num_groups:
+            raise ValueError(f"{len(counts)} slot counts for {self.num_groups} groups")
+        self.group_slots: List[int] = counts
+        self.num_slots = min(counts)  # the fewest any group has
         self.write_back = bool(write_back)
-        self.maps: List[SlotMap] = [SlotMap(self.num_slots, num_ids, policy, device="cpu")
-                                    for _ in range(self.num_groups)]
+        self.maps: List[SlotMap] = [SlotMap(n, num_ids, policy, device="cpu") for n in counts]
         self.traffic = TrafficCounters()
 
     def fits(self, ids: Tensor, group: int = 0) -> Tensor:
@@ -108,7 +114,7 @@ class CacheCore:
         slots = m.slots_of(ids).numpy()
         hit = slots >= 0
         pinned = m.pin_count.numpy() > 0
-        room = self.num_slots - int(pinned.sum()) - int((~pinned[slots[hit]]).sum())
+        room = self.group_slots[group] - int(pinned.sum()) - int((~pinned[slots[hit]]).sum())
         miss = np.flatnonzero(~hit)
         if miss.size <= room:
             return torch.ones(ids.numel(), dtype=torch.bool)
@@ -511,13 +517,13 @@ class SlotCache(CacheCore):
 
     entry_name, group_name, size_key = "entries", "group", "the slots per group"  # for error messages
 
-    def __init__(self, store, num_groups: int, num_ids: int, slots_per_group: int, numel: int, dtype,
-                 device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
+    def __init__(self, store, num_groups: int, num_ids: int, slots_per_group: Union[int, Sequence[int]], numel: int,
+                 dtype, device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
                  prefetch_chunk_bytes: Optional[int] = None, stage_guesses: Union[bool, int] = False):
         super().__init__(num_groups, slots_per_group, num_ids, policy, write_back=False)
         self.store = store
         self.num_ids = int(num_ids)
-        self.slots_per_group = self.num_slots
+        self.slots_per_group = self.num_slots  # the fewest any group has; slots_of(group) is the group's own
         self.numel, self.dtype = int(numel), dtype
         self.entry_bytes = self.numel * dtype.itemsize
         self.device = torch.device(device)
@@ -527,10 +533,14 @@ class SlotCache(CacheCore):
         if transfer is None:
             transfer = CudaTransfer(self.device) if self.device.type == "cuda" else CpuTransfer()
         self.transfer = transfer
-        self.groups = [_Group(m, self.num_slots, self.numel, dtype, self.device) for m in self.maps]
+        self.groups = [_Group(m, n, self.numel, dtype, self.device) for m, n in zip(self.maps, self.group_slots)]
         self.counters = CacheCounters()  # demand only: a right staged guess counts as a hit
 
     # -- views -----------------------------------------------------------------------------
+    def slots_of(self, group: int) -> int:
+        """The slots of ``group`` (groups differ by the remainder of a budget spread over them)."""
+        return self.group_slots[group]
+
     def slot_buffer(self, group: int) -> Tensor:
         """All slots of a group, ``[slots, numel]``."""
         return self.groups[group].buffer
@@ -646,7 +656,7 @@ class SlotCache(CacheCore):
         """Make ``ids`` (unique) of ``group`` resident and usable by the compute stream; returns their slots.
 
         The slots stay pinned until :meth:`release`. Raises :class:`CapacityError` when more ids are asked
-        for at once than the group has slots (callers split into rounds of ``slots_per_group``).
+        for at once than the group has slots (callers split into rounds of ``slots_of(group)``).
         ``needed``: every id this group computes with now (all rounds; default ``ids``): prefetches in
         flight for any other id are dropped; when it is more than the slots, the first round counts the
         overflow (``overflow_rows``: the ids beyond the slots, brought in by later rounds).
@@ -655,12 +665,13 @@ class SlotCache(CacheCore):
         needed = ids if needed is None else needed
         self._drop_guesses(g, needed)
         staged = self._take_staged(group, ids, needed)
-        if len(ids) > self.slots_per_group:
+        n_slots = self.group_slots[group]
+        if len(ids) > n_slots:
             raise CapacityError(f"{len(ids)} {self.entry_name} asked for at once in {self.group_name} {group}, but "
-                                f"the cache has {self.slots_per_group} slots per {self.group_name}; compute in rounds, "
+                                f"the cache has {n_slots} slots in that {self.group_name}; compute in rounds, "
                                 f"or raise {self.size_key}")
-        if len(needed) > self.slots_per_group and list(ids) == list(needed[:len(ids)]):
-            self.traffic.overflow_rows += len(needed) - self.slots_per_group
+        if len(needed) > n_slots and list(ids) == list(needed[:len(ids)]):
+            self.traffic.overflow_rows += len(needed) - n_slots
             self.traffic.overflow_batches += 1
         self._reap(g)
         try:
@@ -730,7 +741,7 @@ class SlotCache(CacheCore):
         held = torch.tensor([s for s in held if s >= 0], dtype=torch.long)
         g.map.pin(held)  # for this call only: the victims come from the other slots
         try:
-            free = self.slots_per_group - int((g.map.pin_count > 0).sum())
+            free = self.group_slots[group] - int((g.map.pin_count > 0).sum())
             want = [int(e) for e in ids if int(g.map.id_to_slot[int(e)]) < 0]
             want = want[:max(0, free)]
             if not want:

@@ -31,7 +31,8 @@ class _TrainedExperts(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        return f"layer={self.group}, experts={self.trainer.num_experts}, slots={self.trainer.cache.slots_per_group}"
+        t = self.trainer
+        return f"layer={self.group}, experts={t.num_experts}, slots={t.cache.slots_of(self.group)}"
 
     # the experts appear in the model's state_dict under their original names (a complete HF / DeepSpeed
     # checkpoint from model.state_dict() or save_pretrained), current to the last step
@@ -100,7 +101,7 @@ class TrainedFusedExperts(_TrainedExperts):
         for c in counts:
             starts.append(starts[-1] + c)
         pieces = []
-        for chunk in t.rounds(used):
+        for chunk in t.rounds(used, self.group):
             rows = x_g[starts[chunk[0]]:starts[chunk[-1] + 1]]
             pieces.append(t.round(self.group, chunk, [counts[e] for e in chunk], rows))
         proj_out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
@@ -140,7 +141,7 @@ class TrainedModuleExperts(_TrainedExperts):
         counts = [int(c) for c in self._moe_layer.exp_counts.reshape(-1).tolist()]
         used = t.begin_layer(self.group, counts, getattr(self._moe_layer, "maximus_input", None))
         outs = [None] * E
-        for chunk in t.rounds(used):
+        for chunk in t.rounds(used, self.group):
             idx = torch.tensor(chunk, device=inputs.device)
             y = t.round(self.group, chunk, [counts[e] for e in chunk], inputs.index_select(1, idx))
             for i, e in enumerate(chunk):

@@ -30,7 +30,7 @@ from ds_maximus.config import ExpertOptimizerDevice, MaximusConfig, OffloadDevic
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts.compute import rounds
-from ds_maximus.experts.expert_cache import ExpertCache
+from ds_maximus.experts.expert_cache import ExpertCache, layer_slots
 from ds_maximus.experts.training.function import ExpertKind, ExpertRound
 from ds_maximus.experts.training.grads import ExpertGrads
 from ds_maximus.experts.training.state import ExpertStateMixin
@@ -105,9 +105,7 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
         t2 = time.perf_counter()
         logger.info("ExpertTrainer: experts copied in %.1f s; building the %s compute copy", t2 - t1,
                     str(dtype).replace("torch.", ""))
-        self.slots = mcfg.gpu_experts_per_layer
-        if mcfg.gpu_expert_bytes is not None:
-            self.slots = max(1, mcfg.gpu_expert_bytes // layout.nbytes)
+        self.slots = layer_slots(mcfg, layout.nbytes, self.num_layers, self.num_experts)  # one count a layer
         self.compute_device = torch.device(device)
         self._dtype = torch.float32
         self.store.set_compute_dtype(dtype)
@@ -127,7 +125,7 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
             load_op("cpu")
         logger.info("ExpertTrainer: compute copy, expert cache and optimizer op in %.1f s (set-up %.1f s)",
                     time.perf_counter() - t2, time.perf_counter() - t0)
-        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or self.slots)
+        self.grads = ExpertGrads(self.compute_device, mcfg.gpu_grad_experts or max(self.slots))
         self.counters = ExpertTrainStats(self.num_layers, self.num_experts)
         # the optimizer step's variants (step.py), over the store, gradients, optimizer, counters and cache
         self._step_parts = StepParts(store=self.store, grads=self.grads, optimizer=self.row_optimizer,
@@ -182,7 +180,9 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
             self.out_dtype = dtype
 
     def extra_repr(self) -> str:
-        return (f"layers={self.num_layers}, experts={self.num_experts}, slots_per_layer={self.cache.slots_per_group}, "
+        lo, hi = min(self.slots), max(self.slots)
+        slots = lo if lo == hi else f"{lo}-{hi}"
+        return (f"layers={self.num_layers}, experts={self.num_experts}, slots_per_layer={slots}, "
                 f"tier={self.store.tier}, optimizer={self.optimizer_config.type.value}/"
                 f"{self.optimizer_config.mode.value} on {self.cfg.moe.optimizer_device.value}, "
                 f"device={self.compute_device}, dtype={self._dtype}")
@@ -217,8 +217,8 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
             return ExpertRound.apply(anchor, x, self, group, experts, counts)
         return self.run_round(group, experts, counts, x)
 
-    def rounds(self, used: List[int]) -> List[List[int]]:
-        return rounds(used, self.cache.slots_per_group)
+    def rounds(self, used: List[int], group: int) -> List[List[int]]:
+        return rounds(used, self.cache.slots_of(group))
 
     def run_round(self, group: int, experts: List[int], counts: List[int], x: Tensor) -> Tensor:
         slots = self.cache.acquire(group, experts)
@@ -260,7 +260,7 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
         w = getter() if getter is not None else None
         if w is None or w.numel() == 0 or w.dim() != 2 or w.shape[1] != hidden.shape[-1]:
             return None  # e.g. partitioned by ZeRO-3 outside its module's forward
-        k = min(mcfg.guesses(self.layers[group + 1].top_k), self.num_experts, self.cache.slots_per_group)
+        k = min(mcfg.guesses(self.layers[group + 1].top_k), self.num_experts, self.cache.slots_of(group + 1))
         with torch.no_grad():
             logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).to(w.dtype), w)
             votes = count_ids(torch.topk(logits, k, dim=-1).indices, self.num_experts)
@@ -287,7 +287,7 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
         if not self.cfg.moe.backward_prefetch or group == 0 or group in self._bwd_prefetched:
             return
         self._bwd_prefetched.add(group)
-        self._prefetch(group - 1, self._used[group - 1][-self.cache.slots_per_group:])
+        self._prefetch(group - 1, self._used[group - 1][-self.cache.slots_of(group - 1):])
 
     # -- optimizer ------------------------------------------------------------------------------------
     def _row_views(self, flat_rows: Tensor) -> Tensor:
