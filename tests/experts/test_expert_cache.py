@@ -243,3 +243,21 @@ def test_churn_never_evicts_in_use_or_in_flight(slots, chunk_bytes, stage):
     assert st["demand_lookups"] == st["demand_hits"] + st["demand_misses"]
     assert 0.0 <= st["prefetch_precision"] <= 1.0
     c.close()
+
+
+def test_layers_with_different_slot_counts():
+    """Per-layer slot counts (moe.gpu_expert_total_bytes' remainder): each layer holds and refuses by its own."""
+    c = make_cache([1, 3, 2])
+    assert [c.slots_of(g) for g in range(G)] == [1, 3, 2] and c.slots_per_group == 1
+    assert [c.slot_buffer(g).shape[0] for g in range(G)] == [1, 3, 2]
+    assert c.device_bytes() == 6 * c.layout.nbytes
+    c.release(1, c.acquire(1, [0, 2, 5]))
+    assert c.resident(1) == [0, 2, 5]
+    with pytest.raises(CapacityError, match="1 slots in that layer"):
+        c.acquire(0, [0, 1])
+    c.release(0, c.acquire(0, [4]))
+    assert c.prefetch(2, [1, 3, 5]) == 2      # no more loads than the layer's slots
+    s = c.acquire(2, [1, 3])
+    assert [float(content(c, 2, x)[0]) for x in s] == [2 * E + 1.0, 2 * E + 3.0]
+    c.release(2, s)
+    assert c.stats()["slots_per_layer"] == 2.0
