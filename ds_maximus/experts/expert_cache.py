@@ -80,12 +80,11 @@ class ExpertCache(SlotCache):
 
 def layer_slots(cfg: MoEConfig, expert_bytes: int, num_layers: int, num_experts: int) -> List[int]:
     """GPU slots of each MoE layer: ``gpu_experts_per_layer``, or ``gpu_expert_bytes // expert_bytes`` a layer, or
-    ``gpu_expert_total_bytes // expert_bytes`` spread over the layers (the most bytes set wins: total, then per
-    layer, then the count). A total that does not divide evenly gives ``remainder`` layers, spaced evenly through
+    ``gpu_expert_total_bytes // expert_bytes`` spread over the layers (the first of total, per-layer bytes and
+    count that is set). A total that does not divide evenly gives ``remainder`` layers, spaced evenly through
     the model, one slot more; a layer never gets more slots than it has experts, nor fewer than one (a total too
     small for that is a ``ConfigError``, as the cache needs a slot a layer).
 
-    >>> from ds_maximus.config import MoEConfig
     >>> layer_slots(MoEConfig(gpu_expert_total_bytes=11 * 100), 100, 4, 8)
     [2, 3, 3, 3]
     >>> layer_slots(MoEConfig(gpu_experts_per_layer=3), 100, 4, 8)
