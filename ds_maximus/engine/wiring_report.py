@@ -32,9 +32,10 @@ def swapped_lines(modules: Dict[str, MaximusModule], tied_heads: Dict[str, str],
     lines = []
     for name, m in modules.items():
         if m.role is ModuleRole.EXPERTS:
+            lo, hi = min(m.slots), max(m.slots)  # the trainer's slots a layer (a total budget spreads a remainder)
             lines.append(f"ds_maximus: MoE experts -> partitions: {m.num_layers} layers x {m.num_experts} experts "
                          f"of {m.numel} parameters, tier {_tier(cfg.moe.offload)}, GPU cache "
-                         f"{cfg.moe.gpu_experts_per_layer} experts per layer, optimizer on "
+                         f"{lo if lo == hi else f'{lo}-{hi}'} experts per layer, optimizer on "
                          f"{cfg.moe.optimizer_device.value}")
         elif m.role is ModuleRole.HEAD:
             lines.append(f"ds_maximus: lm_head -> {type(m).__name__}: {m.vocab_size} rows x {m.hidden_size}, "

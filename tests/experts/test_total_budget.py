@@ -115,6 +115,8 @@ def test_training_with_uneven_slots_equals_deepspeed():
     l_got = train(got, data)
     t = got.maximus.modules["moe"]
     assert t.slots == [2, 3] and "slots_per_layer=2-3" in t.extra_repr()
+    from ds_maximus.engine.wiring_report import swapped_lines
+    assert "GPU cache 2-3 experts per layer" in swapped_lines({"moe": t}, {}, got.maximus.cfg)[0]
     assert l_got == pytest.approx(l_ref, rel=1e-5)
     assert_experts_close(got, ref, mixtral_experts)
     dr, dg = dense_params(ref), dense_params(got)
