@@ -3,6 +3,7 @@
     python examples/generate_moe_offload.py                      # tiny random model, checks equality
     python examples/generate_moe_offload.py --layers 8 --hidden 4096 --ffn 14336 --slots 2 --no-check
     python examples/generate_moe_offload.py --nvme-path /tmp/experts --no-prefetch
+    python examples/generate_moe_offload.py --expert-gib 0.035     # one budget for all layers' slots
 
 The model has random weights (no download); the point is the machinery: the expert cache, the
 side-stream loads and speculative prefetch, and that greedy tokens equal the un-offloaded model's.
@@ -40,6 +41,8 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--slots", type=int, default=2, help="moe.gpu_experts_per_layer")
+    p.add_argument("--expert-gib", type=float, default=None, help="moe.gpu_expert_total_bytes in GiB: the slots of "
+                   "all layers together, spread over them (overrides --slots)")
     p.add_argument("--policy", choices=["lru", "lfu"], default="lru")
     p.add_argument("--no-prefetch", action="store_true", help="turn speculative prefetch off")
     p.add_argument("--nvme-path", default=None, help="keep experts in a file in this folder instead of RAM")
@@ -61,6 +64,8 @@ def main(argv=None):
         ref = model.generate(ids, **kw)
     moe = {"gpu_experts_per_layer": args.slots, "cache_policy": args.policy,
            "speculative_prefetch": not args.no_prefetch}
+    if args.expert_gib is not None:
+        moe["gpu_expert_total_bytes"] = int(args.expert_gib * 2**30)
     if args.nvme_path:
         moe["offload"] = {"device": "nvme", "nvme_path": args.nvme_path}
     handle = offload_experts(model, {"maximus": {"moe": moe}})
@@ -70,6 +75,7 @@ def main(argv=None):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     stats = handle.stats()
+    stats["slots_by_layer"] = handle.cache.group_slots
     handle.close()
     print(f"generated {args.tokens} tokens in {dt:.2f} s ({args.tokens / dt:.2f} tokens/s incl. prefill)")
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()}, indent=1))

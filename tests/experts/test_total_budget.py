@@ -123,3 +123,17 @@ def test_training_with_uneven_slots_equals_deepspeed():
     for n in dr:
         assert_weights_close(dg[n], dr[n])
     assert t.stats()["evictions"] > 0
+
+
+def test_example_takes_a_total_budget(capsys):
+    """examples/generate_moe_offload.py --expert-gib: 23 slots over 4 layers, the un-offloaded model's tokens."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "examples" / "generate_moe_offload.py"
+    spec = importlib.util.spec_from_file_location("generate_moe_offload", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--expert-gib", "0.035", "--tokens", "8", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "identical to the un-offloaded model: True" in out
+    assert '"slots_per_layer": 5.75' in out
