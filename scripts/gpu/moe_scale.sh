@@ -4,7 +4,8 @@
 #   1. our ops built first, one process each (row_ops cuda, expert_cpu; a JIT build is single-threaded for most
 #      of its ~40-70 s), outside any time limit (a killed build leaves torch's lock behind); MemAvailable printed
 #   2. benchmarks/bench_moe_offload.py on the 32-layer Mixtral-8x7B (90 GB of bf16 experts), GPU capped at 16 GiB for
-#      every peer but 'full', slots per layer from the cap for each peer's expert size (--slots auto), 32 timed
+#      every peer but 'full', slots per layer from the cap for each peer's expert size (--slots auto; SLOTS=fill
+#      gives each peer that room as one moe.gpu_expert_total_bytes budget, with RESERVE GiB kept, default 0.5), 32 timed
 #      decode tokens, token agreement over the bf16 model's 256-token continuation (one forward per peer); the
 #      experts are regenerated on the GPU for each peer (--expert-source gpu: a 90 GB host copy next to a bf16
 #      peer's 90 GB pinned tier does not fit the host). Peers run most important first, so a cut leaves the
@@ -39,7 +40,9 @@ if [ "$FAMILY" = qwen3 ]; then
 else
   SHAPE="--family mixtral --layers 32"   # the whole Mixtral-8x7B
 fi
-timeout "$LEFT" python -u -m benchmarks.bench_moe_offload $SHAPE --cap-gib 16 --slots auto --tokens 32 \
+SLOT_ARGS="--slots ${SLOTS:-auto}"
+[ "${SLOTS:-auto}" = fill ] && SLOT_ARGS="$SLOT_ARGS --reserve-gib ${RESERVE:-0.5}"
+timeout "$LEFT" python -u -m benchmarks.bench_moe_offload $SHAPE --cap-gib 16 $SLOT_ARGS --tokens 32 \
   --agree-tokens 256 --expert-source gpu --ours-variants default \
   --peers ${PEERS:-full,int4,int4+auto,int4+cpu,ours,bf16+auto,bf16+cpu,int8,int3,int2,bnb,cpu} ${EXTRA:-} \
   --budget-s "$BUDGET" \
