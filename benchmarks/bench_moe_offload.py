@@ -92,6 +92,7 @@ from benchmarks.harness import Bench, Budget, cap_gpu, default_dtype, gpu_fracti
 from ds_maximus.config import ExpertCPUCompute
 from ds_maximus.experts import offload_experts
 from ds_maximus.experts.adapters import find_moe_blocks
+from ds_maximus.experts.expert_cache import slot_range
 from ds_maximus.experts.layout import ExpertLayout
 from ds_maximus.experts.quant_layout import QuantizedExpertLayout
 
@@ -440,16 +441,15 @@ def auto_slots(cap_bytes: float, resident_bytes: float, layers: int, expert_byte
     >>> auto_slots(16 * 2**30, 3.2e9, 32, 99_090_432, 8)     # ... int4 (group 64)
     3
     """
-    if reserve_bytes is None:
-        reserve_bytes = 1.5 * GIB + 0.1 * cap_bytes
-    free = cap_bytes - resident_bytes - reserve_bytes
-    return int(max(1, min(num_experts, free // (layers * expert_bytes))))
+    return int(max(1, min(num_experts, fill_bytes(cap_bytes, resident_bytes, layers, expert_bytes, reserve_bytes)
+                          // (layers * expert_bytes))))
 
 
 def fill_bytes(cap_bytes: float, resident_bytes: float, layers: int, expert_bytes: int,
                reserve_bytes: float = None) -> int:
-    """``--slots fill``: the bytes :func:`auto_slots` spreads over the layers (the same reserve), whole, as
-    ``moe.gpu_expert_total_bytes`` (at least a slot a layer).
+    """GPU bytes left for expert slots under a cap: ``cap - resident - reserve`` (``reserve_bytes``: 1.5 GiB + 10% of
+    the cap when ``None``), at least a slot a layer. ``--slots fill`` gives it whole as
+    ``moe.gpu_expert_total_bytes``; :func:`auto_slots` divides it evenly over the layers.
 
     >>> fill_bytes(16 * 2**30, 3.2e9, 32, 99_090_432) // 99_090_432   # Mixtral-8x7B int4 (group 64): 3.3 a layer
     107
@@ -462,8 +462,7 @@ def fill_bytes(cap_bytes: float, resident_bytes: float, layers: int, expert_byte
 def slot_text(handle) -> str:
     """A handle's slots a layer: ``3``, or ``4-5`` (mean 4.59) when a total budget spreads a remainder."""
     n = handle.cache.group_slots
-    lo, hi = min(n), max(n)
-    return str(lo) if lo == hi else f"{lo}-{hi} (mean {sum(n) / len(n):.2f})"
+    return slot_range(n) + (f" (mean {sum(n) / len(n):.2f})" if min(n) != max(n) else "")
 
 
 def resident_bytes(model, blocks) -> int:

@@ -15,6 +15,7 @@ from torch import nn
 from ds_maximus.config import MaximusConfig, OffloadConfig, OffloadDevice
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole
 from ds_maximus.engine.swap import bypassed_original
+from ds_maximus.experts.expert_cache import slot_range
 
 # an embedding with at least this many rows that maximus leaves alone gets a line saying why (so does the
 # model's input embedding, whatever its size); smaller ones (position tables, token types) are not news
@@ -32,10 +33,9 @@ def swapped_lines(modules: Dict[str, MaximusModule], tied_heads: Dict[str, str],
     lines = []
     for name, m in modules.items():
         if m.role is ModuleRole.EXPERTS:
-            lo, hi = min(m.slots), max(m.slots)  # the trainer's slots a layer (a total budget spreads a remainder)
             lines.append(f"ds_maximus: MoE experts -> partitions: {m.num_layers} layers x {m.num_experts} experts "
                          f"of {m.numel} parameters, tier {_tier(cfg.moe.offload)}, GPU cache "
-                         f"{lo if lo == hi else f'{lo}-{hi}'} experts per layer, optimizer on "
+                         f"{slot_range(m.slots)} experts per layer, optimizer on "
                          f"{cfg.moe.optimizer_device.value}")
         elif m.role is ModuleRole.HEAD:
             lines.append(f"ds_maximus: lm_head -> {type(m).__name__}: {m.vocab_size} rows x {m.hidden_size}, "

@@ -103,3 +103,13 @@ def layer_slots(cfg: MoEConfig, expert_bytes: int, num_layers: int, num_experts:
     if cfg.gpu_expert_bytes is not None:
         return [max(1, cfg.gpu_expert_bytes // expert_bytes)] * num_layers
     return [cfg.gpu_experts_per_layer] * num_layers
+
+
+def slot_range(slots: Sequence[int]) -> str:
+    """Per-layer slot counts for a report: ``"3"``, or ``"4-5"`` when a total budget spread a remainder.
+
+    >>> slot_range([3, 3]), slot_range([4, 5, 5])
+    ('3', '4-5')
+    """
+    lo, hi = min(slots), max(slots)
+    return str(lo) if lo == hi else f"{lo}-{hi}"

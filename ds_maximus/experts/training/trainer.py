@@ -30,7 +30,7 @@ from ds_maximus.config import ExpertOptimizerDevice, MaximusConfig, OffloadDevic
 from ds_maximus.engine.protocol import MaximusModule, ModuleRole
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts.compute import rounds
-from ds_maximus.experts.expert_cache import ExpertCache, layer_slots
+from ds_maximus.experts.expert_cache import ExpertCache, layer_slots, slot_range
 from ds_maximus.experts.training.function import ExpertKind, ExpertRound
 from ds_maximus.experts.training.grads import ExpertGrads
 from ds_maximus.experts.training.state import ExpertStateMixin
@@ -180,9 +180,7 @@ class ExpertTrainer(ExpertStateMixin, MaximusModule, nn.Module):
             self.out_dtype = dtype
 
     def extra_repr(self) -> str:
-        lo, hi = min(self.slots), max(self.slots)
-        slots = lo if lo == hi else f"{lo}-{hi}"
-        return (f"layers={self.num_layers}, experts={self.num_experts}, slots_per_layer={slots}, "
+        return (f"layers={self.num_layers}, experts={self.num_experts}, slots_per_layer={slot_range(self.slots)}, "
                 f"tier={self.store.tier}, optimizer={self.optimizer_config.type.value}/"
                 f"{self.optimizer_config.mode.value} on {self.cfg.moe.optimizer_device.value}, "
                 f"device={self.compute_device}, dtype={self._dtype}")
