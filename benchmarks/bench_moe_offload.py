@@ -594,6 +594,14 @@ def top_k_list(text: str) -> list:
     return ks
 
 
+def on_off_list(text: str) -> list:
+    """``--skip-resident``: ``on``, ``off`` or a comma list of them, as booleans."""
+    words = [t.strip() for t in text.split(",") if t.strip()]
+    if not words or set(words) - {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"takes on/off, comma-separated: {text!r}")
+    return [w == "on" for w in words]
+
+
 def parse_peers(args) -> list:
     """The peer keys to run, in order: ``--peers`` (comma-separated keys of ``PEERS``, run in the order given),
     else ``--quick``'s, else all; ``full`` runs first (the quality reference is taken after it) and ``cpu`` and
@@ -663,6 +671,8 @@ def main(argv=None):
     p.add_argument("--prefetch-top-k", type=top_k_list, default=None, help="moe.prefetch_top_k of the bf16+/int "
                    "peers (default: the config's, 1), each guess staged in its own buffer; a comma list (1,2,1) "
                    "runs each of those peers once per value, in order, in one process")
+    p.add_argument("--skip-resident", type=on_off_list, default=None, help="moe.prefetch_skip_resident of the "
+                   "bf16+/int peers: on, off, or a comma list, each a timed run on the same offloaded model")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="random weights: 'scaled' (residual "
                    "outputs at std / sqrt(2 x layers), embedding N(0, 1): a stable model whose token agreement "
@@ -946,7 +956,11 @@ def main(argv=None):
             return
         src.settle()
         progress(f"{name}: {slot_text(handle)} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
-        peer(name, "ours", model, ids, args.tokens, handle, need=0)
+        for skip in args.skip_resident or [None]:
+            if skip is not None:
+                handle.cfg.prefetch_skip_resident = skip
+            peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}"), "ours", model, ids,
+                 args.tokens, handle, need=0)
         handle.close()
 
     def run_bnb():

@@ -300,6 +300,12 @@ class MoEConfig(_Section):
     1 measured best both ways on Mixtral-shaped models (staged: an int4 decode at 24 layers, 3 slots a layer,
     took 67.0-68.2 ms a token with 1 and 68.2-68.4 with 2, which moved 10% more bytes; docs/bench/moe_offload.md)."""
 
+    prefetch_skip_resident: bool = False
+    """Guesses skip experts already resident: a layer's ``prefetch_top_k`` guesses are the best-ranked experts of
+    the whole predicted routing (its top-k) that are not in a slot, so a layer whose best guess is resident
+    still stages its next one. Off: the guesses are the prediction's first ``prefetch_top_k``, and a resident
+    one stages nothing. Either way a layer stages at most ``prefetch_top_k`` experts."""
+
     def guesses(self, top_k: int) -> int:
         """Guesses a layer for a model routing ``top_k`` experts a token: ``prefetch_top_k``, or ``top_k`` for
         ``None`` (callers cap it by what they can hold).

@@ -118,14 +118,19 @@ class MoEOffload:
     # -- the forward of one layer -------------------------------------------------------------
     def _prefetch_plan(self, group: int, hidden: torch.Tensor):
         """The next MoE layer's router applied to this layer's input: votes for its guesses (its top
-        ``prefetch_top_k``) then votes for its whole predicted routing (top ``top_k``), or None."""
+        ``prefetch_top_k``) then rank-weighted votes for its whole predicted routing (top ``top_k``), or None."""
         if not self.speculative_prefetch or group + 1 >= len(self.blocks):
             return None
         nxt = self.blocks[group + 1]
         K = min(nxt.top_k, nxt.num_experts)
         k = min(self.cfg.guesses(K), K)
         picks = torch.topk(nxt.router_logits(hidden), K, dim=-1).indices  # best first
-        return torch.cat([count_ids(picks[:, :k], nxt.num_experts), count_ids(picks, nxt.num_experts)])
+        # the whole prediction's votes weighted by rank (K for a token's first pick, 1 for its last): nonzero
+        # exactly for the predicted experts, and an order among them (prefetch_skip_resident takes it further)
+        ranks = torch.arange(K, 0, -1, device=picks.device)
+        hits = picks.unsqueeze(-1) == torch.arange(nxt.num_experts, device=picks.device)  # [tokens, K, experts]
+        scores = (hits * ranks[:, None]).sum((0, 1))
+        return torch.cat([count_ids(picks[:, :k], nxt.num_experts), scores])
 
     def _forward(self, mod: OffloadedExperts, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -196,7 +201,12 @@ class MoEOffload:
         E = len(votes) // 2
         guess, predicted = votes[:E], votes[E:]
         limit = min(self.cfg.guesses(self.blocks[group].top_k), self.cache.slots_of(group))
-        ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
+        if self.cfg.prefetch_skip_resident:  # the best predicted experts that are not already in a slot
+            resident = set(self.cache.resident(group))
+            ranked = sorted((e for e in range(E) if predicted[e] > 0 and e not in resident),
+                            key=lambda e: (-guess[e], -predicted[e]))[:limit]
+        else:
+            ranked = sorted((e for e in range(E) if guess[e] > 0), key=lambda e: -guess[e])[:limit]
         # a guess never evicts a resident expert the prediction also routes to (it would likely hit)
         keep = [e for e in range(E) if predicted[e] > 0] if self.keep_predicted else None
         self.cache.prefetch(group, ranked, keep=keep)

@@ -73,6 +73,34 @@ def test_two_guesses_a_layer_staged_same_tokens():
     assert two["prefetch_issued"] > one["prefetch_issued"] and two["prefetch_useful"] > 0
 
 
+def test_skip_resident_guesses_same_tokens_more_staged():
+    """moe.prefetch_skip_resident: a layer whose best guess is resident stages its next predicted expert (still one
+    buffer), so more guesses are issued and right; the tokens stay the plain model's."""
+    cfg = {"gpu_experts_per_layer": 4}
+    off = check_equal(tiny_model("qwen3_moe", layers=3, top_k=2), cfg)
+    on = check_equal(tiny_model("qwen3_moe", layers=3, top_k=2), {**cfg, "prefetch_skip_resident": True})
+    assert on["staging_bytes"] == off["staging_bytes"] == on["expert_bytes"]
+    assert on["prefetch_issued"] > off["prefetch_issued"] and on["prefetch_useful"] > off["prefetch_useful"]
+
+
+def test_skip_resident_stages_the_best_absent_guess():
+    """The guess order: the prediction's first pick, then the rest by rank; resident ones skipped with the option
+    on, and a layer whose first pick is resident stages nothing with it off."""
+    handle = offload_experts(tiny_model("mixtral", num_experts=8, top_k=2), {"gpu_experts_per_layer": 2})
+    try:
+        cache, E = handle.cache, 8
+        cache.acquire(1, [3])  # expert 3 of layer 1 resident
+        guess, predicted = [0] * E, [0] * E
+        guess[3], predicted[3], predicted[5] = 1, 2, 1  # one token: first pick 3, second pick 5
+        handle._issue_prefetch(1, guess + predicted)
+        assert cache.staged_ids(1) == []
+        handle.cfg.prefetch_skip_resident = True
+        handle._issue_prefetch(1, guess + predicted)
+        assert cache.staged_ids(1) == [5]
+    finally:
+        handle.close()
+
+
 def test_nvme_tier_equals_ram(tmp_path):
     """The file tier (plain reads, or the NVMe loader when its op builds) gives the RAM tier's tokens."""
     cfg = {"gpu_experts_per_layer": 1, "offload": {"device": "nvme", "nvme_path": str(tmp_path / "experts")}}
