@@ -66,9 +66,7 @@ class ExpertComputeContext:
             order = list(used)
         else:
             have = set(self.cache.resident(self.group))
-            staged = getattr(getattr(self.cache, "staged", None), "key", None)
-            if staged is not None and staged[0] == self.group:
-                have.add(staged[1])
+            have.update(self.cache.staged_ids(self.group))  # a staged guess only moves its rest: first rounds
             order = [e for e in used if e in have] + [e for e in used if e not in have]
         self.needed = order
         return rounds(order, size)

@@ -6,7 +6,7 @@ import torch
 
 from ds_maximus.config import MaximusConfig
 from ds_maximus.errors import ConfigError
-from ds_maximus.experts import OffloadedExperts, offload_experts
+from ds_maximus.experts import OffloadedExperts, compute, offload_experts
 
 from .tiny_moe import clone, tiny_model
 
@@ -97,6 +97,10 @@ def test_skip_resident_stages_the_best_absent_guess():
         handle.cfg.prefetch_skip_resident = True
         handle._issue_prefetch(1, guess + predicted)
         assert cache.staged_ids(1) == [5]
+        # a round of more experts than slots takes the resident and the staged guess first
+        mod = handle.modules[1]
+        ctx = compute.ExpertComputeContext(cache, 1, mod._original._apply_gate, E, mod.form)
+        assert ctx.rounds([0, 1, 3, 5]) == [[3, 5], [0, 1]]
     finally:
         handle.close()
 
