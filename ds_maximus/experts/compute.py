@@ -179,10 +179,12 @@ def packed_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index:
     in the eager loop's order, expert after expert) and the layout of its slots go to the device in one copy; one
     gather; each projection of all its experts in one call (:func:`_packed_linear`); the gate and the routing
     weights over all its rows; then each expert's rows added in ascending id."""
-    final = torch.zeros_like(hidden)
     where = _pairs_of(pairs, top_k_index.size(-1), used)
     chunks = ctx.rounds(used)
     ascending = ctx.needed == sorted(ctx.needed)
+    # one token in one round (batch-1 decode): its rows summed in ascending id with the same bf16 adds, no buffer
+    one_token = hidden.shape[0] == 1 and len(chunks) == 1 and ascending
+    final = None if one_token else torch.zeros_like(hidden)
     held = {}  # computed out of ascending order: added once every expert is done, in ascending id
     numel = ctx.layout.numel
     for chunk in chunks:
@@ -200,7 +202,12 @@ def packed_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index:
             most = max(b - a for a, b in zip(starts, starts[1:]))
             h = _packed_linear(ctx, hidden[tok], "gate_up_proj", slots, starts, meta, most)
             h = _packed_linear(ctx, ctx.apply_gate(h), "down_proj", slots, starts, meta, most)
-            h = (h * top_k_weights[tok, pos, None]).to(final.dtype)
+            h = (h * top_k_weights[tok, pos, None]).to(hidden.dtype)
+            if one_token:
+                final = h[0:1]
+                for r in range(1, R):
+                    final = final + h[r:r + 1]
+                continue
             for i, e in enumerate(chunk):
                 rows = slice(starts[i], starts[i + 1])
                 if ascending:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -39,7 +39,6 @@ from ds_maximus.experts.expert_cache import ExpertCache, layer_slots
 from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.experts.layout import ExpertLayout
 from ds_maximus.experts.quant_layout import QuantizedExpertLayout
-from ds_maximus.ops import count_ids
 from ds_maximus.partition.host_memory import HostMemoryPlan, HostTier, TierDemand
 
 log = logging.getLogger(__name__)
@@ -116,21 +115,30 @@ class MoEOffload:
         self.quantized = isinstance(cache.layout, QuantizedExpertLayout)  # moe.quant: slots hold the packed form
 
     # -- the forward of one layer -------------------------------------------------------------
-    def _prefetch_plan(self, group: int, hidden: torch.Tensor):
-        """The next MoE layer's router applied to this layer's input: votes for its guesses (its top
-        ``prefetch_top_k``) then rank-weighted votes for its whole predicted routing (top ``top_k``), or None."""
+    def _prefetch_picks(self, group: int, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """The next MoE layer's router applied to this layer's input: each token's predicted experts of that layer,
+        best first ([tokens, top_k]), or None without speculative prefetch or after the last layer."""
         if not self.speculative_prefetch or group + 1 >= len(self.blocks):
             return None
         nxt = self.blocks[group + 1]
-        K = min(nxt.top_k, nxt.num_experts)
+        return torch.topk(nxt.router_logits(hidden), min(nxt.top_k, nxt.num_experts), dim=-1).indices
+
+    def _votes(self, group: int, picks: Sequence[int]) -> List[int]:
+        """``group``'s votes from the predicted picks (flat, ``top_k`` a token, best first): for its guesses (each
+        token's first ``prefetch_top_k``), then for its whole predicted routing weighted by rank (``top_k`` for a
+        token's first pick, 1 for its last): nonzero exactly for the predicted experts, and an order among them.
+        Counted here on the host: the picks cross in the layer's one sync anyway, where votes counted on the
+        device took a handful of launches a layer."""
+        b = self.blocks[group]
+        E, K = b.num_experts, min(b.top_k, b.num_experts)
         k = min(self.cfg.guesses(K), K)
-        picks = torch.topk(nxt.router_logits(hidden), K, dim=-1).indices  # best first
-        # the whole prediction's votes weighted by rank (K for a token's first pick, 1 for its last): nonzero
-        # exactly for the predicted experts, and an order among them (prefetch_skip_resident takes it further)
-        ranks = torch.arange(K, 0, -1, device=picks.device)
-        hits = picks.unsqueeze(-1) == torch.arange(nxt.num_experts, device=picks.device)  # [tokens, K, experts]
-        scores = (hits * ranks[:, None]).sum((0, 1))
-        return torch.cat([count_ids(picks[:, :k], nxt.num_experts), scores])
+        guess, predicted = [0] * E, [0] * E
+        for i, e in enumerate(picks):
+            r = i % K
+            predicted[e] += K - r
+            if r < k:
+                guess[e] += 1
+        return guess + predicted
 
     def _forward(self, mod: OffloadedExperts, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -143,14 +151,16 @@ class MoEOffload:
             self._t_first = self._t_first or now
             self._tokens += hidden.shape[0]
         E = mod.num_experts
-        counts = count_ids(top_k_index, E)
-        votes = None
         with torch.no_grad():
-            votes = self._prefetch_plan(group, hidden)
-        parts = [counts, top_k_index.flatten().to(counts.dtype)] + ([votes] if votes is not None else [])
-        host = torch.cat(parts).tolist()  # the layer's one sync: counts, the (token, k) pairs, the votes
+            picks = self._prefetch_picks(group, hidden)
+        parts = [top_k_index.flatten().long()] + ([picks.flatten()] if picks is not None else [])
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()  # the layer's one sync
         n_pairs = top_k_index.numel()
-        counts, pairs, votes = host[:E], host[E:E + n_pairs], host[E + n_pairs:]
+        pairs = host[:n_pairs]  # each (token, k) pair's expert, token-major
+        counts = [0] * E
+        for e in pairs:
+            counts[e] += 1
+        votes = self._votes(group + 1, host[n_pairs:]) if picks is not None else None
         used = [e for e in range(E) if counts[e] > 0]
         self._layer_calls += 1
         self._experts_hit += len(used)

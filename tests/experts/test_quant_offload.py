@@ -183,11 +183,13 @@ def per_expert_loop(ctx, hidden, top_k_index, top_k_weights, used, pairs):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("slots", [2, 8])
-def test_packed_rounds_equal_the_per_expert_loop(device, bits, slots, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_packed_rounds_equal_the_per_expert_loop(device, bits, slots, batch, monkeypatch):
     """compute.packed_forward (a round's experts in one call a projection, the gate and weights over all its rows)
     against the eager loop expert by expert, at every MoE layer call of a bf16 Qwen3-MoE decode of 2 sequences
-    (more experts than slots: rounds, resident experts first): bit for bit on the CPU; on CUDA, where one launch
-    splits K differently from a per-expert launch, within fp32 accumulation."""
+    (more experts than slots: rounds, resident experts first) or of one (a decode token's rows summed without
+    the output buffer): bit for bit on the CPU; on CUDA, where one launch splits K differently from a per-expert
+    launch, within fp32 accumulation."""
     from ds_maximus.experts import compute
     if device == "cuda":
         _needs_cuda()
@@ -205,8 +207,8 @@ def test_packed_rounds_equal_the_per_expert_loop(device, bits, slots, monkeypatc
     monkeypatch.setattr(compute, "packed_forward", checked)
     model = tiny_model("qwen3_moe", "eager", top_k=2, dtype=torch.bfloat16).to(device)
     run(model, {"gpu_experts_per_layer": slots, "quant": {"bits": bits, "group_size": 16}},
-        prompt(batch=2, length=8, device=device), new_tokens=6)
-    assert calls and max(calls) > 2  # some layer calls ran in rounds when slots=2
+        prompt(batch=batch, length=8, device=device), new_tokens=6)
+    assert calls and max(calls) > 2  # some layer calls ran in rounds when slots=2 (the prompt's, at batch 1)
 
 
 @pytest.mark.gpu
