@@ -344,3 +344,19 @@ def test_bench_moe_offload_small_batch_and_prefill(capsys):
     assert 0 <= float(ours["hit rate"]) <= 1 and 0 <= float(ours["prefill hit rate"]) <= 1
     q = cell["ours int8 (group 64) + cpu_compute=misses"]
     assert float(q["tokens/s"]) > 0 and 0 < float(q["rel err"]) < 0.5 and float(q["host experts/token"]) > 0
+
+
+def test_bench_moe_offload_skip_resident_rows(capsys):
+    """``--skip-resident off,on``: one offload, a row each; skipping resident experts guesses more of the misses
+    (recall up) with the same tokens."""
+    from benchmarks.bench_moe_offload import main
+    assert main(["--small", "--peers", "int4", "--slots", "2", "--skip-resident", "off,on", "--budget-s", "1e6"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    header = [c.strip() for c in rows["provider"].split("|")]
+    cell = {n: dict(zip(header, (c.strip() for c in line.split("|")))) for n, line in rows.items()}
+    off, on = (cell[f"ours int4 (group 64), skip resident {w}"] for w in ("off", "on"))
+    assert float(on["prefetch recall"]) > float(off["prefetch recall"])
+    assert on["token agree"] == off["token agree"] and on["rel err"] == off["rel err"]
+    with pytest.raises(SystemExit):
+        main(["--small", "--skip-resident", "yes"])
