@@ -20,13 +20,15 @@ small experts a layer, where per-expert launches, not bytes, would set the speed
 
 No function here makes the host wait for the GPU: the routing arrives as host lists (``pairs``: the
 flattened ``top_k_index``, fetched in the layer's one sync), and the index tensors built from it go to
-the device through pinned memory. The host thus queues a layer's expert GEMMs behind their loads and
-runs on to the next layer's attention and router while the loads are in flight.
+the device through pinned memory, or come from a cache of those already there (:func:`round_index`). The
+host thus queues a layer's expert GEMMs behind their loads and runs on to the next layer's attention and router
+while the loads are in flight.
 
-    >>> # used by OffloadedExperts.forward; see tests/experts/test_compute.py for a standalone run
+    >>> # used by OffloadedExperts.forward; see tests/experts/test_offload_generate.py
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, Sequence
 
 import torch
@@ -35,6 +37,23 @@ from ds_maximus.experts import quant
 from ds_maximus.experts.adapters.projection import FusedExpertsForm, batched_linear, eager_linear, grouped_linear
 from ds_maximus.experts.quant_triton import MMA_CONFIG
 from ds_maximus.ops import to_device
+
+# a round's index tensor (rows, top-k positions, starts, slot offsets) of at most this many entries is kept on the
+# device by value: a batch-1 decode has a few dozen distinct ones, so after the first tokens a round copies nothing
+ROUND_INDEX_CACHED = 64
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_index(values: tuple, device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def round_index(values: List[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` (read only: callers never write it): short ones from a cache of
+    tensors already there, the rest copied (to a GPU through pinned memory)."""
+    if len(values) <= ROUND_INDEX_CACHED:
+        return _cached_index(tuple(values), device)
+    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 def rounds(experts: Sequence[int], size: int) -> List[List[int]]:
@@ -125,7 +144,7 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
         slots = ctx.acquire(chunk)
         try:
             for e, s in zip(chunk, slots):
-                top_k_pos, token_idx = to_device(torch.tensor(where[e], dtype=torch.long), hidden.device)
+                top_k_pos, token_idx = round_index(where[e][0] + where[e][1], hidden.device).view(2, -1)
                 cur = hidden[token_idx]
                 flat = ctx.flat(s)
                 h = ctx.apply_gate(_expert_linear(ctx, cur, flat, "gate_up_proj"))
@@ -196,8 +215,7 @@ def packed_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index:
             R = starts[-1]
             token_idx = [t for e in chunk for t in where[e][1]]
             top_k_pos = [p for e in chunk for p in where[e][0]]
-            idx = to_device(torch.tensor(token_idx + top_k_pos + starts + [s * numel for s in slots],
-                                         dtype=torch.long), hidden.device)  # one copy for the round
+            idx = round_index(token_idx + top_k_pos + starts + [s * numel for s in slots], hidden.device)
             tok, pos, meta = idx[:R], idx[R:2 * R], idx[2 * R:]
             most = max(b - a for a, b in zip(starts, starts[1:]))
             h = _packed_linear(ctx, hidden[tok], "gate_up_proj", slots, starts, meta, most)

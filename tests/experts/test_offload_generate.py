@@ -135,3 +135,14 @@ def test_config_forms(tmp_path):
         offload_experts(clone(model), {"maximus": {"moe": {"gpu_experts_per_layr": 1}}})
     with pytest.raises(ConfigError, match="no MoE block"):
         offload_experts(torch.nn.Sequential(torch.nn.Linear(4, 4)), moe)
+
+
+def test_round_index_cached_by_value():
+    """A round's short index tensor is made once and reused by value (never written by its users); long ones are
+    made each time."""
+    a = compute.round_index([0, 1, 0, 1, 2, 7, 9], torch.device("cpu"))
+    assert a.dtype == torch.long and a.tolist() == [0, 1, 0, 1, 2, 7, 9]
+    assert compute.round_index([0, 1, 0, 1, 2, 7, 9], torch.device("cpu")) is a
+    long = list(range(compute.ROUND_INDEX_CACHED + 1))
+    b = compute.round_index(long, torch.device("cpu"))
+    assert b.tolist() == long and compute.round_index(long, torch.device("cpu")) is not b
