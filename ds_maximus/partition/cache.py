@@ -709,9 +709,14 @@ class SlotCache(CacheCore):
         g.map.pin(torch.tensor(slots, dtype=torch.long))
         for s in slots:
             g.in_use[s] += 1
-            stall = self.transfer.wait(g.load_ev[s])
+            ev = g.load_ev[s]
+            if ev is None:  # landed before an earlier acquire: nothing to order behind
+                continue
+            stall = self.transfer.wait(ev)
             t.stall_ms += stall
             t.host_stall_ms += stall
+            if self.transfer.done(ev):  # landed: a resident expert's later acquires skip the wait
+                g.load_ev[s] = None
         return slots
 
     def release(self, group: int, slots: Sequence[int]) -> None:
