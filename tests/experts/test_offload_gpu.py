@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
-@pytest.mark.parametrize("slots", [1, 8])
+@pytest.mark.parametrize("slots", [1, 3, 8])
 def test_generate_identical_cuda(kind, impl, slots):
     model = tiny_model(kind, impl, top_k=2, dtype=torch.bfloat16).cuda()
     ref = clone(model)
@@ -32,6 +32,25 @@ def test_generate_identical_cuda(kind, impl, slots):
     assert torch.equal(a.sequences, b.sequences)
     torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), rtol=0, atol=0)
     assert st["bytes_moved"] > 0
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_skip_resident_guesses_cuda(kind):
+    """moe.prefetch_skip_resident on CUDA: the staged guesses past resident experts (and the events of resident
+    experts skipped once landed) change no token or logit."""
+    model = tiny_model(kind, "eager", top_k=2, dtype=torch.bfloat16).cuda()
+    ref = clone(model)
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(5)).cuda()
+    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, return_dict_in_generate=True,
+              output_logits=True, pad_token_id=0)
+    a = ref.generate(ids, **kw)
+    h = offload_experts(model, {"gpu_experts_per_layer": 3, "prefetch_skip_resident": True})
+    b = model.generate(ids, **kw)
+    st = h.stats()
+    h.close()
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), rtol=0, atol=0)
+    assert st["prefetch_useful"] > 0
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
