@@ -301,10 +301,11 @@ class MoEConfig(_Section):
     took 67.0-68.2 ms a token with 1 and 68.2-68.4 with 2, which moved 10% more bytes; docs/bench/moe_offload.md)."""
 
     prefetch_skip_resident: bool = False
-    """Guesses skip experts already resident: a layer's ``prefetch_top_k`` guesses are the best-ranked experts of
-    the whole predicted routing (its top-k) that are not in a slot, so a layer whose best guess is resident
-    still stages its next one. Off: the guesses are the prediction's first ``prefetch_top_k``, and a resident
-    one stages nothing. Either way a layer stages at most ``prefetch_top_k`` experts."""
+    """Inference (``offload_experts``): guesses skip experts already resident. A layer's ``prefetch_top_k``
+    guesses are the best-ranked experts of the whole predicted routing (its top-k) that are not in a slot, so a
+    layer whose best guess is resident still stages its next one. Off: the guesses are the prediction's first
+    ``prefetch_top_k``, and a resident one stages nothing. Either way a layer stages at most ``prefetch_top_k``
+    experts. MoE training (``moe.train``) keeps its own guesses."""
 
     def guesses(self, top_k: int) -> int:
         """Guesses a layer for a model routing ``top_k`` experts a token: ``prefetch_top_k``, or ``top_k`` for
