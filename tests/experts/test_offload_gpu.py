@@ -15,22 +15,29 @@ from .tiny_moe import clone, tiny_model
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
-@pytest.mark.parametrize("slots", [1, 3, 8])
-def test_generate_identical_cuda(kind, impl, slots):
+def generate_offloaded_cuda(kind, impl, config, seed):
+    """Greedy 32 tokens of a bf16 tiny ``kind`` on CUDA, plain and through ``offload_experts(config)``: asserts the
+    tokens and logits equal, returns the offload's stats."""
     model = tiny_model(kind, impl, top_k=2, dtype=torch.bfloat16).cuda()
     ref = clone(model)
-    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(3)).cuda()
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(seed)).cuda()
     kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, return_dict_in_generate=True,
               output_logits=True, pad_token_id=0)
     a = ref.generate(ids, **kw)
-    h = offload_experts(model, {"gpu_experts_per_layer": slots})
+    h = offload_experts(model, config)
     b = model.generate(ids, **kw)
     st = h.stats()
     h.close()
     assert torch.equal(a.sequences, b.sequences)
     torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), rtol=0, atol=0)
+    return st
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_generate_identical_cuda(kind, impl, slots):
+    st = generate_offloaded_cuda(kind, impl, {"gpu_experts_per_layer": slots}, seed=3)
     assert st["bytes_moved"] > 0
 
 
@@ -38,18 +45,7 @@ def test_generate_identical_cuda(kind, impl, slots):
 def test_skip_resident_guesses_cuda(kind):
     """moe.prefetch_skip_resident on CUDA: the staged guesses past resident experts (and the events of resident
     experts skipped once landed) change no token or logit."""
-    model = tiny_model(kind, "eager", top_k=2, dtype=torch.bfloat16).cuda()
-    ref = clone(model)
-    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(5)).cuda()
-    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, return_dict_in_generate=True,
-              output_logits=True, pad_token_id=0)
-    a = ref.generate(ids, **kw)
-    h = offload_experts(model, {"gpu_experts_per_layer": 3, "prefetch_skip_resident": True})
-    b = model.generate(ids, **kw)
-    st = h.stats()
-    h.close()
-    assert torch.equal(a.sequences, b.sequences)
-    torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), rtol=0, atol=0)
+    st = generate_offloaded_cuda(kind, "eager", {"gpu_experts_per_layer": 3, "prefetch_skip_resident": True}, seed=5)
     assert st["prefetch_useful"] > 0
 
 
