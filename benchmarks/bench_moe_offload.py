@@ -673,6 +673,9 @@ def main(argv=None):
                    "runs each of those peers once per value, in order, in one process")
     p.add_argument("--skip-resident", type=on_off_list, default=None, help="moe.prefetch_skip_resident of the "
                    "bf16+/int peers: on, off, or a comma list, each a timed run on the same offloaded model")
+    p.add_argument("--device-fetch", type=on_off_list, default=None, help="moe.device_fetch of the int peers: on, "
+                   "off, or a comma list, each a timed run on the same offloaded model (with --skip-resident: every "
+                   "pair)")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="random weights: 'scaled' (residual "
                    "outputs at std / sqrt(2 x layers), embedding N(0, 1): a stable model whose token agreement "
@@ -956,11 +959,16 @@ def main(argv=None):
             return
         src.settle()
         progress(f"{name}: {slot_text(handle)} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
-        for skip in args.skip_resident or [None]:
-            if skip is not None:
-                handle.cfg.prefetch_skip_resident = skip
-            peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}"), "ours", model, ids,
-                 args.tokens, handle, need=0)
+        fetches = (args.device_fetch or [None]) if bits else [None]
+        for fetch in fetches:
+            for skip in args.skip_resident or [None]:
+                if skip is not None:
+                    handle.cfg.prefetch_skip_resident = skip
+                if fetch is not None:
+                    handle.cfg.device_fetch = fetch
+                peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}")
+                     + ("" if fetch is None else f", device fetch {'on' if fetch else 'off'}"), "ours", model, ids,
+                     args.tokens, handle, need=0)
         handle.close()
 
     def run_bnb():

@@ -1,0 +1,218 @@
+"""``moe.device_fetch``: a batch-1 decode step of a quantized, offloaded MoE layer with no host decision in it.
+
+The default decode path (:mod:`ds_maximus.experts.offload`) brings each layer's routing to the host (one sync a
+layer), decides there which experts to load and guess, and queues the copies and the expert GEMMs. While the host
+decides, the GPU has nothing queued; on a host that is slow next to its GPU that wait, not the link, sets the speed
+of a batch-1 decode (``docs/bench/moe_offload.md``). With ``device_fetch`` a batch-1 decode step never waits for the
+GPU; per layer:
+
+1. ``fetch_experts`` (one Triton kernel, :mod:`ds_maximus.experts.quant_triton`) looks each routed expert up in the
+   layer's slot table *on the GPU*: an expert in a slot is read there; one that is not is copied by the same kernel
+   from the page-locked CPU tier, which it reads over the link through its mapped address, into a staging buffer of
+   the step (one per routed expert). It writes where the GEMMs find each expert.
+2. The two projections run as the default path's one-row gemv over those places, then the gate, the routing
+   weights and the sum: the same ops on the same numbers as :func:`ds_maximus.experts.compute.packed_forward`
+   (experts added in ascending id), so the tokens and logits are the default path's, bit for bit.
+
+The slots do not change during device-fetched steps: what the previous multi-token forward (the prefill) left in them
+stays, and every other expert crosses the link each time it is routed to. The host learns a step's routing only
+afterwards (the ids are copied back without waiting, and counted when the stats are read or the next multi-token
+forward starts), for the counters: a fetched expert is a miss and its bytes are ``bytes_h2d``. A forward of several
+tokens (a prefill, a batch's decode step) takes the default path, whose loads and evictions then refresh the slot
+tables. Needs packed (``moe.quant``, whole-byte codes) experts in the pinned CPU tier; CUDA runs the kernels, other
+devices run the same steps with plain copies and :func:`ds_maximus.experts.quant.linear` (the reference the tests
+compare against).
+
+    >>> # used by MoEOffload._forward; see tests/experts/test_device_fetch.py
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ds_maximus.errors import ConfigError
+from ds_maximus.experts import quant
+from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+from ds_maximus.ops import to_device
+
+# routed-expert records (one row of top_k ids a layer step) kept before the host waits to count them
+LOG_ROWS = 4096
+
+
+class DeviceFetch:
+    """The device-fetch decode step of every MoE layer of one offloaded model (see the module docstring)."""
+
+    def __init__(self, cache, top_k: int):
+        lay = cache.layout
+        if not isinstance(lay, QuantizedExpertLayout):
+            raise ConfigError("moe.device_fetch needs quantized experts: set moe.quant (8, 4 or 2 bits)",
+                              "maximus.moe.device_fetch")
+        from ds_maximus.experts.quant_triton import gemv_fits
+        if not gemv_fits(lay.bits, lay.group_size):
+            raise ConfigError(f"moe.device_fetch reads experts with the one-row gemv, which takes 8-, 4- or 2-bit "
+                              f"codes in power-of-two groups of at least 16; got {lay.bits} bits, group "
+                              f"{lay.group_size}",
+                              "maximus.moe.device_fetch")
+        store = cache.store
+        if store.tier != "cpu":
+            raise ConfigError("moe.device_fetch reads missed experts from the CPU tier; the experts are on "
+                              f"{store.tier} (set moe.offload.device to 'cpu')", "maximus.moe.device_fetch")
+        self.cuda = cache.device.type == "cuda"
+        if self.cuda and not getattr(store, "pinned", False):
+            raise ConfigError("moe.device_fetch reads missed experts through their mapped address, which needs the "
+                              "CPU tier page-locked (moe.offload.pin_memory true)", "maximus.moe.device_fetch")
+        self.cache = cache
+        self.numel = lay.numel
+        self.top_k = int(top_k)
+        self.num_experts = cache.num_experts
+        self.stage = torch.empty((self.top_k, self.numel), dtype=torch.uint8, device=cache.device)
+        E, G = self.num_experts, cache.num_groups
+        # each expert's place in the CPU tier as int32 words from the staging buffer's address (the kernel's view)
+        host: List[List[int]] = []
+        for gi in range(G):
+            row = []
+            for e in range(E):
+                gap = store.host_view(gi * E + e).data_ptr() - self.stage.data_ptr()
+                if gap % 16:
+                    raise ConfigError("moe.device_fetch needs each expert of the CPU tier 16-byte aligned",
+                                      "maximus.moe.device_fetch")
+                row.append(gap // 4)
+            host.append(row)
+        self.host_off = [self._device(r) for r in host]
+        self.slot_off: List[Optional[torch.Tensor]] = [None] * G  # the layer's slot table, built when first needed
+        self.resident: List[frozenset] = [frozenset()] * G
+        self.dirty = set(range(G))
+        self.meta: Dict[int, torch.Tensor] = {}  # by top_k: starts 0..K, then the K offsets the kernel writes
+        self.active = False  # a device-fetched step ran since the last multi-token forward
+        self.log = torch.empty((LOG_ROWS, self.top_k), dtype=torch.long, pin_memory=self.cuda)
+        self.pending: List[Tuple[int, int, frozenset]] = []  # (log row, ids, the layer's residents then)
+        self.log_event = None
+        self.fetches = 0
+
+    def _device(self, values: List[int]) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.long), self.cache.device)
+
+    # -- the slot tables -------------------------------------------------------------------------
+    def _refresh(self, group: int) -> None:
+        """The layer's slot table from the cache's map: an expert whose load has landed (or that the compute
+        stream already waits for) is read from its slot; a guess still in flight is left out until it lands."""
+        c = self.cache
+        g = c.groups[group]
+        c._reap(g)
+        vals = [-1] * self.num_experts
+        for s, e in enumerate(g.map.slot_to_id.tolist()):
+            if e >= 0 and s not in g.inflight:
+                vals[e] = s * self.numel
+        self.slot_off[group] = self._device(vals)
+        self.resident[group] = frozenset(e for e in range(self.num_experts) if vals[e] >= 0)
+        if not g.inflight:
+            self.dirty.discard(group)
+
+    def leave(self) -> None:
+        """Before a multi-token forward (the default path): count the logged steps, order the slots' next loads
+        after the device-fetched steps that read them, and rebuild the tables when next needed."""
+        if not self.active:
+            return
+        self.flush()
+        ev = self.cache.transfer.record_use()  # every slot was readable by the steps queued so far
+        for g in self.cache.groups:
+            g.use_ev = [ev] * len(g.use_ev)
+        self.dirty = set(range(self.cache.num_groups))
+        self.active = False
+
+    # -- counting ---------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Count the logged steps' routing (waits for their copies to land)."""
+        if not self.pending:
+            return
+        if self.log_event is not None:
+            self.log_event.synchronize()
+        c, t = self.cache.counters, self.cache.traffic
+        rows = self.log[:len(self.pending)].tolist()
+        for (row, k, have), ids in zip(self.pending, rows):
+            ids = ids[:k]
+            hit = sum(1 for e in ids if e in have)
+            c.lookups += k
+            c.hits += hit
+            c.misses += k - hit
+            t.rows_fetched += k - hit
+            t.bytes_h2d += (k - hit) * self.numel
+            self.fetches += k - hit
+        self.pending = []
+        self.log_event = None
+
+    def _record(self, group: int, ids: torch.Tensor) -> None:
+        if len(self.pending) == LOG_ROWS:
+            self.flush()
+        row = len(self.pending)
+        k = ids.numel()
+        self.log[row, :k].copy_(ids, non_blocking=self.cuda)
+        self.pending.append((row, k, self.resident[group]))
+        if self.cuda:
+            if self.log_event is None:
+                self.log_event = torch.cuda.Event()
+            self.log_event.record()
+
+    # -- the step ---------------------------------------------------------------------------------
+    def forward(self, group: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                apply_gate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One token's (``hidden`` [1, H]) output of layer ``group``: its routed experts in ascending id."""
+        if group in self.dirty or self.slot_off[group] is None:
+            self._refresh(group)
+        self.active = True
+        ids, w = top_k_index.reshape(-1), top_k_weights.reshape(-1)
+        K = ids.numel()
+        if K > 2:  # the experts' outputs are added in ascending id (two adds commute: no sort needed)
+            ids, order = torch.sort(ids)
+            w = w[order]
+        ids = ids.contiguous()
+        self._record(group, ids)
+        lay = self.cache.layout
+        table = self.cache.slot_buffer(group)
+        if self.cuda:
+            from ds_maximus.experts.quant_triton import decode_config, fetch_experts, quant_matmul_grouped
+            meta = self.meta.get(K)
+            if meta is None:
+                meta = self.meta[K] = self._device(list(range(K + 1)) + [0] * K)
+            fetch_experts(self.stage[:K], ids, self.slot_off[group], self.host_off[group], meta,
+                          self.stage.data_ptr() - table.data_ptr())
+
+            def linear(x, name):
+                return quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], lay.bits,
+                                            lay.group_size, meta, K, 1, config=decode_config(lay.bits)).to(x.dtype)
+        else:
+            flats = self._places(group, ids.tolist(), table)
+
+            def linear(x, name):
+                return torch.cat([quant.linear(x[i:i + 1], lay.view(f, name)) for i, f in enumerate(flats)]
+                                 ).to(x.dtype)
+        h = linear(hidden.expand(K, -1), "gate_up_proj")
+        h = linear(apply_gate(h), "down_proj")
+        h = (h * w[:, None]).to(hidden.dtype)
+        out = h[0:1]
+        for r in range(1, K):
+            out = out + h[r:r + 1]
+        return out
+
+    def _places(self, group: int, ids: List[int], table: torch.Tensor) -> List[torch.Tensor]:
+        """Off CUDA: the kernel's lookup and copies on the host (the same tables, plain copies)."""
+        offs = self.slot_off[group].tolist()
+        store = self.cache.store
+        out = []
+        for k, e in enumerate(ids):
+            if offs[e] >= 0:
+                out.append(table[offs[e] // self.numel])
+            else:
+                self.stage[k].copy_(store.host_view(group * self.num_experts + e))
+                out.append(self.stage[k])
+        return out
+
+    def stats(self) -> dict:
+        self.flush()
+        return {"device_fetch": True, "device_fetches": self.fetches,
+                "device_fetch_staging_bytes": self.stage.numel()}
+
+    def reset_stats(self) -> None:
+        self.flush()
+        self.fetches = 0
