@@ -602,6 +602,14 @@ def on_off_list(text: str) -> list:
     return [w == "on" for w in words]
 
 
+def fetch_modes(text: str) -> list:
+    """``--device-fetch``: ``on`` (with the GPU's guesses), ``bare`` (without), ``off``, or a comma list of them."""
+    words = [t.strip() for t in text.split(",") if t.strip()]
+    if not words or set(words) - {"on", "off", "bare"}:
+        raise argparse.ArgumentTypeError(f"takes on/bare/off, comma-separated: {text!r}")
+    return words
+
+
 def parse_peers(args) -> list:
     """The peer keys to run, in order: ``--peers`` (comma-separated keys of ``PEERS``, run in the order given),
     else ``--quick``'s, else all; ``full`` runs first (the quality reference is taken after it) and ``cpu`` and
@@ -673,9 +681,9 @@ def main(argv=None):
                    "runs each of those peers once per value, in order, in one process")
     p.add_argument("--skip-resident", type=on_off_list, default=None, help="moe.prefetch_skip_resident of the "
                    "bf16+/int peers: on, off, or a comma list, each a timed run on the same offloaded model")
-    p.add_argument("--device-fetch", type=on_off_list, default=None, help="moe.device_fetch of the int peers: on, "
-                   "off, or a comma list, each a timed run on the same offloaded model (with --skip-resident: every "
-                   "pair)")
+    p.add_argument("--device-fetch", type=fetch_modes, default=None, help="moe.device_fetch of the int peers: on "
+                   "(with its guesses), bare (no guesses), off, or a comma list, each a timed run on the same "
+                   "offloaded model (with --skip-resident: every pair)")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="random weights: 'scaled' (residual "
                    "outputs at std / sqrt(2 x layers), embedding N(0, 1): a stable model whose token agreement "
@@ -965,9 +973,10 @@ def main(argv=None):
                 if skip is not None:
                     handle.cfg.prefetch_skip_resident = skip
                 if fetch is not None:
-                    handle.cfg.device_fetch = fetch
+                    handle.cfg.device_fetch = fetch != "off"
+                    handle.speculative_prefetch = fetch != "bare"
                 peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}")
-                     + ("" if fetch is None else f", device fetch {'on' if fetch else 'off'}"), "ours", model, ids,
+                     + ("" if fetch is None else f", device fetch {fetch}"), "ours", model, ids,
                      args.tokens, handle, need=0)
         handle.close()
 

@@ -14,8 +14,13 @@ GPU; per layer:
    weights and the sum: the same ops on the same numbers as :func:`ds_maximus.experts.compute.packed_forward`
    (experts added in ascending id), so the tokens and logits are the default path's, bit for bit.
 
-The slots do not change during device-fetched steps: what the previous multi-token forward (the prefill) left in them
-stays, and every other expert crosses the link each time it is routed to. The host learns a step's routing only
+With ``moe.speculative_prefetch`` (the default) each step also guesses the next layer's experts on the GPU (that
+layer's router on this layer's input, its best ``prefetch_top_k``; with ``prefetch_skip_resident`` the best not in a
+slot) and fetches the guesses not in a slot on a side stream, into staging buffers of their own, while this layer
+computes; the next layer reads a right guess from there and waits for the guesses' copy before its own fetch. A
+wrong guess costs its bytes on the link. The slots do not change during device-fetched steps: what the previous
+multi-token forward (the prefill) left in them stays, and every other expert crosses the link each time it is
+routed to. The host learns a step's routing only
 afterwards (the ids are copied back without waiting, and counted when the stats are read or the next multi-token
 forward starts), for the counters: a fetched expert is a miss and its bytes are ``bytes_h2d``. A forward of several
 tokens (a prefill, a batch's decode step) takes the default path, whose loads and evictions then refresh the slot
@@ -41,9 +46,10 @@ LOG_ROWS = 4096
 
 
 class DeviceFetch:
-    """The device-fetch decode step of every MoE layer of one offloaded model (see the module docstring)."""
+    """The device-fetch decode step of every MoE layer of one offloaded model (see the module docstring).
+    ``guesses``: staging buffers for a layer's guesses of the next one (0: no guesses)."""
 
-    def __init__(self, cache, top_k: int):
+    def __init__(self, cache, top_k: int, guesses: int = 0):
         lay = cache.layout
         if not isinstance(lay, QuantizedExpertLayout):
             raise ConfigError("moe.device_fetch needs quantized experts: set moe.quant (8, 4 or 2 bits)",
@@ -52,8 +58,7 @@ class DeviceFetch:
         if not gemv_fits(lay.bits, lay.group_size):
             raise ConfigError(f"moe.device_fetch reads experts with the one-row gemv, which takes 8-, 4- or 2-bit "
                               f"codes in power-of-two groups of at least 16; got {lay.bits} bits, group "
-                              f"{lay.group_size}",
-                              "maximus.moe.device_fetch")
+                              f"{lay.group_size}", "maximus.moe.device_fetch")
         store = cache.store
         if store.tier != "cpu":
             raise ConfigError("moe.device_fetch reads missed experts from the CPU tier; the experts are on "
@@ -66,14 +71,19 @@ class DeviceFetch:
         self.numel = lay.numel
         self.top_k = int(top_k)
         self.num_experts = cache.num_experts
-        self.stage = torch.empty((self.top_k, self.numel), dtype=torch.uint8, device=cache.device)
+        # off CUDA a step fetches in order: nothing to overlap
+        self.guesses = min(int(guesses), self.num_experts) if self.cuda else 0
+        # rows [0, top_k): a step's missed experts; then two sets of ``guesses`` rows, by the guessed layer's parity
+        self.buffers = torch.empty((self.top_k + 2 * self.guesses, self.numel), dtype=torch.uint8,
+                                   device=cache.device)
+        self.stage = self.buffers[:self.top_k]
         E, G = self.num_experts, cache.num_groups
-        # each expert's place in the CPU tier as int32 words from the staging buffer's address (the kernel's view)
+        # each expert's place in the CPU tier as int32 words from the buffers' address (the kernel's view)
         host: List[List[int]] = []
         for gi in range(G):
             row = []
             for e in range(E):
-                gap = store.host_view(gi * E + e).data_ptr() - self.stage.data_ptr()
+                gap = store.host_view(gi * E + e).data_ptr() - self.buffers.data_ptr()
                 if gap % 16:
                     raise ConfigError("moe.device_fetch needs each expert of the CPU tier 16-byte aligned",
                                       "maximus.moe.device_fetch")
@@ -85,8 +95,13 @@ class DeviceFetch:
         self.dirty = set(range(G))
         self.meta: Dict[int, torch.Tensor] = {}  # by top_k: starts 0..K, then the K offsets the kernel writes
         self.active = False  # a device-fetched step ran since the last multi-token forward
-        self.log = torch.empty((LOG_ROWS, self.top_k), dtype=torch.long, pin_memory=self.cuda)
-        self.pending: List[Tuple[int, int, frozenset]] = []  # (log row, ids, the layer's residents then)
+        if self.guesses:
+            self.side = torch.cuda.Stream(cache.device)
+            self.guess_meta = [self._device(list(range(self.guesses + 1)) + [0] * self.guesses) for _ in range(2)]
+        self.guessed: List[Optional[Tuple[int, torch.Tensor, object]]] = [None, None]  # (layer, ids, event)
+        width = self.top_k + max(1, self.guesses)
+        self.log = torch.full((LOG_ROWS, width), -1, dtype=torch.long, pin_memory=self.cuda)
+        self.pending: List[Tuple[int, int, frozenset]] = []  # (routed, guesses, the layer's residents then)
         self.log_event = None
         self.fetches = 0
 
@@ -109,11 +124,19 @@ class DeviceFetch:
         if not g.inflight:
             self.dirty.discard(group)
 
+    def _table(self, group: int) -> torch.Tensor:
+        if group in self.dirty or self.slot_off[group] is None:
+            self._refresh(group)
+        return self.slot_off[group]
+
     def leave(self) -> None:
         """Before a multi-token forward (the default path): count the logged steps, order the slots' next loads
         after the device-fetched steps that read them, and rebuild the tables when next needed."""
         if not self.active:
             return
+        if self.guesses:  # unused guesses: their copies end before anything reuses the buffers
+            torch.cuda.current_stream(self.cache.device).wait_stream(self.side)
+        self.guessed = [None, None]
         self.flush()
         ev = self.cache.transfer.record_use()  # every slot was readable by the steps queued so far
         for g in self.cache.groups:
@@ -123,32 +146,46 @@ class DeviceFetch:
 
     # -- counting ---------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Count the logged steps' routing (waits for their copies to land)."""
+        """Count the logged steps' routing and guesses (waits for their copies to land)."""
         if not self.pending:
             return
         if self.log_event is not None:
             self.log_event.synchronize()
         c, t = self.cache.counters, self.cache.traffic
         rows = self.log[:len(self.pending)].tolist()
-        for (row, k, have), ids in zip(self.pending, rows):
-            ids = ids[:k]
-            hit = sum(1 for e in ids if e in have)
+        for (k, p, have), row in zip(self.pending, rows):
+            ids, guessed = row[:k], [e for e in row[k:k + p] if e not in have]  # only those not in a slot cross
+            staged = 0
+            for e in ids:
+                if e in have:
+                    c.hits += 1
+                elif e in guessed:
+                    c.hits += 1
+                    t.prefetch_used += 1
+                    staged += 1
+                else:
+                    c.misses += 1
+                    t.rows_fetched += 1
+                    t.bytes_h2d += self.numel
+                    self.fetches += 1
             c.lookups += k
-            c.hits += hit
-            c.misses += k - hit
-            t.rows_fetched += k - hit
-            t.bytes_h2d += (k - hit) * self.numel
-            self.fetches += k - hit
+            t.prefetch_issued += len(guessed)
+            t.prefetch_cancelled += len(guessed) - staged
+            t.rows_fetched += len(guessed)
+            t.bytes_prefetch += len(guessed) * self.numel
+            t.bytes_h2d += len(guessed) * self.numel
         self.pending = []
         self.log_event = None
 
-    def _record(self, group: int, ids: torch.Tensor) -> None:
+    def _record(self, group: int, ids: torch.Tensor, guess: Optional[torch.Tensor]) -> None:
         if len(self.pending) == LOG_ROWS:
             self.flush()
         row = len(self.pending)
-        k = ids.numel()
+        k, p = ids.numel(), 0 if guess is None else guess.numel()
         self.log[row, :k].copy_(ids, non_blocking=self.cuda)
-        self.pending.append((row, k, self.resident[group]))
+        if p:
+            self.log[row, k:k + p].copy_(guess, non_blocking=True)
+        self.pending.append((k, p, self.resident[group]))
         if self.cuda:
             if self.log_event is None:
                 self.log_event = torch.cuda.Event()
@@ -156,10 +193,13 @@ class DeviceFetch:
 
     # -- the step ---------------------------------------------------------------------------------
     def forward(self, group: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                apply_gate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """One token's (``hidden`` [1, H]) output of layer ``group``: its routed experts in ascending id."""
-        if group in self.dirty or self.slot_off[group] is None:
-            self._refresh(group)
+                apply_gate: Callable[[torch.Tensor], torch.Tensor],
+                predict: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                skip_resident: bool = False) -> torch.Tensor:
+        """One token's (``hidden`` [1, H]) output of layer ``group``: its routed experts in ascending id.
+        ``predict``: the next layer's router logits of ``hidden`` (its guesses are fetched while this layer
+        computes), or None after the last layer or without guesses."""
+        table_off = self._table(group)
         self.active = True
         ids, w = top_k_index.reshape(-1), top_k_weights.reshape(-1)
         K = ids.numel()
@@ -167,16 +207,25 @@ class DeviceFetch:
             ids, order = torch.sort(ids)
             w = w[order]
         ids = ids.contiguous()
-        self._record(group, ids)
         lay = self.cache.layout
         table = self.cache.slot_buffer(group)
+        guess = None
         if self.cuda:
             from ds_maximus.experts.quant_triton import decode_config, fetch_experts, quant_matmul_grouped
             meta = self.meta.get(K)
             if meta is None:
                 meta = self.meta[K] = self._device(list(range(K + 1)) + [0] * K)
-            fetch_experts(self.stage[:K], ids, self.slot_off[group], self.host_off[group], meta,
-                          self.stage.data_ptr() - table.data_ptr())
+            par = group % 2
+            place = None
+            if self.guessed[par] is not None and self.guessed[par][0] == group:  # guesses fetched for this layer
+                _, guess, ev = self.guessed[par]
+                torch.cuda.current_stream(hidden.device).wait_event(ev)
+                place = self.guess_meta[par][guess.numel() + 1:]
+                self.guessed[par] = None
+            fetch_experts(self.stage[:K], ids, table_off, self.host_off[group], meta,
+                          self.stage.data_ptr() - table.data_ptr(), pred=guess, pred_place=place)
+            if predict is not None and self.guesses:
+                self._guess(group + 1, hidden, predict, skip_resident)
 
             def linear(x, name):
                 return quant_matmul_grouped(x, table, lay.parts[name], lay.base.shapes[name], lay.bits,
@@ -187,6 +236,7 @@ class DeviceFetch:
             def linear(x, name):
                 return torch.cat([quant.linear(x[i:i + 1], lay.view(f, name)) for i, f in enumerate(flats)]
                                  ).to(x.dtype)
+        self._record(group, ids, guess)
         h = linear(hidden.expand(K, -1), "gate_up_proj")
         h = linear(apply_gate(h), "down_proj")
         h = (h * w[:, None]).to(hidden.dtype)
@@ -194,6 +244,30 @@ class DeviceFetch:
         for r in range(1, K):
             out = out + h[r:r + 1]
         return out
+
+    def _guess(self, nxt: int, hidden: torch.Tensor, predict, skip_resident: bool) -> None:
+        """Layer ``nxt``'s guesses from this layer's input, fetched on the side stream into their own buffers."""
+        from ds_maximus.experts.quant_triton import fetch_experts
+        table_off = self._table(nxt)
+        logits = predict(hidden).reshape(-1)
+        if skip_resident:  # the best predicted experts not already in a slot
+            logits = logits.masked_fill(table_off >= 0, float("-inf"))
+        P = self.guesses
+        guess = torch.topk(logits, P).indices
+        par = nxt % 2
+        rows = self.buffers[self.top_k + par * self.guesses:self.top_k + par * self.guesses + P]
+        ev = torch.cuda.Event()
+        ev.record()  # the guess and every earlier reader of these buffers (the layer two back) are queued before
+        self.side.wait_event(ev)
+        with torch.cuda.stream(self.side):
+            fetch_experts(rows, guess, table_off, self.host_off[nxt], self.guess_meta[par],
+                          rows.data_ptr() - self.cache.slot_buffer(nxt).data_ptr(),
+                          host_shift=-(self.top_k + par * self.guesses) * (self.numel // 4))
+            done = torch.cuda.Event()
+            done.record()
+        for t in (guess, table_off):
+            t.record_stream(self.side)
+        self.guessed[par] = (nxt, guess, done)
 
     def _places(self, group: int, ids: List[int], table: torch.Tensor) -> List[torch.Tensor]:
         """Off CUDA: the kernel's lookup and copies on the host (the same tables, plain copies)."""
@@ -211,7 +285,7 @@ class DeviceFetch:
     def stats(self) -> dict:
         self.flush()
         return {"device_fetch": True, "device_fetches": self.fetches,
-                "device_fetch_staging_bytes": self.stage.numel()}
+                "device_fetch_staging_bytes": self.buffers.numel()}
 
     def reset_stats(self) -> None:
         self.flush()

@@ -123,7 +123,8 @@ class MoEOffload:
         if not self.cfg.device_fetch:
             return None
         if self._device_fetch is None:
-            self._device_fetch = DeviceFetch(self.cache, max(b.top_k for b in self.blocks))
+            top_k = max(min(b.top_k, b.num_experts) for b in self.blocks)
+            self._device_fetch = DeviceFetch(self.cache, top_k, min(self.cfg.guesses(top_k), top_k))
         return self._device_fetch
 
     # -- the forward of one layer -------------------------------------------------------------
@@ -169,7 +170,12 @@ class MoEOffload:
             self._layer_calls += 1
             self._experts_hit += top_k_index.numel()
             self._experts_hit_max = max(self._experts_hit_max, top_k_index.numel())
-            out = fetch.forward(group, hidden, top_k_index, top_k_weights, mod._original._apply_gate)
+            predict = None
+            if self.speculative_prefetch and group + 1 < len(self.blocks):
+                predict = self.blocks[group + 1].router_logits
+            with torch.no_grad():
+                out = fetch.forward(group, hidden, top_k_index, top_k_weights, mod._original._apply_gate, predict,
+                                    self.cfg.prefetch_skip_resident)
             if group == len(self.blocks) - 1:
                 self._t_last = time.perf_counter()
             return out

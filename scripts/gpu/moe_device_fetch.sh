@@ -5,7 +5,8 @@
 #   2. scripts/gpu/probe_zero_copy.py: a Mixtral expert read over the link by the gemv itself, copied by the fetch
 #      kernel, and copied by the copy engine (GB/s of each);
 #   3. benchmarks/bench_moe_offload.py at the 32-layer Mixtral shape, int4 group 128, one total slot budget
-#      (--slots fill --reserve-gib 0.5), 64 timed tokens four times on one offload (--device-fetch off,on,off,on);
+#      (--slots fill --reserve-gib 0.75: the fetch buffers need room), 64 timed tokens five times on one offload
+#      (--device-fetch off,on,bare,off,on: bare is without the GPU's guesses);
 #      the experts built in host memory on an 80 GB card, on the GPU on a larger one. SCALE_S bounds it (270).
 # Writes $OUT/tests.log, $OUT/probe.log and $OUT/scale.md.
 . "$(dirname "$0")/common.sh"
@@ -17,6 +18,6 @@ timeout "${PROBE_S:-90}" python -u scripts/gpu/probe_zero_copy.py --configs deco
 [ "${SKIP_SCALE:-0}" = 1 ] && exit 0
 if [ "${M:-0}" -ge 120000 ]; then SRC="--expert-source gpu"; else SRC="--expert-source host-regen"; fi
 ARGS="--family mixtral --layers 32 --cap-gib 16 --agree-tokens 16 --ours-variants default --budget-s 1000 --slots fill
-  --reserve-gib 0.5 --group-size 128 --prefetch-top-k 1 --tokens 64 --peers int4 --device-fetch ${FETCH:-off,on,off,on} $SRC"
+  --reserve-gib 0.75 --group-size 128 --prefetch-top-k 1 --tokens 64 --peers int4 --device-fetch ${FETCH:-off,on,bare,off,on} $SRC"
 timeout "${SCALE_S:-270}" python -u -m benchmarks.bench_moe_offload $ARGS --out "$OUT/scale.md" > "$OUT/scale.log" 2>&1
 echo "scale rc=$?"; cat "$OUT/scale.md" 2>/dev/null || tail -20 "$OUT/scale.log"

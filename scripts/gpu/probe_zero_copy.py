@@ -121,13 +121,14 @@ def main() -> None:
     cfg = decode_config(args.bits)
     for block, warps in ((1024, 4), (4096, 4), (8192, 8), (16384, 8), (4096, 8)):
         stage.zero_()
-        fetch_experts(stage, ids, miss, host_off, m_fetch, stage_off, block, warps)
+        def fetch(table):
+            fetch_experts(stage, ids, table, host_off, m_fetch, stage_off, block=block, warps=warps)
+
+        fetch(miss)
         ok = torch.equal(stage, slots) and all(torch.equal(a, b) for a, b in zip(both(m_res, cfg), both(m_fetch, cfg)))
-        t_f = timed(lambda: fetch_experts(stage, ids, miss, host_off, m_fetch, stage_off, block, warps), args.reps)
-        t_fg = timed(lambda: (fetch_experts(stage, ids, miss, host_off, m_fetch, stage_off, block, warps),
-                              both(m_fetch, cfg)), args.reps)
-        t_hit = timed(lambda: (fetch_experts(stage, ids, hit, host_off, m_fetch, stage_off, block, warps),
-                               both(m_fetch, cfg)), args.reps)
+        t_f = timed(lambda: fetch(miss), args.reps)
+        t_fg = timed(lambda: (fetch(miss), both(m_fetch, cfg)), args.reps)
+        t_hit = timed(lambda: (fetch(hit), both(m_fetch, cfg)), args.reps)
         print(f"fetch block {block} warps {warps}: equal {ok} | fetch {t_f:.3f} ms ({gb / t_f * 1e3:.1f} GB/s) | "
               f"fetch+gemv {t_fg:.3f} ms ({gb / t_fg * 1e3:.1f} GB/s) | resident (fetch skips) + gemv {t_hit:.3f} ms")
 

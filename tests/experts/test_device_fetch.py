@@ -117,17 +117,25 @@ def test_config_refuses_what_it_cannot_run(moe, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,top_k,slots", [("mixtral", 2, 1), ("mixtral", 2, 3), ("qwen3_moe", 4, 2)])
-def test_same_tokens_and_logits_cuda(kind, top_k, slots):
+@pytest.mark.parametrize("kind,top_k,slots,extra", [
+    ("mixtral", 2, 1, {}), ("mixtral", 2, 3, {}), ("qwen3_moe", 4, 2, {}),
+    ("mixtral", 2, 2, {"prefetch_skip_resident": True}), ("qwen3_moe", 4, 2, {"prefetch_top_k": 2}),
+    ("mixtral", 2, 2, {"speculative_prefetch": False})])
+def test_same_tokens_and_logits_cuda(kind, top_k, slots, extra):
     """On CUDA: the fetch kernel reads missed experts from the pinned CPU tier through their mapped address, the
-    gemv reads them from the staging buffers or the slots; bf16, bit for bit the default path's."""
+    gemv reads them from the staging buffers or the slots, a right guess from the buffers the side stream fetched
+    it into; bf16, bit for bit the default path's."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     model = tiny_model(kind, "eager", layers=3, top_k=top_k, dtype=torch.bfloat16).cuda()
     prompts = [prompt(device="cuda"), prompt(length=9, device="cuda")[:, 3:]]
     ref, _ = decode(clone(model), quant_cfg(kind, slots), prompts, new_tokens=16)
-    got, st = decode(model, quant_cfg(kind, slots, device_fetch=True), prompts, new_tokens=16)
+    got, st = decode(model, quant_cfg(kind, slots, device_fetch=True, **extra), prompts, new_tokens=16)
     for (seq_r, log_r), (seq, log) in zip(ref, got):
         assert torch.equal(seq, seq_r)
         assert torch.equal(log, log_r)
-    assert st["device_fetches"] > 0 and st["hits"] + st["misses"] == st["lookups"]
+    assert st["hits"] + st["misses"] == st["lookups"] and st["misses"] + st["prefetch_useful"] > 0
+    if extra.get("speculative_prefetch", True):
+        assert st["prefetch_issued"] > 0 and st["prefetch_useful"] > 0
+    else:
+        assert st["prefetch_issued"] == 0
