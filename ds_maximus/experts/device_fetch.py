@@ -290,3 +290,9 @@ class DeviceFetch:
     def reset_stats(self) -> None:
         self.flush()
         self.fetches = 0
+
+    def close(self) -> None:
+        """Wait for the guesses in flight (they read the CPU tier, which closing the store frees)."""
+        if self.guesses:
+            self.side.synchronize()
+        self.flush()

@@ -290,6 +290,8 @@ class MoEOffload:
         self._layer_calls = self._experts_hit = self._experts_hit_max = 0
 
     def close(self) -> None:
+        if self._device_fetch is not None:
+            self._device_fetch.close()
         self.cache.close()
         self.cache.store.close()
 
