@@ -47,9 +47,10 @@ LOG_ROWS = 4096
 
 class DeviceFetch:
     """The device-fetch decode step of every MoE layer of one offloaded model (see the module docstring).
-    ``guesses``: staging buffers for a layer's guesses of the next one (0: no guesses)."""
+    ``guesses``: staging buffers for a layer's guesses of the next one (0: no guesses). ``kernels``: run the Triton
+    kernels (default: on CUDA; the tests run them on the host under Triton's interpreter, in one stream)."""
 
-    def __init__(self, cache, top_k: int, guesses: int = 0):
+    def __init__(self, cache, top_k: int, guesses: int = 0, kernels: Optional[bool] = None):
         lay = cache.layout
         if not isinstance(lay, QuantizedExpertLayout):
             raise ConfigError("moe.device_fetch needs quantized experts: set moe.quant (8, 4 or 2 bits)",
@@ -64,6 +65,7 @@ class DeviceFetch:
             raise ConfigError("moe.device_fetch reads missed experts from the CPU tier; the experts are on "
                               f"{store.tier} (set moe.offload.device to 'cpu')", "maximus.moe.device_fetch")
         self.cuda = cache.device.type == "cuda"
+        self.kernels = self.cuda if kernels is None else bool(kernels)
         if self.cuda and not getattr(store, "pinned", False):
             raise ConfigError("moe.device_fetch reads missed experts through their mapped address, which needs the "
                               "CPU tier page-locked (moe.offload.pin_memory true)", "maximus.moe.device_fetch")
@@ -71,8 +73,8 @@ class DeviceFetch:
         self.numel = lay.numel
         self.top_k = int(top_k)
         self.num_experts = cache.num_experts
-        # off CUDA a step fetches in order: nothing to overlap
-        self.guesses = min(int(guesses), self.num_experts) if self.cuda else 0
+        # without the kernels a step fetches in order: nothing to overlap
+        self.guesses = min(int(guesses), self.num_experts) if self.kernels else 0
         # rows [0, top_k): a step's missed experts; then two sets of ``guesses`` rows, by the guessed layer's parity
         self.buffers = torch.empty((self.top_k + 2 * self.guesses, self.numel), dtype=torch.uint8,
                                    device=cache.device)
@@ -96,7 +98,7 @@ class DeviceFetch:
         self.meta: Dict[int, torch.Tensor] = {}  # by top_k: starts 0..K, then the K offsets the kernel writes
         self.active = False  # a device-fetched step ran since the last multi-token forward
         if self.guesses:
-            self.side = torch.cuda.Stream(cache.device)
+            self.side = torch.cuda.Stream(cache.device) if self.cuda else None
             self.guess_meta = [self._device(list(range(self.guesses + 1)) + [0] * self.guesses) for _ in range(2)]
         self.guessed: List[Optional[Tuple[int, torch.Tensor, object]]] = [None, None]  # (layer, ids, event)
         width = self.top_k + max(1, self.guesses)
@@ -134,7 +136,7 @@ class DeviceFetch:
         after the device-fetched steps that read them, and rebuild the tables when next needed."""
         if not self.active:
             return
-        if self.guesses:  # unused guesses: their copies end before anything reuses the buffers
+        if self.guesses and self.cuda:  # unused guesses: their copies end before anything reuses the buffers
             torch.cuda.current_stream(self.cache.device).wait_stream(self.side)
         self.guessed = [None, None]
         self.flush()
@@ -210,7 +212,7 @@ class DeviceFetch:
         lay = self.cache.layout
         table = self.cache.slot_buffer(group)
         guess = None
-        if self.cuda:
+        if self.kernels:
             from ds_maximus.experts.quant_triton import decode_config, fetch_experts, quant_matmul_grouped
             meta = self.meta.get(K)
             if meta is None:
@@ -219,7 +221,8 @@ class DeviceFetch:
             place = None
             if self.guessed[par] is not None and self.guessed[par][0] == group:  # guesses fetched for this layer
                 _, guess, ev = self.guessed[par]
-                torch.cuda.current_stream(hidden.device).wait_event(ev)
+                if ev is not None:
+                    torch.cuda.current_stream(hidden.device).wait_event(ev)
                 place = self.guess_meta[par][guess.numel() + 1:]
                 self.guessed[par] = None
             fetch_experts(self.stage[:K], ids, table_off, self.host_off[group], meta,
@@ -256,13 +259,21 @@ class DeviceFetch:
         guess = torch.topk(logits, P).indices
         par = nxt % 2
         rows = self.buffers[self.top_k + par * self.guesses:self.top_k + par * self.guesses + P]
+
+        def fetch():
+            fetch_experts(rows, guess, table_off, self.host_off[nxt], self.guess_meta[par],
+                          rows.data_ptr() - self.cache.slot_buffer(nxt).data_ptr(),
+                          host_shift=-(self.top_k + par * self.guesses) * (self.numel // 4))
+
+        if not self.cuda:  # one stream: in order
+            fetch()
+            self.guessed[par] = (nxt, guess, None)
+            return
         ev = torch.cuda.Event()
         ev.record()  # the guess and every earlier reader of these buffers (the layer two back) are queued before
         self.side.wait_event(ev)
         with torch.cuda.stream(self.side):
-            fetch_experts(rows, guess, table_off, self.host_off[nxt], self.guess_meta[par],
-                          rows.data_ptr() - self.cache.slot_buffer(nxt).data_ptr(),
-                          host_shift=-(self.top_k + par * self.guesses) * (self.numel // 4))
+            fetch()
             done = torch.cuda.Event()
             done.record()
         for t in (guess, table_off):
@@ -293,6 +304,6 @@ class DeviceFetch:
 
     def close(self) -> None:
         """Wait for the guesses in flight (they read the CPU tier, which closing the store frees)."""
-        if self.guesses:
+        if self.guesses and self.cuda:
             self.side.synchronize()
         self.flush()
