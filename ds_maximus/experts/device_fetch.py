@@ -39,6 +39,7 @@ import torch
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts import quant
 from ds_maximus.experts.quant_layout import QuantizedExpertLayout
+from ds_maximus.experts.quant_triton import decode_config, fetch_experts, gemv_fits, quant_matmul_grouped
 from ds_maximus.ops import to_device
 
 # routed-expert records (one row of top_k ids a layer step) kept before the host waits to count them
@@ -55,7 +56,6 @@ class DeviceFetch:
         if not isinstance(lay, QuantizedExpertLayout):
             raise ConfigError("moe.device_fetch needs quantized experts: set moe.quant (8, 4 or 2 bits)",
                               "maximus.moe.device_fetch")
-        from ds_maximus.experts.quant_triton import gemv_fits
         if not gemv_fits(lay.bits, lay.group_size):
             raise ConfigError(f"moe.device_fetch reads experts with the one-row gemv, which takes 8-, 4- or 2-bit "
                               f"codes in power-of-two groups of at least 16; got {lay.bits} bits, group "
@@ -213,7 +213,6 @@ class DeviceFetch:
         table = self.cache.slot_buffer(group)
         guess = None
         if self.kernels:
-            from ds_maximus.experts.quant_triton import decode_config, fetch_experts, quant_matmul_grouped
             meta = self.meta.get(K)
             if meta is None:
                 meta = self.meta[K] = self._device(list(range(K + 1)) + [0] * K)
@@ -250,7 +249,6 @@ class DeviceFetch:
 
     def _guess(self, nxt: int, hidden: torch.Tensor, predict, skip_resident: bool) -> None:
         """Layer ``nxt``'s guesses from this layer's input, fetched on the side stream into their own buffers."""
-        from ds_maximus.experts.quant_triton import fetch_experts
         table_off = self._table(nxt)
         logits = predict(hidden).reshape(-1)
         if skip_resident:  # the best predicted experts not already in a slot
@@ -294,7 +292,7 @@ class DeviceFetch:
         return out
 
     def stats(self) -> dict:
-        self.flush()
+        """The mode's own entries (the caller flushes first, so the cache's counters include the logged steps)."""
         return {"device_fetch": True, "device_fetches": self.fetches,
                 "device_fetch_staging_bytes": self.buffers.numel()}
 

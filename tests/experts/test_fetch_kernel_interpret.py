@@ -4,13 +4,7 @@ offset from the staging buffers as the CUDA kernel reaches pinned memory), where
 guess read from its own buffers and not copied again, and the one-row gemv over those places against the dequantized
 reference; then whole decodes through the kernels. Skips without triton (as in CI); the same kernel on a GPU:
 ``test_device_fetch.py``'s ``gpu`` tests."""
-import os
-import subprocess
-import sys
-
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .test_quant_interpret import run_interpreted
 
 SCRIPT = r'''
 import torch
@@ -90,10 +84,7 @@ print("ok")
 
 
 def test_fetch_kernel_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_interpreted(SCRIPT)
 
 
 DECODE = r'''
@@ -131,7 +122,4 @@ print("ok")
 def test_device_fetch_decode_under_the_triton_interpreter():
     """The whole device-fetch step as on CUDA (the fetch kernel, guesses fetched into their own buffers and read
     from there, the one-row gemv), in one stream: the default path's tokens, its logits within fp32 sums."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", DECODE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_interpreted(DECODE, timeout=900)

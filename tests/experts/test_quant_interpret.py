@@ -97,8 +97,15 @@ print("ok")
 '''
 
 
-def test_grouped_kernel_under_the_triton_interpreter():
+def run_interpreted(script: str, timeout: int = 600) -> None:
+    """Run ``script`` in a fresh process with ``TRITON_INTERPRET=1``; it must print ``ok`` last (skips without
+    triton)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_grouped_kernel_under_the_triton_interpreter():
+    run_interpreted(SCRIPT)
