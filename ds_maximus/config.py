@@ -325,9 +325,13 @@ class MoEConfig(_Section):
     device_fetch: bool = False
     """Inference, quantized experts (``quant``: 8, 4 or 2 bits) in the pinned CPU tier: a batch-1 decode step runs
     without a host sync. The GPU looks each routed expert up in the layer's slots and copies a missed one from the
-    CPU tier itself, through its mapped address (:mod:`ds_maximus.experts.device_fetch`). The slots keep what the
-    prefill left in them (no guesses, no evictions while decoding), so every other routed expert crosses the link
-    each step. The same tokens and logits as off. Needs ``cpu_compute: off``."""
+    CPU tier itself, through its mapped address (:mod:`ds_maximus.experts.device_fetch`); the next layer's guesses
+    cross on a side stream. A fetched expert goes to a staging buffer, not a slot: the slots change only every
+    ``device_fetch_refresh_tokens`` tokens. The same tokens and logits as off. Needs ``cpu_compute: off``."""
+    device_fetch_refresh_tokens: int = Field(32, ge=0)
+    """With ``device_fetch``: every this many decoded tokens, each layer's slots take the experts routed to most
+    since the last refresh in place of the resident ones routed to least, where the counts differ by more than
+    noise (at most 2 a layer; 0: the slots keep what the prefill left)."""
     train: bool = False
     """Train experts as swappable partitions (under ``ds_maximus.initialize``)."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)

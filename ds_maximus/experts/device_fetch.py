@@ -18,11 +18,12 @@ With ``moe.speculative_prefetch`` (the default) each step also guesses the next 
 layer's router on this layer's input, its best ``prefetch_top_k``; with ``prefetch_skip_resident`` the best not in a
 slot) and fetches the guesses not in a slot on a side stream, into staging buffers of their own, while this layer
 computes; the next layer reads a right guess from there and waits for the guesses' copy before its own fetch. A
-wrong guess costs its bytes on the link. The slots do not change during device-fetched steps: what the previous
-multi-token forward (the prefill) left in them stays, and every other expert crosses the link each time it is
-routed to. The host learns a step's routing only
-afterwards (the ids are copied back without waiting, and counted when the stats are read or the next multi-token
-forward starts), for the counters: a fetched expert is a miss and its bytes are ``bytes_h2d``. A forward of several
+wrong guess costs its bytes on the link. A fetched expert goes to a staging buffer, not a slot: the slots keep what
+the previous multi-token forward (the prefill) left in them, and every other expert crosses the link each time it
+is routed to, until a refresh (``moe.device_fetch_refresh_tokens``, :meth:`DeviceFetch.rebalance`) loads the
+experts routed to most in place of the resident ones routed to least. The host learns a step's routing only
+afterwards (the ids are copied back without waiting, and counted at a refresh, when the stats are read or when the
+next multi-token forward starts): a fetched expert is a miss and its bytes are ``bytes_h2d``. A forward of several
 tokens (a prefill, a batch's decode step) takes the default path, whose loads and evictions then refresh the slot
 tables. Needs packed (``moe.quant``, whole-byte codes) experts in the pinned CPU tier; CUDA runs the kernels, other
 devices run the same steps with plain copies and :func:`ds_maximus.experts.quant.linear` (the reference the tests
@@ -32,6 +33,7 @@ compare against).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -44,14 +46,23 @@ from ds_maximus.ops import to_device
 
 # routed-expert records (one row of top_k ids a layer step) kept before the host waits to count them
 LOG_ROWS = 4096
+# residency: an expert routed n times (decayed) takes the slot of a resident one routed r times when n - r is at
+# least SWAP_MIN and SWAP_Z standard deviations of a Poisson difference (sqrt(n + r)): under uniform routing the
+# counts differ by noise, and a swap would only cost its copy
+SWAP_Z = 3.0
+SWAP_MIN = 2.0
+SWAPS_PER_LAYER = 2  # at most this many a layer a refresh: a swap's copy shares the link with the step's fetches
+DECAY = 0.5          # the counts' weight after each refresh (recent steps count more)
 
 
 class DeviceFetch:
     """The device-fetch decode step of every MoE layer of one offloaded model (see the module docstring).
     ``guesses``: staging buffers for a layer's guesses of the next one (0: no guesses). ``kernels``: run the Triton
-    kernels (default: on CUDA; the tests run them on the host under Triton's interpreter, in one stream)."""
+    kernels (default: on CUDA; the tests run them on the host under Triton's interpreter, in one stream).
+    ``refresh``: every this many device-fetched tokens, the slots take the experts routed to most since (0: never;
+    see :meth:`rebalance`)."""
 
-    def __init__(self, cache, top_k: int, guesses: int = 0, kernels: Optional[bool] = None):
+    def __init__(self, cache, top_k: int, guesses: int = 0, kernels: Optional[bool] = None, refresh: int = 0):
         lay = cache.layout
         if not isinstance(lay, QuantizedExpertLayout):
             raise ConfigError("moe.device_fetch needs quantized experts: set moe.quant (8, 4 or 2 bits)",
@@ -103,9 +114,14 @@ class DeviceFetch:
         self.guessed: List[Optional[Tuple[int, torch.Tensor, object]]] = [None, None]  # (layer, ids, event)
         width = self.top_k + max(1, self.guesses)
         self.log = torch.full((LOG_ROWS, width), -1, dtype=torch.long, pin_memory=self.cuda)
-        self.pending: List[Tuple[int, int, frozenset]] = []  # (routed, guesses, the layer's residents then)
+        # (layer, routed, guesses, the layer's residents then)
+        self.pending: List[Tuple[int, int, int, frozenset]] = []
         self.log_event = None
         self.fetches = 0
+        self.refresh = int(refresh)
+        self.routed = [[0.0] * E for _ in range(G)]  # each layer's decayed routing counts (device-fetched steps)
+        self.tokens = 0  # device-fetched tokens since the last refresh
+        self.swaps = 0
 
     def _device(self, values: List[int]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.long), self.cache.device)
@@ -155,10 +171,12 @@ class DeviceFetch:
             self.log_event.synchronize()
         c, t = self.cache.counters, self.cache.traffic
         rows = self.log[:len(self.pending)].tolist()
-        for (k, p, have), row in zip(self.pending, rows):
+        for (group, k, p, have), row in zip(self.pending, rows):
             ids, guessed = row[:k], [e for e in row[k:k + p] if e not in have]  # only those not in a slot cross
             staged = 0
+            routed = self.routed[group]
             for e in ids:
+                routed[e] += 1
                 if e in have:
                     c.hits += 1
                 elif e in guessed:
@@ -179,6 +197,41 @@ class DeviceFetch:
         self.pending = []
         self.log_event = None
 
+    def rebalance(self) -> bool:
+        """Between two tokens: in each layer, load into a slot the experts the device-fetched steps routed to most
+        since the last refresh (decayed counts), in place of the resident ones routed to least, where the
+        difference is more than noise (``SWAP_Z``, ``SWAP_MIN``; at most ``SWAPS_PER_LAYER`` a layer). Without
+        it the slots keep what the prefill left while the routing drifts. A load waits for the steps queued so
+        far (they may read the slot it overwrites) and runs on the transfer stream; the slot table leaves the
+        slot out until the load lands. Returns False, doing nothing, while the logged routing is still in flight
+        (the host never waits for the GPU here)."""
+        if self.log_event is not None and not self.log_event.query():
+            return False
+        self.flush()
+        c = self.cache
+        after = None
+        for gi, g in enumerate(c.groups):
+            c._reap(g)
+            counts = self.routed[gi]
+            slot_ids = g.map.slot_to_id.tolist()
+            busy = {slot_ids[s] for s in g.inflight}
+            here = [e for e in slot_ids if e >= 0 and e not in busy]
+            free = [None] * slot_ids.count(-1)
+            have = set(slot_ids)
+            victims = free + sorted(here, key=lambda e: counts[e])  # least routed first
+            wanted = sorted((e for e in range(self.num_experts) if e not in have), key=lambda e: -counts[e])
+            for new, old in list(zip(wanted, victims))[:SWAPS_PER_LAYER]:
+                n, r = counts[new], 0.0 if old is None else counts[old]
+                if n - r < SWAP_MIN or n - r <= SWAP_Z * math.sqrt(n + r):
+                    break
+                if after is None:
+                    after = c.transfer.record_use()  # the steps queued so far are the slots' last readers
+                if c.replace(gi, new, old, after):
+                    self.swaps += 1
+                    self.dirty.add(gi)
+            self.routed[gi] = [x * DECAY for x in counts]
+        return True
+
     def _record(self, group: int, ids: torch.Tensor, guess: Optional[torch.Tensor]) -> None:
         if len(self.pending) == LOG_ROWS:
             self.flush()
@@ -187,7 +240,7 @@ class DeviceFetch:
         self.log[row, :k].copy_(ids, non_blocking=self.cuda)
         if p:
             self.log[row, k:k + p].copy_(guess, non_blocking=True)
-        self.pending.append((k, p, self.resident[group]))
+        self.pending.append((group, k, p, self.resident[group]))
         if self.cuda:
             if self.log_event is None:
                 self.log_event = torch.cuda.Event()
@@ -201,6 +254,10 @@ class DeviceFetch:
         """One token's (``hidden`` [1, H]) output of layer ``group``: its routed experts in ascending id.
         ``predict``: the next layer's router logits of ``hidden`` (its guesses are fetched while this layer
         computes), or None after the last layer or without guesses."""
+        if group == 0 and self.refresh:  # a token starts: no guess is in flight for any layer
+            self.tokens += 1
+            if self.tokens > self.refresh and self.rebalance():
+                self.tokens = 0
         table_off = self._table(group)
         self.active = True
         ids, w = top_k_index.reshape(-1), top_k_weights.reshape(-1)
@@ -293,12 +350,12 @@ class DeviceFetch:
 
     def stats(self) -> dict:
         """The mode's own entries (the caller flushes first, so the cache's counters include the logged steps)."""
-        return {"device_fetch": True, "device_fetches": self.fetches,
+        return {"device_fetch": True, "device_fetches": self.fetches, "device_fetch_swaps": self.swaps,
                 "device_fetch_staging_bytes": self.buffers.numel()}
 
     def reset_stats(self) -> None:
         self.flush()
-        self.fetches = 0
+        self.fetches = self.swaps = 0
 
     def close(self) -> None:
         """Wait for the guesses in flight (they read the CPU tier, which closing the store frees)."""

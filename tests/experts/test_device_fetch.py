@@ -120,13 +120,17 @@ def test_config_refuses_what_it_cannot_run(moe, match):
 @pytest.mark.parametrize("kind,top_k,slots,extra", [
     ("mixtral", 2, 1, {}), ("mixtral", 2, 3, {}), ("qwen3_moe", 4, 2, {}),
     ("mixtral", 2, 2, {"prefetch_skip_resident": True}), ("qwen3_moe", 4, 2, {"prefetch_top_k": 2}),
-    ("mixtral", 2, 2, {"speculative_prefetch": False})])
-def test_same_tokens_and_logits_cuda(kind, top_k, slots, extra):
+    ("mixtral", 2, 2, {"speculative_prefetch": False}), ("mixtral", 2, 2, {"device_fetch_refresh_tokens": 2})])
+def test_same_tokens_and_logits_cuda(kind, top_k, slots, extra, monkeypatch):
     """On CUDA: the fetch kernel reads missed experts from the pinned CPU tier through their mapped address, the
     gemv reads them from the staging buffers or the slots, a right guess from the buffers the side stream fetched
-    it into; bf16, bit for bit the default path's."""
+    it into; bf16, bit for bit the default path's. With refreshes every 2 tokens, any count difference swaps:
+    slot loads on the transfer stream under the device-fetched steps."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    from ds_maximus.experts import device_fetch
+    monkeypatch.setattr(device_fetch, "SWAP_Z", 0.0)
+    monkeypatch.setattr(device_fetch, "SWAP_MIN", 0.5)
     model = tiny_model(kind, "eager", layers=3, top_k=top_k, dtype=torch.bfloat16).cuda()
     prompts = [prompt(device="cuda"), prompt(length=9, device="cuda")[:, 3:]]
     ref, _ = decode(clone(model), quant_cfg(kind, slots), prompts, new_tokens=16)
@@ -139,3 +143,56 @@ def test_same_tokens_and_logits_cuda(kind, top_k, slots, extra):
         assert st["prefetch_issued"] > 0 and st["prefetch_useful"] > 0
     else:
         assert st["prefetch_issued"] == 0
+    if "device_fetch_refresh_tokens" in extra:
+        assert st["device_fetch_swaps"] > 0
+
+
+def test_refresh_swaps_keep_the_default_paths_tokens(monkeypatch):
+    """Refreshes every 2 tokens with any count difference taken as a reason to swap: slots change under the
+    device-fetched steps (loads ordered after their readers, tables rebuilt), and every token and logit still
+    equals the default path's."""
+    from ds_maximus.experts import device_fetch
+    monkeypatch.setattr(device_fetch, "SWAP_Z", 0.0)
+    monkeypatch.setattr(device_fetch, "SWAP_MIN", 0.5)
+    kind = "mixtral"
+    model = tiny_model(kind, layers=3, top_k=2)
+    prompts = [prompt(), prompt(length=9)[:, 3:]]
+    ref, _ = decode(clone(model), quant_cfg(kind, 2), prompts, new_tokens=16)
+    got, st = decode(model, quant_cfg(kind, 2, device_fetch=True, device_fetch_refresh_tokens=2), prompts,
+                     new_tokens=16)
+    for (seq_r, log_r), (seq, log) in zip(ref, got):
+        assert torch.equal(seq, seq_r)
+        assert torch.equal(log, log_r)
+    assert st["device_fetch_swaps"] > 0
+    assert st["hits"] + st["misses"] == st["lookups"]
+
+
+def test_rebalance_loads_the_most_routed_and_ignores_noise():
+    """A layer whose counts say one absent expert is routed to far more than a resident one swaps the two (the
+    resident expert routed to least leaves); counts that differ by noise swap nothing; the counts then decay."""
+    kind = "mixtral"
+    model = tiny_model(kind, layers=2, top_k=2, num_experts=8)
+    ref_model = clone(model)
+    handle = offload_experts(model, quant_cfg(kind, 2, device_fetch=True))
+    try:
+        greedy(model, prompt(), 3)
+        fetch, cache = handle.device_fetch, handle.cache
+        fetch.flush()  # the decode steps' routing counted now, so the counts below are the whole story
+        before = [cache.resident(g) for g in range(2)]
+        absent = [e for e in range(8) if e not in before[0]]
+        fetch.routed[0] = [8.0] * 8
+        fetch.routed[0][absent[0]] = 40.0  # far above noise
+        fetch.routed[0][before[0][1]] = 1.0
+        fetch.routed[1] = [8.0 + (e % 3) for e in range(8)]  # noise
+        assert fetch.rebalance()
+        cache.synchronize()
+        after = [cache.resident(g) for g in range(2)]
+        assert after[0] == sorted([before[0][0], absent[0]])
+        assert after[1] == before[1]
+        assert fetch.swaps == 1 and fetch.routed[0][absent[0]] == 20.0
+        # the swapped-in expert is read from its slot: the next steps give the default path's tokens
+        seq, logits = greedy(model, prompt(length=8), 6)
+    finally:
+        handle.close()
+    ref, _ = decode(ref_model, quant_cfg(kind, 2), [prompt(length=8)], new_tokens=6)
+    assert torch.equal(seq, ref[0][0]) and torch.equal(logits, ref[0][1])

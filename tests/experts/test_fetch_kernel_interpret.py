@@ -90,11 +90,13 @@ def test_fetch_kernel_under_the_triton_interpreter():
 DECODE = r'''
 import torch
 from ds_maximus.experts import offload_experts, quant_triton as qt
+from ds_maximus.experts import device_fetch
 from ds_maximus.experts.device_fetch import DeviceFetch
 from tests.experts.test_offload_generate import greedy
 from tests.experts.test_quant_offload import GROUP, prompt
 from tests.experts.tiny_moe import clone, tiny_model
 qt._sm_count = lambda device: 4
+device_fetch.SWAP_Z, device_fetch.SWAP_MIN = 0.0, 0.5  # refreshes swap on any count difference
 for kind, top_k, extra in (("mixtral", 2, {}), ("qwen3_moe", 4, {"prefetch_skip_resident": True}),
                            ("mixtral", 2, {"prefetch_top_k": 2})):
     model = tiny_model(kind, "eager", layers=3, top_k=top_k)
@@ -105,8 +107,9 @@ for kind, top_k, extra in (("mixtral", 2, {}), ("qwen3_moe", 4, {"prefetch_skip_
     ref = [greedy(ref_model, ids, 8) for ids in prompts]
     h.close()
     h = offload_experts(model, {**cfg, "device_fetch": True})
-    # the CUDA branch (fetch kernel, guesses in their buffers, the one-row gemv) on the host, in one stream
-    h._device_fetch = DeviceFetch(h.cache, top_k, min(h.cfg.guesses(top_k), top_k), kernels=True)
+    # the CUDA branch (fetch kernel, guesses in their buffers, the one-row gemv, slots refreshed every 3 tokens)
+    # on the host, in one stream
+    h._device_fetch = DeviceFetch(h.cache, top_k, min(h.cfg.guesses(top_k), top_k), kernels=True, refresh=3)
     got = [greedy(model, ids, 8) for ids in prompts]
     st = h.stats()
     h.close()
@@ -115,11 +118,13 @@ for kind, top_k, extra in (("mixtral", 2, {}), ("qwen3_moe", 4, {"prefetch_skip_
         torch.testing.assert_close(log, log_r, rtol=1e-4, atol=1e-4)  # the gemv's fp32 sums against quant.linear's
     assert st["prefetch_issued"] > 0 and st["prefetch_useful"] > 0, st
     assert st["hits"] + st["misses"] == st["lookups"] and st["device_fetches"] > 0, st
+    assert st["device_fetch_swaps"] > 0, st
 print("ok")
 '''
 
 
 def test_device_fetch_decode_under_the_triton_interpreter():
     """The whole device-fetch step as on CUDA (the fetch kernel, guesses fetched into their own buffers and read
-    from there, the one-row gemv), in one stream: the default path's tokens, its logits within fp32 sums."""
+    from there, the one-row gemv, slots swapped between tokens) in one stream: the default path's tokens, its
+    logits within fp32 sums."""
     run_interpreted(DECODE, timeout=900)
