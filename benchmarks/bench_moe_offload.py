@@ -231,7 +231,22 @@ def build(args, device, host_experts: bool = False):
         model.bench_expert_stds = {n: out_std if _is_residual_out(n) else std for n in blocks[0].expert_tensors()}
         for i, b in enumerate(blocks):
             fill_experts(b.expert_tensors(), i, model.bench_expert_stds, device)
+        if getattr(args, "router_skew", 0.0):
+            skew_routers(blocks, args.router_skew)
     return model.eval()
+
+
+def skew_routers(blocks, skew: float) -> None:
+    """Uneven expert load, as a trained router has and a random one has not: each layer's router rows scaled by
+    ``1 + skew`` down to 1 (linearly, over a per-layer random order of the experts), so a larger row wins the
+    top-k more often; different experts are popular in different layers."""
+    g = torch.Generator().manual_seed(1234)
+    for b in blocks:
+        w = b.router.weight
+        E = w.shape[0]
+        scale = torch.empty(E)
+        scale[torch.randperm(E, generator=g)] = torch.linspace(1.0 + skew, 1.0, E)
+        w.mul_(scale.to(w.device, w.dtype)[:, None])
 
 
 def prompts(args, device):
@@ -610,6 +625,17 @@ def fetch_modes(text: str) -> list:
     return words
 
 
+def refresh_list(text: str) -> list:
+    """``--refresh-tokens``: one non-negative integer or a comma list of them."""
+    try:
+        ns = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        ns = []
+    if not ns or min(ns) < 0:
+        raise argparse.ArgumentTypeError(f"takes non-negative integers, comma-separated: {text!r}")
+    return ns
+
+
 def parse_peers(args) -> list:
     """The peer keys to run, in order: ``--peers`` (comma-separated keys of ``PEERS``, run in the order given),
     else ``--quick``'s, else all; ``full`` runs first (the quality reference is taken after it) and ``cpu`` and
@@ -684,6 +710,10 @@ def main(argv=None):
     p.add_argument("--device-fetch", type=fetch_modes, default=None, help="moe.device_fetch of the int peers: on "
                    "(with its guesses), bare (no guesses), off, or a comma list, each a timed run on the same "
                    "offloaded model (with --skip-resident: every pair)")
+    p.add_argument("--refresh-tokens", type=refresh_list, default=None, help="moe.device_fetch_refresh_tokens of "
+                   "the device-fetch runs: an integer (0: never) or a comma list, each a timed run")
+    p.add_argument("--router-skew", type=float, default=0.0, help="uneven expert load: each layer's router rows "
+                   "scaled by 1+SKEW down to 1 over a random order of its experts (0: the random router as drawn)")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
     p.add_argument("--init", choices=("scaled", "hf"), default="scaled", help="random weights: 'scaled' (residual "
                    "outputs at std / sqrt(2 x layers), embedding N(0, 1): a stable model whose token agreement "
@@ -970,14 +1000,18 @@ def main(argv=None):
         fetches = (args.device_fetch or [None]) if bits else [None]
         for fetch in fetches:
             for skip in args.skip_resident or [None]:
-                if skip is not None:
-                    handle.cfg.prefetch_skip_resident = skip
-                if fetch is not None:
-                    handle.cfg.device_fetch = fetch != "off"
-                    handle.speculative_prefetch = fetch != "bare"
-                peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}")
-                     + ("" if fetch is None else f", device fetch {fetch}"), "ours", model, ids,
-                     args.tokens, handle, need=0)
+                for refresh in (args.refresh_tokens or [None]) if fetch not in (None, "off") else [None]:
+                    if skip is not None:
+                        handle.cfg.prefetch_skip_resident = skip
+                    if fetch is not None:
+                        handle.cfg.device_fetch = fetch != "off"
+                        handle.speculative_prefetch = fetch != "bare"
+                    if refresh is not None:
+                        handle.cfg.device_fetch_refresh_tokens = refresh
+                    peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}")
+                         + ("" if fetch is None else f", device fetch {fetch}")
+                         + ("" if refresh is None else f", refresh {refresh}"), "ours", model, ids,
+                         args.tokens, handle, need=0)
         handle.close()
 
     def run_bnb():

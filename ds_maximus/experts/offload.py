@@ -124,8 +124,8 @@ class MoEOffload:
             return None
         if self._device_fetch is None:
             top_k = max(min(b.top_k, b.num_experts) for b in self.blocks)
-            self._device_fetch = DeviceFetch(self.cache, top_k, min(self.cfg.guesses(top_k), top_k),
-                                             refresh=self.cfg.device_fetch_refresh_tokens)
+            self._device_fetch = DeviceFetch(self.cache, top_k, min(self.cfg.guesses(top_k), top_k))
+        self._device_fetch.refresh = self.cfg.device_fetch_refresh_tokens  # switchable between generations too
         return self._device_fetch
 
     # -- the forward of one layer -------------------------------------------------------------

@@ -207,6 +207,23 @@ def test_bench_small_default_source_is_host(capsys):
     assert float(table(out)["ours int8 (group 64)"]["slots/layer"]) == 2
 
 
+def test_bench_small_device_fetch_refresh_rows_and_router_skew(capsys):
+    """--router-skew makes each layer's load uneven (a different expert popular in each layer); --refresh-tokens
+    adds one device-fetch row per value, on the same offloaded model."""
+    args = small_args("mixtral")
+    args.init, args.router_skew = "scaled", 3.0
+    blocks = find_moe_blocks(build(args, torch.device("cpu")))
+    norms = [b.router.weight.norm(dim=1) for b in blocks]
+    assert all(float(n.max() / n.min()) > 2.5 for n in norms)
+    assert not torch.equal(norms[0].argmax(), norms[1].argmax()) or not torch.equal(norms[0].argmin(),
+                                                                                       norms[1].argmin())
+    assert main(["--small", "--peers", "int4", "--tokens", "6", "--agree-tokens", "4", "--device-fetch", "off,on",
+                 "--refresh-tokens", "0,2", "--router-skew", "3", "--budget-s", BIG]) == 0
+    rows = table(capsys.readouterr().out)
+    assert {"ours int4 (group 64), device fetch off", "ours int4 (group 64), device fetch on, refresh 0",
+            "ours int4 (group 64), device fetch on, refresh 2"} <= set(rows)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["mixtral", "qwen3"])
 def test_bench_small_cuda_capped_gpu_source(family, capsys):
