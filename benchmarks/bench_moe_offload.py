@@ -598,15 +598,18 @@ def hooks_baseline(model, device):
     return handles
 
 
-def top_k_list(text: str) -> list:
-    """``--prefetch-top-k``: one positive integer or a comma list of them."""
-    try:
-        ks = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        ks = []
-    if not ks or min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"takes positive integers, comma-separated: {text!r}")
-    return ks
+def int_list(least: int):
+    """An argparse type: one integer of at least ``least``, or a comma list of them (``--prefetch-top-k``: 1,
+    ``--refresh-tokens``: 0)."""
+    def parse(text: str) -> list:
+        try:
+            ns = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            ns = []
+        if not ns or min(ns) < least:
+            raise argparse.ArgumentTypeError(f"takes integers of at least {least}, comma-separated: {text!r}")
+        return ns
+    return parse
 
 
 def on_off_list(text: str) -> list:
@@ -623,17 +626,6 @@ def fetch_modes(text: str) -> list:
     if not words or set(words) - {"on", "off", "bare"}:
         raise argparse.ArgumentTypeError(f"takes on/bare/off, comma-separated: {text!r}")
     return words
-
-
-def refresh_list(text: str) -> list:
-    """``--refresh-tokens``: one non-negative integer or a comma list of them."""
-    try:
-        ns = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        ns = []
-    if not ns or min(ns) < 0:
-        raise argparse.ArgumentTypeError(f"takes non-negative integers, comma-separated: {text!r}")
-    return ns
 
 
 def parse_peers(args) -> list:
@@ -702,7 +694,7 @@ def main(argv=None):
     p.add_argument("--prefill-len", type=int, default=None, help="also time one prefill of a prompt of this many "
                    "tokens (batch 1) per peer")
     p.add_argument("--group-size", type=int, default=64, help="moe.quant.group_size of the int peers")
-    p.add_argument("--prefetch-top-k", type=top_k_list, default=None, help="moe.prefetch_top_k of the bf16+/int "
+    p.add_argument("--prefetch-top-k", type=int_list(1), default=None, help="moe.prefetch_top_k of the bf16+/int "
                    "peers (default: the config's, 1), each guess staged in its own buffer; a comma list (1,2,1) "
                    "runs each of those peers once per value, in order, in one process")
     p.add_argument("--skip-resident", type=on_off_list, default=None, help="moe.prefetch_skip_resident of the "
@@ -710,7 +702,7 @@ def main(argv=None):
     p.add_argument("--device-fetch", type=fetch_modes, default=None, help="moe.device_fetch of the int peers: on "
                    "(with its guesses), bare (no guesses), off, or a comma list, each a timed run on the same "
                    "offloaded model (with --skip-resident: every pair)")
-    p.add_argument("--refresh-tokens", type=refresh_list, default=None, help="moe.device_fetch_refresh_tokens of "
+    p.add_argument("--refresh-tokens", type=int_list(0), default=None, help="moe.device_fetch_refresh_tokens of "
                    "the device-fetch runs: an integer (0: never) or a comma list, each a timed run")
     p.add_argument("--router-skew", type=float, default=0.0, help="uneven expert load: each layer's router rows "
                    "scaled by 1+SKEW down to 1 over a random order of its experts (0: the random router as drawn)")
