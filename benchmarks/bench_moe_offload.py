@@ -512,8 +512,40 @@ def host_memory() -> dict:
         return {"total": vm.total, "available": vm.available}
 
 
+def union_length(spans) -> float:
+    """The length of the union of the intervals ``(start, end)`` (overlaps counted once: several streams)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def gpu_busy(model, ids, tokens, mask=None, out=None, name="") -> dict:
+    """The share of a decode's wall time in which the GPU ran anything (the union of its kernels' and copies'
+    intervals, every stream), from ``torch.profiler`` over ``tokens`` tokens: how far the step is bound by the
+    host's launches and waits rather than by the device. With ``out``, appends the top device ops to that file."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        decode(model, ids, tokens, mask)
+    wall_us = (time.perf_counter() - t0) * 1e6
+    busy = union_length((e.time_range.start, e.time_range.end) for e in prof.events()
+                        if e.device_type == DeviceType.CUDA)
+    if out:
+        with open(out, "a") as f:
+            f.write(f"## {name}: {tokens} tokens, wall {wall_us / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms\n\n")
+            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18) + "\n\n")
+    return {"GPU busy %": round(100 * busy / wall_us, 1)}
+
+
 def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, reference=None, mask=None,
-             prefill_ids=None, host_gbps=None, gpu=True, **extra):
+             prefill_ids=None, host_gbps=None, gpu=True, profile_tokens=0, profile_out=None, **extra):
     cuda = gpu and torch.cuda.is_available()
     try:
         decode(model, ids, warmup_tokens, mask)      # warm-up (kernels, allocator, cache)
@@ -524,6 +556,8 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
         tps = decode(model, ids, tokens, mask, on_first_token=handle.reset_stats if handle is not None else None)
         st = handle.stats() if handle is not None else None
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
+        if cuda and profile_tokens:
+            extra = {**extra, **gpu_busy(model, ids, profile_tokens, mask, profile_out, name)}
         pre = {}
         if prefill_ids is not None:  # warm-up forward at the length (attention's graphs), then the timed one
             prefill(model, prefill_ids)
@@ -735,6 +769,9 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
+    p.add_argument("--profile-tokens", type=int, default=0, help="on a GPU, after each peer's timed decode, profile "
+                   "a decode of this many tokens: 'GPU busy %%' (the share of wall time the device ran anything) and, "
+                   "with --out, the top device ops in OUT.profile.txt")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = p.parse_args(argv)
     if args.host_rows == "static":
@@ -829,7 +866,8 @@ def main(argv=None):
             if key == "ours" and acc_tps:
                 kw = {**kw, "x accelerate": "pending"}
             tps = run_peer(bench, name, *a, reference=reference, mask=mask, prefill_ids=prefill_ids,
-                           host_gbps=host_gbps, **kw)
+                           host_gbps=host_gbps, profile_tokens=args.profile_tokens,
+                           profile_out=args.out and args.out + ".profile.txt", **kw)
             if tps and key == "ours" and acc_tps:
                 bench.results[-1].extra["x accelerate"] = f"{tps / acc_tps[0]:.1f}x"
             progress(f"{name}: {f'{tps:.2f} tokens/s' if tps else bench.results[-1].error}")

@@ -22,7 +22,7 @@ SRC="--expert-source host-regen"
 if [ "${M:-0}" -ge 120000 ] || [ "${LAYERS:-32}" -le 16 ]; then SRC="--expert-source gpu"; fi
 ARGS="--family mixtral --layers ${LAYERS:-32} --cap-gib ${CAP:-16} --agree-tokens 16 --ours-variants default
   --budget-s 1000 --slots fill
-  --reserve-gib 0.75 --group-size 128 --prefetch-top-k 1 --tokens 64 --peers int4
+  --reserve-gib 0.75 --group-size 128 --prefetch-top-k 1 --tokens 64 --peers int4 --profile-tokens ${PROF:-4}
   --device-fetch ${FETCH:-off,on,bare,on} --skip-resident ${SKIP:-off,on} $SRC"
 timeout "${SCALE_S:-270}" python -u -m benchmarks.bench_moe_offload $ARGS --out "$OUT/scale.md" > "$OUT/scale.log" 2>&1
 echo "scale rc=$?"; cat "$OUT/scale.md" 2>/dev/null || tail -20 "$OUT/scale.log"

@@ -13,9 +13,11 @@ from benchmarks.bench_moe_offload import (
     Reference,
     auto_slots,
     build,
+    gpu_busy,
     main,
     parse_peers,
     resolve_shape,
+    union_length,
 )
 from ds_maximus.experts import offload_experts
 from ds_maximus.experts.adapters import find_moe_blocks
@@ -247,3 +249,19 @@ def test_bench_small_cuda_capped_gpu_source(family, capsys):
         assert 0 <= float(row["token agree"]) <= 1
     assert float(offloaded[2]["token agree"]) >= 0.9
     assert float(offloaded[1]["host bound tok/s"]) > 0
+
+
+def test_union_length_counts_overlaps_once():
+    assert union_length([]) == 0
+    assert union_length([(0, 10), (5, 15), (20, 25), (21, 22), (25, 25)]) == 20   # [0, 15] and [20, 25]
+    assert union_length([(3, 4), (0, 1)]) == 2
+
+
+def test_gpu_busy_profiles_a_decode(tmp_path):
+    """The profiled decode runs through ``generate`` and writes its op table; on the CPU nothing is device time."""
+    model = build(small_args("mixtral"), torch.device("cpu"))
+    out = tmp_path / "p.txt"
+    got = gpu_busy(model, torch.tensor([[1, 2, 3]]), 2, out=str(out), name="peer x")
+    assert got == {"GPU busy %": 0.0}
+    text = out.read_text()
+    assert text.startswith("## peer x: 2 tokens, wall ") and "Self CPU" in text
