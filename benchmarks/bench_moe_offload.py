@@ -83,6 +83,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import time
 
 import torch
@@ -524,23 +525,34 @@ def union_length(spans) -> float:
 
 def gpu_busy(model, ids, tokens, mask=None, out=None, name="") -> dict:
     """The share of a decode's wall time in which the GPU ran anything (the union of its kernels' and copies'
-    intervals, every stream), from ``torch.profiler`` over ``tokens`` tokens: how far the step is bound by the
-    host's launches and waits rather than by the device. With ``out``, appends the top device ops to that file."""
+    intervals, every stream), from ``torch.profiler`` over the decode steps of a ``tokens``-token ``generate`` (it
+    starts when the prefill's token arrives: the prefill is left out): how far the step is bound by the host's
+    launches and waits rather than by the device. With ``out``, appends the top device ops to that file and writes
+    the timeline beside it (``OUT.<n>.json``, for chrome://tracing or Perfetto)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        decode(model, ids, tokens, mask)
-    wall_us = (time.perf_counter() - t0) * 1e6
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    t0 = []
+
+    def start():
+        if cuda:
+            torch.cuda.synchronize()
+        prof.start()
+        t0.append(time.perf_counter())
+
+    decode(model, ids, tokens, mask, on_first_token=start)   # decode() synchronizes at its end
+    wall_us = (time.perf_counter() - t0[0]) * 1e6
+    prof.stop()
     busy = union_length((e.time_range.start, e.time_range.end) for e in prof.events()
                         if e.device_type == DeviceType.CUDA)
     if out:
         with open(out, "a") as f:
-            f.write(f"## {name}: {tokens} tokens, wall {wall_us / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms\n\n")
+            n = f.tell()
+            f.write(f"## {name}: {tokens - 1} decode steps, wall {wall_us / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms"
+                    f" (timeline: {os.path.basename(out)}.{n}.json)\n\n")
             f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18) + "\n\n")
+        prof.export_chrome_trace(f"{out}.{n}.json")
     return {"GPU busy %": round(100 * busy / wall_us, 1)}
 
 

@@ -261,7 +261,8 @@ def test_gpu_busy_profiles_a_decode(tmp_path):
     """The profiled decode runs through ``generate`` and writes its op table; on the CPU nothing is device time."""
     model = build(small_args("mixtral"), torch.device("cpu"))
     out = tmp_path / "p.txt"
-    got = gpu_busy(model, torch.tensor([[1, 2, 3]]), 2, out=str(out), name="peer x")
+    got = gpu_busy(model, torch.tensor([[1, 2, 3]]), 3, out=str(out), name="peer x")
     assert got == {"GPU busy %": 0.0}
     text = out.read_text()
-    assert text.startswith("## peer x: 2 tokens, wall ") and "Self CPU" in text
+    assert text.startswith("## peer x: 2 decode steps, wall ") and "Self CPU" in text
+    assert "(timeline: p.txt.0.json)" in text and (tmp_path / "p.txt.0.json").stat().st_size > 0
