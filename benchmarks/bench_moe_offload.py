@@ -645,8 +645,7 @@ def hooks_baseline(model, device):
 
 
 def int_list(least: int):
-    """An argparse type: one integer of at least ``least``, or a comma list of them (``--prefetch-top-k``: 1,
-    ``--refresh-tokens``: 0)."""
+    """An argparse type: one integer of at least ``least``, or a comma list of them (``--prefetch-top-k``: 1)."""
     def parse(text: str) -> list:
         try:
             ns = [int(t) for t in text.split(",") if t.strip()]
@@ -664,14 +663,6 @@ def on_off_list(text: str) -> list:
     if not words or set(words) - {"on", "off"}:
         raise argparse.ArgumentTypeError(f"takes on/off, comma-separated: {text!r}")
     return [w == "on" for w in words]
-
-
-def fetch_modes(text: str) -> list:
-    """``--device-fetch``: ``on`` (with the GPU's guesses), ``bare`` (without), ``off``, or a comma list of them."""
-    words = [t.strip() for t in text.split(",") if t.strip()]
-    if not words or set(words) - {"on", "off", "bare"}:
-        raise argparse.ArgumentTypeError(f"takes on/bare/off, comma-separated: {text!r}")
-    return words
 
 
 def parse_peers(args) -> list:
@@ -745,11 +736,6 @@ def main(argv=None):
                    "runs each of those peers once per value, in order, in one process")
     p.add_argument("--skip-resident", type=on_off_list, default=None, help="moe.prefetch_skip_resident of the "
                    "bf16+/int peers: on, off, or a comma list, each a timed run on the same offloaded model")
-    p.add_argument("--device-fetch", type=fetch_modes, default=None, help="moe.device_fetch of the int peers: on "
-                   "(with its guesses), bare (no guesses), off, or a comma list, each a timed run on the same "
-                   "offloaded model (with --skip-resident: every pair)")
-    p.add_argument("--refresh-tokens", type=int_list(0), default=None, help="moe.device_fetch_refresh_tokens of "
-                   "the device-fetch runs: an integer (0: never) or a comma list, each a timed run")
     p.add_argument("--router-skew", type=float, default=0.0, help="uneven expert load: each layer's router rows "
                    "scaled by 1+SKEW down to 1 over a random order of its experts (0: the random router as drawn)")
     p.add_argument("--small", action="store_true", help="a small CPU-sized model (smoke test)")
@@ -1039,21 +1025,11 @@ def main(argv=None):
             return
         src.settle()
         progress(f"{name}: {slot_text(handle)} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
-        fetches = (args.device_fetch or [None]) if bits else [None]
-        for fetch in fetches:
-            for skip in args.skip_resident or [None]:
-                for refresh in (args.refresh_tokens or [None]) if fetch not in (None, "off") else [None]:
-                    if skip is not None:
-                        handle.cfg.prefetch_skip_resident = skip
-                    if fetch is not None:
-                        handle.cfg.device_fetch = fetch != "off"
-                        handle.speculative_prefetch = fetch != "bare"
-                    if refresh is not None:
-                        handle.cfg.device_fetch_refresh_tokens = refresh
-                    peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}")
-                         + ("" if fetch is None else f", device fetch {fetch}")
-                         + ("" if refresh is None else f", refresh {refresh}"), "ours", model, ids,
-                         args.tokens, handle, need=0)
+        for skip in args.skip_resident or [None]:
+            if skip is not None:
+                handle.cfg.prefetch_skip_resident = skip
+            peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}"), "ours", model, ids,
+                 args.tokens, handle, need=0)
         handle.close()
 
     def run_bnb():

@@ -236,6 +236,12 @@ _REMOVED_MOE_KEYS = {
                             "default round trip through the device, with the same results (docs/bench/moe_training.md)",
     "host_grad_parts": "keeping later micro-batches' expert gradients on the host as parts measured slower than the "
                        "default round trip through the device, with the same results (docs/bench/moe_training.md)",
+    "device_fetch": "a batch-1 decode step whose kernel fetched missed experts over the link from the mapped CPU "
+                    "tier measured slower than the default path on the GPU (the copy engine moves missed experts "
+                    "faster than a kernel reading them over the link; docs/bench/moe_offload.md)",
+    "device_fetch_refresh_tokens": "it set the slot refreshes of moe.device_fetch, which measured slower than the "
+                                   "default path on the GPU (the copy engine moves missed experts faster than a "
+                                   "kernel reading them over the link; docs/bench/moe_offload.md)",
 }
 
 
@@ -322,16 +328,6 @@ class MoEConfig(_Section):
     """Inference: where a decode step computes a routed expert that is not resident (see :class:`ExpertCPUCompute`)."""
     cpu_compute_max_tokens: int = Field(8, ge=1)
     """With ``cpu_compute: auto``: the most tokens routed to a missed expert that the host computes it for."""
-    device_fetch: bool = False
-    """Inference, quantized experts (``quant``: 8, 4 or 2 bits) in the pinned CPU tier: a batch-1 decode step runs
-    without a host sync. The GPU looks each routed expert up in the layer's slots and copies a missed one from the
-    CPU tier itself, through its mapped address (:mod:`ds_maximus.experts.device_fetch`); the next layer's guesses
-    cross on a side stream. A fetched expert goes to a staging buffer, not a slot: the slots change only every
-    ``device_fetch_refresh_tokens`` tokens. The same tokens and logits as off. Needs ``cpu_compute: off``."""
-    device_fetch_refresh_tokens: int = Field(32, ge=0)
-    """With ``device_fetch``: every this many decoded tokens, each layer's slots take the experts routed to most
-    since the last refresh in place of the resident ones routed to least, where the counts differ by more than
-    noise (at most 2 a layer; 0: the slots keep what the prefill left)."""
     train: bool = False
     """Train experts as swappable partitions (under ``ds_maximus.initialize``)."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
@@ -388,15 +384,6 @@ class MoEConfig(_Section):
         if self.gpu_state_experts and self.offload.device == OffloadDevice.NVME:
             raise ValueError("moe.gpu_state_experts needs the experts' tier in CPU memory (offload.device: cpu); "
                              "with an NVMe tier set it to 0")
-        if self.device_fetch and self.quant.bits not in (8, 4, 2):
-            raise ValueError(f"moe.device_fetch reads packed experts with the one-row gemv: set moe.quant.bits to 8, "
-                             f"4 or 2 (got {self.quant.bits})")
-        if self.device_fetch and self.cpu_compute != ExpertCPUCompute.OFF:
-            raise ValueError(f"moe.device_fetch computes every routed expert on the GPU; it cannot be combined with "
-                             f"cpu_compute \"{self.cpu_compute.value}\": set one of them off")
-        if self.device_fetch and self.offload.device == OffloadDevice.NVME:
-            raise ValueError("moe.device_fetch reads missed experts from the CPU tier (offload.device: cpu); with an "
-                             "NVMe tier set it false")
         return self
 
 

@@ -46,8 +46,6 @@ def main(argv=None):
     p.add_argument("--policy", choices=["lru", "lfu"], default="lru")
     p.add_argument("--no-prefetch", action="store_true", help="turn speculative prefetch off")
     p.add_argument("--quant-bits", type=int, choices=[8, 4, 3, 2], default=None, help="moe.quant.bits (group 32)")
-    p.add_argument("--device-fetch", action="store_true", help="moe.device_fetch: batch-1 decode steps without a "
-                   "host sync (needs --quant-bits 8, 4 or 2)")
     p.add_argument("--nvme-path", default=None, help="keep experts in a file in this folder instead of RAM")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=8)
@@ -71,8 +69,6 @@ def main(argv=None):
         moe["gpu_expert_total_bytes"] = int(args.expert_gib * 2**30)
     if args.quant_bits:
         moe["quant"] = {"bits": args.quant_bits, "group_size": 32}
-    if args.device_fetch:
-        moe["device_fetch"] = True
     if args.nvme_path:
         moe["offload"] = {"device": "nvme", "nvme_path": args.nvme_path}
     handle = offload_experts(model, {"maximus": {"moe": moe}})

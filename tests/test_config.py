@@ -56,6 +56,17 @@ def test_conflicting_nvme_without_path():
         MaximusConfig.from_ds_config({"maximus": {"embedding": {"offload": {"device": "nvme"}}}})
 
 
+@pytest.mark.parametrize("key, value", [("device_fetch", True), ("device_fetch", False),
+                                        ("device_fetch_refresh_tokens", 32)])
+def test_removed_device_fetch_keys_are_refused_with_the_reason(key, value):
+    """moe.device_fetch measured slower than the default decode path on the GPU and was removed with its refresh key:
+    a config that still sets either (even to the old default) is a ConfigError saying why and to drop the key."""
+    with pytest.raises(ConfigError, match=rf"moe\.{key} was removed: .*measured slower than the default path on "
+                                          r"the GPU.*copy engine moves missed experts faster.*drop the key") as e:
+        MaximusConfig.from_ds_config({"maximus": {"moe": {"enabled": True, "quant": {"bits": 4}, key: value}}})
+    assert e.value.key_path == "maximus.moe"
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         MaximusConfig.from_ds_config(str(tmp_path / "nope.json"))

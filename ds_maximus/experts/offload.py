@@ -35,7 +35,6 @@ from ds_maximus.errors import ConfigError
 from ds_maximus.experts import compute
 from ds_maximus.experts.adapters import FusedExpertsForm, MoEBlockInfo, find_moe_blocks
 from ds_maximus.experts.cpu_compute import HostExpertCompute
-from ds_maximus.experts.device_fetch import DeviceFetch
 from ds_maximus.experts.expert_cache import ExpertCache, layer_slots
 from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.experts.layout import ExpertLayout
@@ -114,19 +113,6 @@ class MoEOffload:
         self.modules: List[OffloadedExperts] = []
         self.host_compute: Optional[HostExpertCompute] = None  # moe.cpu_compute: missed experts on the host
         self.quantized = isinstance(cache.layout, QuantizedExpertLayout)  # moe.quant: slots hold the packed form
-        self._device_fetch: Optional[DeviceFetch] = None  # moe.device_fetch: made by the first step that uses it
-
-    @property
-    def device_fetch(self) -> Optional[DeviceFetch]:
-        """The device-fetch decode step (``moe.device_fetch``; the config may be switched on and off between
-        generations), or None while it is off."""
-        if not self.cfg.device_fetch:
-            return None
-        if self._device_fetch is None:
-            top_k = max(min(b.top_k, b.num_experts) for b in self.blocks)
-            self._device_fetch = DeviceFetch(self.cache, top_k, min(self.cfg.guesses(top_k), top_k))
-        self._device_fetch.refresh = self.cfg.device_fetch_refresh_tokens  # switchable between generations too
-        return self._device_fetch
 
     # -- the forward of one layer -------------------------------------------------------------
     def _prefetch_picks(self, group: int, hidden: torch.Tensor) -> Optional[torch.Tensor]:
@@ -165,23 +151,6 @@ class MoEOffload:
             self._t_first = self._t_first or now
             self._tokens += hidden.shape[0]
         E = mod.num_experts
-        fetch = self.device_fetch
-        if fetch is not None and hidden.shape[0] == 1 and self.host_compute is None:
-            # a batch-1 decode step without a host sync: the GPU looks its experts up and fetches the missed ones
-            self._layer_calls += 1
-            self._experts_hit += top_k_index.numel()
-            self._experts_hit_max = max(self._experts_hit_max, top_k_index.numel())
-            predict = None
-            if self.speculative_prefetch and group + 1 < len(self.blocks):
-                predict = self.blocks[group + 1].router_logits
-            with torch.no_grad():
-                out = fetch.forward(group, hidden, top_k_index, top_k_weights, mod._original._apply_gate, predict,
-                                    self.cfg.prefetch_skip_resident)
-            if group == len(self.blocks) - 1:
-                self._t_last = time.perf_counter()
-            return out
-        if self._device_fetch is not None:
-            self._device_fetch.leave()  # a multi-token forward after device-fetched steps: count them first
         with torch.no_grad():
             picks = self._prefetch_picks(group, hidden)
         parts = [top_k_index.flatten().long()] + ([picks.flatten()] if picks is not None else [])
@@ -260,8 +229,6 @@ class MoEOffload:
         ``experts_per_layer_max``; with ``moe.quant``
         ``quant_bits``, and ``expert_bytes`` (what one expert moves) beside ``expert_bytes_exact`` (what it would
         move in the model's dtype)."""
-        if self._device_fetch is not None:
-            self._device_fetch.flush()  # the device-fetched steps' routing into the cache's counters
         s = self.cache.stats()
         span = (self._t_last - self._t_first) if self._t_first and self._t_last else 0.0
         s["tokens"] = self._tokens
@@ -276,13 +243,9 @@ class MoEOffload:
         s["expert_bytes_exact"] = lay.exact_nbytes if self.quantized else lay.nbytes
         if self.host_compute is not None:
             s.update(self.host_compute.stats())
-        if self._device_fetch is not None:
-            s.update(self._device_fetch.stats())
         return s
 
     def reset_stats(self) -> None:
-        if self._device_fetch is not None:
-            self._device_fetch.reset_stats()
         self.cache.synchronize()
         self.cache.reset_stats()
         if self.host_compute is not None:
@@ -291,8 +254,6 @@ class MoEOffload:
         self._layer_calls = self._experts_hit = self._experts_hit_max = 0
 
     def close(self) -> None:
-        if self._device_fetch is not None:
-            self._device_fetch.close()
         self.cache.close()
         self.cache.store.close()
 

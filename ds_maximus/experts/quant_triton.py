@@ -249,32 +249,6 @@ def _mma_grouped_kernel(x_ptr, codes_ptr, halves_ptr, meta_ptr, y_ptr, R, N, K, 
         tl.store(y_ptr + offs_t[:, None] * N + offs_n[None, :], acc, mask=mask_t[:, None] & mask_n[None, :])
 
 
-def _fetch_kernel(stage_ptr, ids_ptr, slot_off_ptr, host_off_ptr, meta_ptr, pred_ptr, pred_place_ptr, n_words,
-                  stage_off, host_shift, K, BLOCK: tl.constexpr, PRED: tl.constexpr):
-    # Program (b, k): for the k-th routed expert e (ids[k]) of a decode step, words [b * BLOCK, ...) of its packed
-    # bytes copied from page-locked host memory (read over the link through its mapped address, host_off[e] +
-    # host_shift int32 words from stage_ptr) into staging buffer k, unless e is in a slot (slot_off[e] >= 0) or
-    # among the PRED experts an earlier fetch already brought for this step (pred[j], readable at pred_place[j]).
-    # Program (0, k) writes the byte offset the gemv reads expert k at (from the layer's slot table).
-    pid_b = tl.program_id(0)
-    k = tl.program_id(1)
-    e = tl.load(ids_ptr + k)
-    slot = tl.load(slot_off_ptr + e)
-    place = tl.where(slot >= 0, slot, stage_off + k.to(tl.int64) * n_words * 4)
-    copy = slot < 0
-    for j in tl.static_range(PRED):
-        same = tl.load(pred_ptr + j) == e
-        place = tl.where(same, tl.load(pred_place_ptr + j), place)
-        copy = copy & (tl.load(pred_ptr + j) != e)
-    if pid_b == 0:
-        tl.store(meta_ptr + K + 1 + k, place)
-    if copy:
-        src = tl.multiple_of(tl.load(host_off_ptr + e) + host_shift, 4)  # 16-byte aligned (checked at the table)
-        offs = pid_b * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n_words
-        v = tl.load(stage_ptr + src + offs, mask=mask)
-        tl.store(stage_ptr + k * n_words + offs, v, mask=mask)
-
 if triton is not None:
     _gemv_tile = triton.jit(_gemv_tile)  # before the kernels that call it: they resolve it by its global name
     _quant_matmul_kernel = triton.jit(_quant_matmul_kernel)
@@ -282,7 +256,6 @@ if triton is not None:
     _quant_gemv_grouped_kernel = triton.jit(_quant_gemv_grouped_kernel)
     _gemv1_grouped_kernel = triton.jit(_gemv1_grouped_kernel)
     _mma_grouped_kernel = triton.jit(_mma_grouped_kernel)
-    _fetch_kernel = triton.jit(_fetch_kernel)
 
 
 # a program's product tile ``BLOCK_T x BLOCK_N x BLOCK_K`` lives in registers: at most this many fp32 values (64 a
@@ -486,37 +459,6 @@ def quant_matmul_grouped(x: torch.Tensor, table: torch.Tensor, offsets: Tuple[in
                                      GROUP=group_size, BLOCK_T=block_t, BLOCK_N=bn)
     return y[0] if split == 1 else y.sum(0)
 
-
-# words (int32) a program of the fetch kernel copies
-FETCH_BLOCK = 4096
-FETCH_WARPS = 4
-
-
-def fetch_experts(stage: torch.Tensor, ids: torch.Tensor, slot_off: torch.Tensor, host_off: torch.Tensor,
-                  meta: torch.Tensor, stage_off: int, pred: Optional[torch.Tensor] = None,
-                  pred_place: Optional[torch.Tensor] = None, host_shift: int = 0, block: int = FETCH_BLOCK,
-                  warps: int = FETCH_WARPS) -> None:
-    """A decode step's routed experts where the gemv can read them, decided and done on the GPU (no host sync).
-
-    ``ids`` [K] (int64): the step's routed experts of one layer. ``slot_off`` [E] (int64): each expert's byte offset
-    in the layer's slot table, or -1 when it is not in a slot. ``host_off`` [E] (int64): each expert's packed bytes
-    in page-locked host memory, as int32 words from ``stage``'s address (its mapped address less ``stage``'s, plus
-    ``host_shift``: a multiple of 4). ``stage`` [K, bytes] (uint8, on the GPU): one staging buffer for each routed
-    expert. An expert not in a slot is copied into ``stage[k]`` by a kernel reading host memory over the link;
-    ``meta[K + 1 + k]`` gets the byte offset (from the slot table) :func:`quant_matmul_grouped` then reads expert
-    ``k`` at: its slot's, or ``stage_off + k * bytes`` (``stage_off``: ``stage``'s address less the slot table's).
-    ``pred`` [P] and ``pred_place`` [P]: experts an earlier call already fetched for this layer (a guess), read where
-    that call put them (its ``meta`` tail), not copied again."""
-    K, nbytes = stage.shape
-    if nbytes % 16:
-        raise ValueError(f"a staged expert must be a multiple of 16 bytes, got {nbytes}")
-    words = nbytes // 4
-    grid = (triton.cdiv(words, block), K)
-    npred = 0 if pred is None else pred.numel()
-    _fetch_kernel[grid](stage.view(torch.int32), ids, slot_off, host_off, meta, ids if pred is None else pred,
-                        meta if pred_place is None else pred_place, words, stage_off, host_shift, K, BLOCK=block,
-                        PRED=npred,
-                        num_warps=warps)
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:

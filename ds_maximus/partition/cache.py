@@ -774,37 +774,6 @@ class SlotCache(CacheCore):
         t.bytes_h2d += len(started) * self.entry_bytes
         return len(started)
 
-    def replace(self, group: int, entry: int, victim: Optional[int], after) -> bool:
-        """Load ``entry`` of ``group`` whole into the slot of the resident ``victim`` (None: a free slot), for a
-        caller that chose both from counts the cache did not see, once the compute queued before ``after`` (a
-        :meth:`transfer.record_use` event) is done with the slot. The slot is in flight until the load lands
-        (``inflight``; the device-fetch step's slot table leaves it out meanwhile). Returns False, doing nothing,
-        where ``victim`` is not resident or is pinned, there is no free slot, or ``entry`` is already resident."""
-        g = self.groups[group]
-        self._reap(g)
-        if int(g.map.id_to_slot[int(entry)]) >= 0:
-            return False
-        if victim is None:
-            if not bool((g.map.slot_to_id < 0).any()):
-                return False
-        else:
-            s = int(g.map.id_to_slot[int(victim)])
-            if s < 0 or int(g.map.pin_count[s]) > 0:
-                return False
-            g.map.evict(torch.tensor([int(victim)]))
-            self.counters.evictions += 1
-            self.traffic.rows_evicted += 1
-        a = g.map.assign(torch.tensor([int(entry)]), count=False)
-        assert a.evicted_ids.numel() == 0, "a free slot is taken before any entry is evicted"
-        s = int(a.slots[0])
-        g.use_ev[s] = after
-        g.inflight[s] = self._load(group, g, s, int(entry))
-        g.prefetched[s] = False
-        g.map.pin(torch.tensor([s]))
-        self.traffic.rows_fetched += 1
-        self.traffic.bytes_h2d += self.entry_bytes
-        return True
-
     # -- a user changed an entry in the store --------------------------------------------------
     def write_slot(self, group: int, entry: int, src: Tensor, offset: int = 0) -> bool:
         """If ``entry`` is resident, overwrite its slot from element ``offset`` with ``src`` (flat, any

@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from ds_maximus.experts.quant_triton import GemvConfig, decode_config, fetch_experts, quant_matmul_grouped
+from ds_maximus.experts.quant_triton import GemvConfig, decode_config, quant_matmul_grouped
 from ds_maximus.partition.host_memory import host_tensor
 
 
@@ -108,29 +108,6 @@ def main() -> None:
               f"GB/s) | copy+resident {t_copy:.3f} ms ({gb / t_copy * 1e3:.1f} GB/s)  [{k} experts, {gb:.3f} GB]")
     t_h2d = timed(lambda: slots.copy_(host_reg, non_blocking=True), args.reps)
     print(f"pinned H2D copy alone: {t_h2d:.3f} ms ({gb / t_h2d * 1e3:.1f} GB/s)")
-
-    # the fetch kernel: the decode step's experts copied from host memory by the GPU, then the resident gemv
-    stage = torch.empty((k, numel), dtype=torch.uint8, device=dev)
-    ids = torch.arange(k, device=dev)
-    miss = torch.full((k,), -1, dtype=torch.long, device=dev)
-    hit = torch.tensor([i * numel for i in range(k)], dtype=torch.long, device=dev)
-    host_off = torch.tensor([(host_reg[i].data_ptr() - stage.data_ptr()) // 4 for i in range(k)], dtype=torch.long,
-                            device=dev)
-    m_fetch = torch.tensor(starts + [0] * k, dtype=torch.long, device=dev)
-    stage_off = stage.data_ptr() - base
-    cfg = decode_config(args.bits)
-    for block, warps in ((1024, 4), (4096, 4), (8192, 8), (16384, 8), (4096, 8)):
-        stage.zero_()
-        def fetch(table):
-            fetch_experts(stage, ids, table, host_off, m_fetch, stage_off, block=block, warps=warps)
-
-        fetch(miss)
-        ok = torch.equal(stage, slots) and all(torch.equal(a, b) for a, b in zip(both(m_res, cfg), both(m_fetch, cfg)))
-        t_f = timed(lambda: fetch(miss), args.reps)
-        t_fg = timed(lambda: (fetch(miss), both(m_fetch, cfg)), args.reps)
-        t_hit = timed(lambda: (fetch(hit), both(m_fetch, cfg)), args.reps)
-        print(f"fetch block {block} warps {warps}: equal {ok} | fetch {t_f:.3f} ms ({gb / t_f * 1e3:.1f} GB/s) | "
-              f"fetch+gemv {t_fg:.3f} ms ({gb / t_fg * 1e3:.1f} GB/s) | resident (fetch skips) + gemv {t_hit:.3f} ms")
 
 
 if __name__ == "__main__":
