@@ -266,12 +266,13 @@ def prompts(args, device):
     return ids.to(device), mask.to(device)
 
 
-def decode(model, ids, tokens, mask=None, on_first_token=None):
+def decode(model, ids, tokens, mask=None, on_first_token=None, cache=None):
     """Decode tokens/s of every sequence together (``generate``'s steps after the prefill, times the batch);
-    ``on_first_token``: see :class:`TokenClock`."""
+    ``on_first_token``: see :class:`TokenClock`; ``cache``: generate's ``cache_implementation`` (None: dynamic)."""
     clock = TokenClock(on_first_token)
+    kw = {"cache_implementation": cache} if cache else {}
     model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                   pad_token_id=0, streamer=clock)
+                   pad_token_id=0, streamer=clock, **kw)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return clock.decode_tokens_per_s() * ids.shape[0]
@@ -523,7 +524,7 @@ def union_length(spans) -> float:
     return total
 
 
-def gpu_busy(model, ids, tokens, mask=None, out=None, name="") -> dict:
+def gpu_busy(model, ids, tokens, mask=None, out=None, name="", cache=None) -> dict:
     """The share of a decode's wall time in which the GPU ran anything (the union of its kernels' and copies'
     intervals, every stream), from ``torch.profiler`` over the decode steps of a ``tokens``-token ``generate`` (it
     starts when the prefill's token arrives: the prefill is left out): how far the step is bound by the host's
@@ -541,7 +542,7 @@ def gpu_busy(model, ids, tokens, mask=None, out=None, name="") -> dict:
         prof.start()
         t0.append(time.perf_counter())
 
-    decode(model, ids, tokens, mask, on_first_token=start)   # decode() synchronizes at its end
+    decode(model, ids, tokens, mask, on_first_token=start, cache=cache)   # decode() synchronizes at its end
     wall_us = (time.perf_counter() - t0[0]) * 1e6
     prof.stop()
     busy = union_length((e.time_range.start, e.time_range.end) for e in prof.events()
@@ -557,19 +558,20 @@ def gpu_busy(model, ids, tokens, mask=None, out=None, name="") -> dict:
 
 
 def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, reference=None, mask=None,
-             prefill_ids=None, host_gbps=None, gpu=True, profile_tokens=0, profile_out=None, **extra):
+             prefill_ids=None, host_gbps=None, gpu=True, profile_tokens=0, profile_out=None, cache=None, **extra):
     cuda = gpu and torch.cuda.is_available()
     try:
-        decode(model, ids, warmup_tokens, mask)      # warm-up (kernels, allocator, cache)
+        decode(model, ids, warmup_tokens, mask, cache=cache)      # warm-up (kernels, allocator, cache)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         # the stats count the decode's forwards only: a prompt's prefill loads most of a layer's experts and
         # would count its tokens beside them
-        tps = decode(model, ids, tokens, mask, on_first_token=handle.reset_stats if handle is not None else None)
+        tps = decode(model, ids, tokens, mask, on_first_token=handle.reset_stats if handle is not None else None,
+                     cache=cache)
         st = handle.stats() if handle is not None else None
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
         if cuda and profile_tokens:
-            extra = {**extra, **gpu_busy(model, ids, profile_tokens, mask, profile_out, name)}
+            extra = {**extra, **gpu_busy(model, ids, profile_tokens, mask, profile_out, name, cache)}
         pre = {}
         if prefill_ids is not None:  # warm-up forward at the length (attention's graphs), then the timed one
             prefill(model, prefill_ids)
@@ -663,6 +665,14 @@ def on_off_list(text: str) -> list:
     if not words or set(words) - {"on", "off"}:
         raise argparse.ArgumentTypeError(f"takes on/off, comma-separated: {text!r}")
     return [w == "on" for w in words]
+
+
+def graph_modes(text: str) -> list:
+    modes = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [m for m in modes if m not in ("off", "static", "on")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"expected off, static or on, comma-separated; got {text!r}")
+    return modes
 
 
 def parse_peers(args) -> list:
@@ -767,6 +777,9 @@ def main(argv=None):
     p.add_argument("--host-rows", choices=("dynamic", "static"), default="dynamic", help="how the host expert op "
                    "(cpu_compute peers) spreads an expert's rows over its threads: dynamically (the default) or in "
                    "static shares (ds_maximus.ops.expert_cpu.set_dynamic_rows)")
+    p.add_argument("--decode-graphs", type=graph_modes, default=None, help="moe.decode_graphs of the ours rows, "
+                   "comma-separated: off (dynamic KV cache, the default), static (a static KV cache, no graphs), on "
+                   "(a static KV cache and the layers' CUDA graphs); a row each")
     p.add_argument("--profile-tokens", type=int, default=0, help="on a GPU, after each peer's timed decode, profile "
                    "a decode of this many tokens: 'GPU busy %%' (the share of wall time the device ran anything) and, "
                    "with --out, the top device ops in OUT.profile.txt")
@@ -1018,6 +1031,8 @@ def main(argv=None):
                 cfg["prefetch_top_k"] = top_k
             if bits:
                 cfg["quant"] = {"bits": bits, "group_size": args.group_size}
+            if "on" in (args.decode_graphs or []):
+                cfg["decode_graphs"] = True  # installed once; each row below switches it
             handle = offload_experts(model, cfg)
         except Exception as e:  # a configuration that cannot run is a row
             bench.add(name, None, error=f"{type(e).__name__}: {str(e)[:60]}")
@@ -1026,10 +1041,14 @@ def main(argv=None):
         src.settle()
         progress(f"{name}: {slot_text(handle)} slots/layer of {handle.cache.layout.nbytes / 1e6:.1f} MB")
         for skip in args.skip_resident or [None]:
-            if skip is not None:
-                handle.cfg.prefetch_skip_resident = skip
-            peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}"), "ours", model, ids,
-                 args.tokens, handle, need=0)
+            for graphs in args.decode_graphs or [None]:
+                if skip is not None:
+                    handle.cfg.prefetch_skip_resident = skip
+                if graphs is not None:
+                    handle.cfg.decode_graphs = graphs == "on"
+                peer(name + ("" if skip is None else f", skip resident {'on' if skip else 'off'}")
+                     + ("" if graphs is None else f", decode graphs {graphs}"), "ours", model, ids, args.tokens,
+                     handle, need=0, cache="static" if graphs in ("static", "on") else None)
         handle.close()
 
     def run_bnb():

@@ -328,6 +328,13 @@ class MoEConfig(_Section):
     """Inference: where a decode step computes a routed expert that is not resident (see :class:`ExpertCPUCompute`)."""
     cpu_compute_max_tokens: int = Field(8, ge=1)
     """With ``cpu_compute: auto``: the most tokens routed to a missed expert that the host computes it for."""
+    decode_graphs: bool = False
+    """Inference (``offload_experts``): a batch-1 decode step with a static KV cache
+    (``generate(..., cache_implementation="static")``) replays one CUDA graph a layer for its attention, norms
+    and router, and runs only the offloaded experts eagerly; the same kernels, so the same tokens and logits. For
+    Mixtral- and Qwen3-MoE-style decoder layers (others are refused). Each layer captures at a cache's second
+    decode step; with a dynamic cache, a prefill or a batch it runs its own forward
+    (:mod:`ds_maximus.experts.decode_graphs`)."""
     train: bool = False
     """Train experts as swappable partitions (under ``ds_maximus.initialize``)."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)

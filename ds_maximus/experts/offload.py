@@ -35,6 +35,7 @@ from ds_maximus.errors import ConfigError
 from ds_maximus.experts import compute
 from ds_maximus.experts.adapters import FusedExpertsForm, MoEBlockInfo, find_moe_blocks
 from ds_maximus.experts.cpu_compute import HostExpertCompute
+from ds_maximus.experts.decode_graphs import DecodeGraphs, decoder_layers
 from ds_maximus.experts.expert_cache import ExpertCache, layer_slots
 from ds_maximus.experts.expert_store import CpuExpertStore, FileExpertStore, make_loader
 from ds_maximus.experts.layout import ExpertLayout
@@ -112,6 +113,7 @@ class MoEOffload:
         self._t_last: Optional[float] = None
         self.modules: List[OffloadedExperts] = []
         self.host_compute: Optional[HostExpertCompute] = None  # moe.cpu_compute: missed experts on the host
+        self.decode_graphs: Optional[DecodeGraphs] = None  # moe.decode_graphs: installed when on at offload time
         self.quantized = isinstance(cache.layout, QuantizedExpertLayout)  # moe.quant: slots hold the packed form
 
     # -- the forward of one layer -------------------------------------------------------------
@@ -243,6 +245,8 @@ class MoEOffload:
         s["expert_bytes_exact"] = lay.exact_nbytes if self.quantized else lay.nbytes
         if self.host_compute is not None:
             s.update(self.host_compute.stats())
+        if self.decode_graphs is not None:
+            s.update(self.decode_graphs.stats())
         return s
 
     def reset_stats(self) -> None:
@@ -250,10 +254,14 @@ class MoEOffload:
         self.cache.reset_stats()
         if self.host_compute is not None:
             self.host_compute.reset_stats()
+        if self.decode_graphs is not None:
+            self.decode_graphs.reset_stats()
         self._tokens, self._t_first, self._t_last = 0, None, None
         self._layer_calls = self._experts_hit = self._experts_hit_max = 0
 
     def close(self) -> None:
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()
         self.cache.close()
         self.cache.store.close()
 
@@ -299,6 +307,7 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
     device = blocks[0].router.weight.device
     if cfg.quant.bits is not None:
         layout = _quantized_layout(layout, cfg, blocks[0], device)
+    graph_layers = decoder_layers(model, blocks) if cfg.decode_graphs else None  # refused before anything moves
     slots = layer_slots(cfg, layout.nbytes, len(blocks), E)
     n = len(blocks) * E
     # the model's own CPU expert weights are freed layer by layer below as they are copied in: the CPU tier's
@@ -348,4 +357,6 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
         torch.cuda.empty_cache()
     if handle.host_compute is not None:
         handle.host_compute.calibrate()  # auto's host estimate, from the filled tier
+    if cfg.decode_graphs:  # read at each call from then on: the key can be switched off and on between generations
+        handle.decode_graphs = DecodeGraphs(graph_layers, lambda: handle.cfg.decode_graphs)
     return handle

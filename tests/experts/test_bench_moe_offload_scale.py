@@ -266,3 +266,14 @@ def test_gpu_busy_profiles_a_decode(tmp_path):
     text = out.read_text()
     assert text.startswith("## peer x: 2 decode steps, wall ") and "Self CPU" in text
     assert "(timeline: p.txt.0.json)" in text and (tmp_path / "p.txt.0.json").stat().st_size > 0
+
+
+def test_bench_small_decode_graphs_rows(capsys):
+    """--decode-graphs off,static,on: a row each on the same offloaded model (a dynamic KV cache, a static one, and
+    the static one through the split forward, which runs without graphs on a CPU); the same greedy tokens."""
+    assert main(["--small", "--peers", "int4", "--tokens", "6", "--agree-tokens", "4", "--decode-graphs",
+                 "off,static,on", "--budget-s", BIG]) == 0
+    rows = table(capsys.readouterr().out)
+    got = [rows[f"ours int4 (group 64), decode graphs {m}"] for m in ("off", "static", "on")]
+    assert all(float(r["tokens/s"]) > 0 for r in got)
+    assert len({r["token agree"] for r in got}) == 1

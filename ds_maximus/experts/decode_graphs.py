@@ -1,0 +1,214 @@
+"""``moe.decode_graphs``: a batch-1 decode step replays one CUDA graph per layer for everything but the experts.
+
+An offloaded layer's decode step is bound by the host: HF's eager attention, norms and router are some forty small
+launches a layer (about half a millisecond of Python and dispatch each), and the layer's one sync (the routing
+the expert cache needs on the host) keeps the host from running ahead of the GPU to hide them. Here each decoder
+layer of an offloaded model runs, for a one-token step of one sequence with a static KV cache
+(``generate(..., cache_implementation="static")``), as:
+
+1. one CUDA graph replay of ``input_layernorm -> self_attn (KV written into the static cache) -> + residual ->
+   post_attention_layernorm -> router``, captured from the layer's own modules (the same kernels: the same numbers);
+2. the offloaded experts on the graph's routing, eagerly (the expert cache decides on the host what to load);
+3. the residual add.
+
+The static cache keeps its fill level in a device tensor and writes the new key and value at it, so the captured
+step is valid for every later token of the same cache. The graph's inputs (the hidden state, the rotary ``cos`` and
+``sin``, the mask, the position) are copied into its static buffers before each replay; a new cache, a new shape or
+a non-tensor argument that changed is a new graph. Each layer runs its first step of a cache eagerly (it warms
+cuBLAS and the attention kernels up, which capture must not do) and captures at the second.
+
+Anything else (a prefill, a batch, a dynamic cache, grad mode, a CPU model) runs the layer's own forward. On a CPU
+the same split runs without a graph (what the CPU tests compare against the layer's own forward).
+"""
+from __future__ import annotations
+
+import logging
+import types
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ds_maximus.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# decoder layers whose forward is exactly: residual + self_attn(input_layernorm(h)), then residual +
+# mlp(post_attention_layernorm(h)) with mlp an HF sparse-MoE block (view(-1, H) -> gate -> experts -> reshape);
+# the split below reproduces that forward, so only these are accepted
+LAYER_CLASSES = ("MixtralDecoderLayer", "Qwen3MoeDecoderLayer")
+
+
+def decoder_layers(model: nn.Module, blocks) -> List[nn.Module]:
+    """The decoder layers holding the MoE ``blocks`` (``MoEBlockInfo``), or a ``ConfigError`` naming a layer class
+    the split forward does not reproduce (called before anything is offloaded)."""
+    moe_blocks = {id(b.block) for b in blocks}
+    layers = []
+    for m in model.modules():
+        mlp = getattr(m, "mlp", None)
+        if mlp is None or id(mlp) not in moe_blocks:
+            continue
+        if type(m).__name__ not in LAYER_CLASSES:
+            raise ConfigError(f"moe.decode_graphs captures the decoder layers of {', '.join(LAYER_CLASSES)}; this "
+                              f"model's are {type(m).__name__}: set moe.decode_graphs to false",
+                              "maximus.moe.decode_graphs")
+        layers.append(m)
+    if len(layers) != len(blocks):
+        raise ConfigError(f"moe.decode_graphs found {len(layers)} decoder layers holding this model's {len(blocks)} "
+                          f"MoE blocks as their 'mlp'; set moe.decode_graphs to false", "maximus.moe.decode_graphs")
+    return layers
+
+
+class _Step:
+    """One layer's graph: its static inputs and outputs, and what it was captured for."""
+
+    def __init__(self, key, graph, inputs: Dict[str, Optional[torch.Tensor]], outputs):
+        self.key, self.graph, self.inputs, self.outputs = key, graph, inputs, outputs
+
+
+class DecodeGraphs:
+    """Installs the split forward on every decoder layer holding an offloaded MoE block; ``enabled`` (the handle's
+    ``moe.decode_graphs``) is read at each call, so it can be switched between generations."""
+
+    def __init__(self, layers: List[nn.Module], enabled):
+        self.enabled = enabled  # a callable: the handle's current moe.decode_graphs
+        self.layers = layers    # from decoder_layers()
+        self.steps: Dict[int, _Step] = {}     # by id(layer)
+        self.seen: Dict[int, tuple] = {}      # by id(layer): the key of its last eager (warm-up) step
+        self.pool = None
+        self.stream = None
+        self.eager_split = 0  # steps of the split forward run without a graph (CPU, or a cache's first step)
+        self.captures = 0
+        self.replays = 0
+        self._warned = False
+        for layer in self.layers:
+            layer.__dict__["_maximus_forward"] = layer.forward
+            layer.forward = types.MethodType(_split_forward(self), layer)
+
+    def stats(self) -> dict:
+        return {"decode_graph_replays": self.replays, "decode_graph_captures": self.captures}
+
+    def reset_stats(self) -> None:
+        self.replays = self.captures = self.eager_split = 0
+
+    def close(self) -> None:
+        for layer in self.layers:
+            orig = layer.__dict__.pop("_maximus_forward", None)
+            if orig is None:
+                continue
+            if getattr(orig, "__self__", None) is layer and getattr(orig, "__func__", None) is type(layer).forward:
+                layer.__dict__.pop("forward", None)  # the class's own forward again
+            else:
+                layer.forward = orig  # a wrapper someone installed before us (an accelerate hook)
+        self.steps.clear()
+        self.seen.clear()
+        self.pool = None
+
+    # -- which calls a graph serves -------------------------------------------------------------
+    def eligible(self, hidden: torch.Tensor, cache, kwargs: dict) -> bool:
+        if not self.enabled() or torch.is_grad_enabled() or hidden.dim() != 3 or hidden.shape[:2] != (1, 1):
+            return False
+        if cache is None or not getattr(cache, "is_compileable", False):
+            if not self._warned:
+                log.warning("moe.decode_graphs needs a static KV cache: generate(..., cache_implementation="
+                            "\"static\"); this decode runs without graphs")
+                self._warned = True
+            return False
+        tensors = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        if tensors and not self._warned:
+            log.warning("moe.decode_graphs: the decoder layers got tensor arguments %s that a graph cannot take "
+                        "as constants; this decode runs without graphs", tensors)
+            self._warned = True
+        return not tensors
+
+    @staticmethod
+    def key(layer, hidden, cos, sin, mask, position_ids, cache, kwargs) -> tuple:
+        """What a captured step depends on besides its inputs' values: the cache's storage and every shape."""
+        lay = cache.layers[layer.self_attn.layer_idx]
+        storage = (lay.keys.data_ptr(), lay.values.data_ptr(), lay.cumulative_length.data_ptr()) \
+            if getattr(lay, "is_initialized", False) else None
+        shapes = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device)
+                       for t in (hidden, cos, sin, mask, position_ids))
+        return (storage, shapes, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+
+
+def _pre_moe(layer, hidden, cos, sin, mask, position_ids, cache, kwargs):
+    """The layer up to its experts: (residual after attention, the MoE input rows, routing weights, expert ids)."""
+    residual = hidden
+    h = layer.input_layernorm(hidden)
+    h, _ = layer.self_attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=mask,
+                           position_ids=position_ids, cache=cache, **kwargs)
+    h = residual + h
+    residual = h
+    h = layer.post_attention_layernorm(h)
+    rows = h.view(-1, h.shape[-1])
+    _, weights, ids = layer.mlp.gate(rows)
+    return residual, rows, weights, ids
+
+
+def _split_forward(graphs: DecodeGraphs):
+    def forward(layer, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
+                **kwargs):
+        if "past_key_values" in kwargs and cache is None:  # the deprecated name HF still maps
+            cache = kwargs.pop("past_key_values")
+        if position_embeddings is None or not graphs.eligible(hidden_states, cache, kwargs):
+            return layer._maximus_forward(hidden_states, position_embeddings=position_embeddings,
+                                          attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                                          **kwargs)
+        cos, sin = position_embeddings
+        args = (hidden_states, cos, sin, attention_mask, position_ids)
+        if hidden_states.device.type != "cuda":  # the CPU twin: the same split, no graph
+            graphs.eager_split += 1
+            residual, rows, weights, ids = _pre_moe(layer, *args, cache, kwargs)
+        else:
+            residual, rows, weights, ids = _replay(graphs, layer, args, cache, kwargs)
+        out = layer.mlp.experts(rows, ids, weights)
+        return residual + out.reshape(residual.shape)
+    return forward
+
+
+def _replay(graphs: DecodeGraphs, layer, args, cache, kwargs):
+    key = graphs.key(layer, *args, cache, kwargs)
+    lid = id(layer)
+    step = graphs.steps.get(lid)
+    if step is None or step.key != key:
+        if graphs.seen.get(lid) != key:  # a new cache or shape: this step runs eagerly, the next is captured
+            graphs.seen[lid] = key
+            graphs.steps.pop(lid, None)
+            graphs.eager_split += 1
+            return _pre_moe(layer, *args, cache, kwargs)
+        step = _capture(graphs, layer, args, cache, kwargs, key)
+        graphs.steps[lid] = step
+    for name, t in zip(("hidden", "cos", "sin", "mask", "position_ids"), args):
+        if t is not None:
+            step.inputs[name].copy_(t)
+    step.graph.replay()
+    graphs.replays += 1
+    return step.outputs
+
+
+def _capture(graphs: DecodeGraphs, layer, args, cache, kwargs, key) -> _Step:
+    # one memory pool for every graph: they are captured and replayed in the same order (layer by layer) on one
+    # stream, and each one's outputs stay referenced by its step, so no graph's memory is another's live tensor
+    if graphs.pool is None:
+        graphs.pool = torch.cuda.graph_pool_handle()
+    inputs = {name: (None if t is None else t.clone())
+              for name, t in zip(("hidden", "cos", "sin", "mask", "position_ids"), args)}
+    # captured on a side stream (the legacy default stream cannot be), without torch.cuda.graph's synchronize,
+    # gc.collect and empty_cache at every layer; "thread_local": the expert cache's copy thread keeps issuing its
+    # transfers while this thread captures
+    if graphs.stream is None:
+        graphs.stream = torch.cuda.Stream(inputs["hidden"].device)
+    side, main = graphs.stream, torch.cuda.current_stream(inputs["hidden"].device)
+    side.wait_stream(main)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=graphs.pool, capture_error_mode="thread_local")
+        try:
+            outputs = _pre_moe(layer, inputs["hidden"], inputs["cos"], inputs["sin"], inputs["mask"],
+                               inputs["position_ids"], cache, kwargs)
+        finally:
+            graph.capture_end()
+    main.wait_stream(side)
+    graphs.captures += 1
+    return _Step(key, graph, inputs, outputs)

@@ -1,0 +1,94 @@
+"""``moe.decode_graphs``: a static-cache batch-1 decode step of each offloaded layer splits into the layer's
+attention-and-router part (one CUDA graph on a GPU; the same split eagerly on the CPU), its offloaded experts and the
+residual add; tokens and logits equal the layer's own forward bit for bit."""
+import logging
+
+import pytest
+import torch
+
+from ds_maximus.errors import ConfigError
+from ds_maximus.experts import offload_experts
+
+from .tiny_moe import clone, tiny_model
+
+GEN = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True,
+           pad_token_id=0)
+
+
+def run(model, ids, config=None, cache="static"):
+    """Greedy decode of ``ids`` (after ``offload_experts(config)`` when given): (sequences, logits, handle)."""
+    h = offload_experts(model, config) if config is not None else None
+    out = model.generate(ids, cache_implementation=cache, **GEN)
+    return out.sequences, torch.stack(out.logits), h
+
+
+def same(a, b):
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_split_forward_equals_the_layer_cpu(kind):
+    model = tiny_model(kind, "eager", layers=3)
+    ids = torch.tensor([[5, 9, 17, 33, 2, 70]])
+    ref = run(clone(model), ids)
+    got = run(model, ids, {"gpu_experts_per_layer": 2, "decode_graphs": True})
+    same(ref, got)
+    h = got[2]
+    # every decode step of every layer took the split (the prefill did not): 3 layers x 7 steps
+    assert h.decode_graphs.eager_split == 3 * (GEN["max_new_tokens"] - 1)
+    assert h.stats()["decode_graph_replays"] == 0  # no graphs on a CPU
+    h.close()
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # the layers' own forward again
+
+
+def test_off_and_dynamic_cache_run_the_layers_own_forward(caplog):
+    model = tiny_model("mixtral", "eager")
+    ids = torch.tensor([[5, 9, 17, 33]])
+    ref = run(clone(model), ids, cache="dynamic")
+    with caplog.at_level(logging.WARNING, logger="ds_maximus.experts.decode_graphs"):
+        got = run(model, ids, {"gpu_experts_per_layer": 2, "decode_graphs": True}, cache="dynamic")
+    same(ref, got)
+    h = got[2]
+    assert h.decode_graphs.eager_split == 0
+    assert "static KV cache" in caplog.text and 'cache_implementation="static"' in caplog.text
+    h.cfg.decode_graphs = False  # switched off between generations: the layers' own forward
+    again = model.generate(ids, cache_implementation="static", **GEN)
+    assert h.decode_graphs.eager_split == 0
+    assert torch.equal(again.sequences, run(clone(tiny_model("mixtral", "eager")), ids)[0])
+    h.close()
+
+
+def test_off_by_default_installs_nothing():
+    model = tiny_model("mixtral", "eager")
+    h = offload_experts(model, {"gpu_experts_per_layer": 2})
+    assert h.decode_graphs is None and all("forward" not in layer.__dict__ for layer in model.model.layers)
+    h.close()
+
+
+def test_other_layer_classes_are_refused():
+    model = tiny_model("qwen2_moe", "eager")  # a shared expert beside the routed ones: not the split's layer
+    with pytest.raises(ConfigError, match="decode_graphs.*Qwen2MoeDecoderLayer"):
+        offload_experts(model, {"gpu_experts_per_layer": 2, "decode_graphs": True})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("config", [{"gpu_experts_per_layer": 2},
+                                    {"gpu_experts_per_layer": 2, "quant": {"bits": 4, "group_size": 16}}])
+def test_graphs_replay_the_layers_cuda(kind, config):
+    """Captured at a cache's second decode step, replayed at every later one; a second generate (a new cache)
+    captures again. Tokens and logits equal the same offload without graphs, bit for bit."""
+    model = tiny_model(kind, "eager", layers=3, dtype=torch.bfloat16).cuda()
+    ids = torch.tensor([[5, 9, 17, 33, 2, 70]]).cuda()
+    ref = run(clone(model), ids, config)
+    got = run(model, ids, {**config, "decode_graphs": True})
+    same(ref, got)
+    g = got[2].decode_graphs
+    steps = GEN["max_new_tokens"] - 1
+    assert (g.captures, g.replays, g.eager_split) == (3, 3 * (steps - 1), 3)
+    again = run(model, ids)  # the handle's graphs stay on: a new static cache (captured again, unless the allocator
+    same(ref, again)         # gave it the old one's addresses, which the graphs then serve as they are)
+    assert g.replays == 3 * (steps - 1) + 3 * (steps - 1 if g.captures == 6 else steps)
+    got[2].close()
+    ref[2].close()
