@@ -114,6 +114,7 @@ class MoEOffload:
         self.modules: List[OffloadedExperts] = []
         self.host_compute: Optional[HostExpertCompute] = None  # moe.cpu_compute: missed experts on the host
         self.decode_graphs: Optional[DecodeGraphs] = None  # moe.decode_graphs: installed when on at offload time
+        self._restore_compile = None  # (generation_config, its disable_compile before the offload)
         self.quantized = isinstance(cache.layout, QuantizedExpertLayout)  # moe.quant: slots hold the packed form
 
     # -- the forward of one layer -------------------------------------------------------------
@@ -262,6 +263,10 @@ class MoEOffload:
     def close(self) -> None:
         if self.decode_graphs is not None:
             self.decode_graphs.close()
+        if self._restore_compile is not None:
+            gen, value = self._restore_compile
+            gen.disable_compile = value
+            self._restore_compile = None
         self.cache.close()
         self.cache.store.close()
 
@@ -359,4 +364,11 @@ def offload_experts(model: nn.Module, config: ConfigLike = None) -> MoEOffload:
         handle.host_compute.calibrate()  # auto's host estimate, from the filled tier
     if cfg.decode_graphs:  # read at each call from then on: the key can be switched off and on between generations
         handle.decode_graphs = DecodeGraphs(graph_layers, lambda: handle.cfg.decode_graphs)
+    # generate() with a static cache on a GPU would torch.compile the forward on its own ("auto-compile"): dynamo
+    # cannot trace the expert cache's host decisions, and its cudagraphs would capture the copies; off while
+    # offloaded (moe.decode_graphs is the graphs that fit), the model's own setting back at close()
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "disable_compile"):
+        handle._restore_compile = (gen, gen.disable_compile)
+        gen.disable_compile = True
     return handle

@@ -66,6 +66,16 @@ def test_off_by_default_installs_nothing():
     h.close()
 
 
+def test_generate_does_not_auto_compile_an_offloaded_model():
+    """generate() with a static cache on a GPU would torch.compile the forward by itself: off while offloaded."""
+    model = tiny_model("mixtral", "eager")
+    assert not model.generation_config.disable_compile
+    h = offload_experts(model, {"gpu_experts_per_layer": 2})
+    assert model.generation_config.disable_compile
+    h.close()
+    assert not model.generation_config.disable_compile
+
+
 def test_other_layer_classes_are_refused():
     model = tiny_model("qwen2_moe", "eager")  # a shared expert beside the routed ones: not the split's layer
     with pytest.raises(ConfigError, match="decode_graphs.*Qwen2MoeDecoderLayer"):
