@@ -59,6 +59,9 @@ def decoder_layers(model: nn.Module, blocks) -> List[nn.Module]:
     return layers
 
 
+SHARED = ("cos", "sin", "mask", "position_ids")  # a step's inputs every layer gets the same of
+
+
 class _Step:
     """One layer's graph: its static inputs and outputs, and what it was captured for."""
 
@@ -77,6 +80,8 @@ class DecodeGraphs:
         self.seen: Dict[int, tuple] = {}      # by id(layer): the key of its last eager (warm-up) step
         self.pool = None
         self.stream = None
+        self.shared: Dict[tuple, torch.Tensor] = {}  # static buffers of the shared inputs, by name and shape
+        self.copied: Dict[int, tuple] = {}  # by id(buffer): (the tensor last copied in, its version then)
         self.eager_split = 0  # steps of the split forward run without a graph (CPU, or a cache's first step)
         self.captures = 0
         self.replays = 0
@@ -84,6 +89,24 @@ class DecodeGraphs:
         for layer in self.layers:
             layer.__dict__["_maximus_forward"] = layer.forward
             layer.forward = types.MethodType(_split_forward(self), layer)
+
+    def buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The static buffer every graph of ``t``'s shape reads input ``name`` from, holding ``t``'s values."""
+        k = (name, tuple(t.shape), t.dtype, t.device)
+        buf = self.shared.get(k)
+        if buf is None:
+            buf = self.shared[k] = torch.empty_like(t)
+        self.refresh(name, t, buf)
+        return buf
+
+    def refresh(self, name: str, t: torch.Tensor, buf: torch.Tensor) -> None:
+        """Copies ``t`` into ``buf`` unless it is the tensor (same object, unmodified) copied there last: the
+        layers of one step share their rotary, mask and position tensors, so the first layer copies them."""
+        k = id(buf)
+        last = self.copied.get(k)
+        if last is None or last[0] is not t or last[1] != t._version:  # identity, never a tensor comparison
+            buf.copy_(t)
+            self.copied[k] = (t, t._version)
 
     def stats(self) -> dict:
         return {"decode_graph_replays": self.replays, "decode_graph_captures": self.captures}
@@ -102,6 +125,8 @@ class DecodeGraphs:
                 layer.forward = orig  # a wrapper someone installed before us (an accelerate hook)
         self.steps.clear()
         self.seen.clear()
+        self.shared.clear()
+        self.copied.clear()
         self.pool = None
 
     # -- which calls a graph serves -------------------------------------------------------------
@@ -179,9 +204,10 @@ def _replay(graphs: DecodeGraphs, layer, args, cache, kwargs):
             return _pre_moe(layer, *args, cache, kwargs)
         step = _capture(graphs, layer, args, cache, kwargs, key)
         graphs.steps[lid] = step
-    for name, t in zip(("hidden", "cos", "sin", "mask", "position_ids"), args):
+    step.inputs["hidden"].copy_(args[0])
+    for name, t in zip(SHARED, args[1:]):  # the step's rotary, mask and position: copied once for all layers
         if t is not None:
-            step.inputs[name].copy_(t)
+            graphs.refresh(name, t, step.inputs[name])
     step.graph.replay()
     graphs.replays += 1
     return step.outputs
@@ -192,8 +218,9 @@ def _capture(graphs: DecodeGraphs, layer, args, cache, kwargs, key) -> _Step:
     # stream, and each one's outputs stay referenced by its step, so no graph's memory is another's live tensor
     if graphs.pool is None:
         graphs.pool = torch.cuda.graph_pool_handle()
-    inputs = {name: (None if t is None else t.clone())
-              for name, t in zip(("hidden", "cos", "sin", "mask", "position_ids"), args)}
+    inputs = {"hidden": args[0].clone()}
+    for name, t in zip(SHARED, args[1:]):
+        inputs[name] = None if t is None else graphs.buffer(name, t)
     # captured on a side stream (the legacy default stream cannot be), without torch.cuda.graph's synchronize,
     # gc.collect and empty_cache at every layer; "thread_local": the expert cache's copy thread keeps issuing its
     # transfers while this thread captures

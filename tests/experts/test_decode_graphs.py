@@ -76,6 +76,26 @@ def test_generate_does_not_auto_compile_an_offloaded_model():
     assert not model.generation_config.disable_compile
 
 
+def test_shared_inputs_are_copied_once_a_step():
+    """The rotary, mask and position buffers every layer's graph reads are copied when a new tensor (or an in-place
+    change of the last one) arrives, not once a layer."""
+    from ds_maximus.experts.decode_graphs import DecodeGraphs
+    g = DecodeGraphs([], lambda: True)
+    cos = torch.randn(1, 1, 8)
+    buf = g.buffer("cos", cos)
+    assert torch.equal(buf, cos) and g.buffer("cos", torch.randn(1, 1, 8)) is buf  # one buffer a name and shape
+    buf.zero_()
+    g.refresh("cos", cos, buf)            # not the tensor copied last (the second one was)
+    assert torch.equal(buf, cos)
+    buf.zero_()
+    g.refresh("cos", cos, buf)            # the same, unmodified: no copy
+    assert not buf.any()
+    cos.mul_(2)                           # changed in place: copied again
+    g.refresh("cos", cos, buf)
+    assert torch.equal(buf, cos)
+    assert g.buffer("cos", torch.randn(1, 1, 4)) is not buf
+
+
 def test_other_layer_classes_are_refused():
     model = tiny_model("qwen2_moe", "eager")  # a shared expert beside the routed ones: not the split's layer
     with pytest.raises(ConfigError, match="decode_graphs.*Qwen2MoeDecoderLayer"):
