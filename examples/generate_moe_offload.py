@@ -46,6 +46,8 @@ def main(argv=None):
     p.add_argument("--policy", choices=["lru", "lfu"], default="lru")
     p.add_argument("--no-prefetch", action="store_true", help="turn speculative prefetch off")
     p.add_argument("--quant-bits", type=int, choices=[8, 4, 3, 2], default=None, help="moe.quant.bits (group 32)")
+    p.add_argument("--decode-graphs", action="store_true", help="moe.decode_graphs: each layer's attention, norms "
+                   "and router one CUDA graph a decode step (generate with cache_implementation='static')")
     p.add_argument("--nvme-path", default=None, help="keep experts in a file in this folder instead of RAM")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=8)
@@ -60,6 +62,8 @@ def main(argv=None):
     ids = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
     ids = ids.to(args.device)
     kw = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
+    if args.decode_graphs:  # the graphs need a static KV cache; the plain model's run too, to compare like with like
+        kw.update(cache_implementation="static", disable_compile=True)
     ref = None
     if not args.no_check:
         ref = model.generate(ids, **kw)
@@ -69,6 +73,8 @@ def main(argv=None):
         moe["gpu_expert_total_bytes"] = int(args.expert_gib * 2**30)
     if args.quant_bits:
         moe["quant"] = {"bits": args.quant_bits, "group_size": 32}
+    if args.decode_graphs:
+        moe["decode_graphs"] = True
     if args.nvme_path:
         moe["offload"] = {"device": "nvme", "nvme_path": args.nvme_path}
     handle = offload_experts(model, {"maximus": {"moe": moe}})

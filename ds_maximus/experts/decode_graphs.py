@@ -109,7 +109,8 @@ class DecodeGraphs:
             self.copied[k] = (t, t._version)
 
     def stats(self) -> dict:
-        return {"decode_graph_replays": self.replays, "decode_graph_captures": self.captures}
+        return {"decode_graph_replays": self.replays, "decode_graph_captures": self.captures,
+                "decode_graph_eager_steps": self.eager_split}
 
     def reset_stats(self) -> None:
         self.replays = self.captures = self.eager_split = 0
