@@ -11,10 +11,12 @@ layer of an offloaded model runs, for a one-token step of one sequence with a st
 2. the offloaded experts on the graph's routing, eagerly (the expert cache decides on the host what to load);
 3. the residual add.
 
-The static cache keeps its fill level in a device tensor and writes the new key and value at it, so the captured
-step is valid for every later token of the same cache. The graph's inputs (the hidden state, the rotary ``cos`` and
-``sin``, the mask, the position) are copied into its static buffers before each replay; a new cache, a new shape or
-a non-tensor argument that changed is a new graph. Each layer runs its first step of a cache eagerly (it warms
+The static cache keeps its fill level in a device tensor (or takes it from a ``cache_position`` argument) and writes
+the new key and value there, so the captured step is valid for every later token of the same cache. The graph's
+inputs (the hidden state and every tensor argument: the rotary ``cos`` and ``sin``, the mask, the positions) are
+copied into static buffers before each replay, those every layer shares once a step; a new cache, a new shape or a
+non-tensor argument that changed is a new graph. The arguments reach the layer's attention as the layer got them,
+under the cache's name in the caller's transformers version (``cache`` or ``past_key_values``). Each layer runs its first step of a cache eagerly (it warms
 cuBLAS and the attention kernels up, which capture must not do) and captures at the second.
 
 Anything else (a prefill, a batch, a dynamic cache, grad mode, a CPU model) runs the layer's own forward. On a CPU
@@ -52,14 +54,16 @@ def decoder_layers(model: nn.Module, blocks) -> List[nn.Module]:
             raise ConfigError(f"moe.decode_graphs captures the decoder layers of {', '.join(LAYER_CLASSES)}; this "
                               f"model's are {type(m).__name__}: set moe.decode_graphs to false",
                               "maximus.moe.decode_graphs")
+        gate = getattr(mlp, "gate", None)
+        if not type(gate).__name__.endswith("TopKRouter"):  # the split unpacks (logits, weights, ids) from it
+            raise ConfigError(f"moe.decode_graphs needs the MoE block's router to return (logits, weights, expert "
+                              f"ids) as transformers' *TopKRouter does; this model's is {type(gate).__name__}: "
+                              f"set moe.decode_graphs to false", "maximus.moe.decode_graphs")
         layers.append(m)
     if len(layers) != len(blocks):
         raise ConfigError(f"moe.decode_graphs found {len(layers)} decoder layers holding this model's {len(blocks)} "
                           f"MoE blocks as their 'mlp'; set moe.decode_graphs to false", "maximus.moe.decode_graphs")
     return layers
-
-
-SHARED = ("cos", "sin", "mask", "position_ids")  # a step's inputs every layer gets the same of
 
 
 class _Step:
@@ -131,7 +135,7 @@ class DecodeGraphs:
         self.pool = None
 
     # -- which calls a graph serves -------------------------------------------------------------
-    def eligible(self, hidden: torch.Tensor, cache, kwargs: dict) -> bool:
+    def eligible(self, hidden: torch.Tensor, cache) -> bool:
         if not self.enabled() or torch.is_grad_enabled() or hidden.dim() != 3 or hidden.shape[:2] != (1, 1):
             return False
         if cache is None or not getattr(cache, "is_compileable", False):
@@ -140,30 +144,32 @@ class DecodeGraphs:
                             "\"static\"); this decode runs without graphs")
                 self._warned = True
             return False
-        tensors = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-        if tensors and not self._warned:
-            log.warning("moe.decode_graphs: the decoder layers got tensor arguments %s that a graph cannot take "
-                        "as constants; this decode runs without graphs", tensors)
-            self._warned = True
-        return not tensors
+        return True
 
     @staticmethod
-    def key(layer, hidden, cos, sin, mask, position_ids, cache, kwargs) -> tuple:
-        """What a captured step depends on besides its inputs' values: the cache's storage and every shape."""
-        lay = cache.layers[layer.self_attn.layer_idx]
-        storage = (lay.keys.data_ptr(), lay.values.data_ptr(), lay.cumulative_length.data_ptr()) \
-            if getattr(lay, "is_initialized", False) else None
-        shapes = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device)
-                       for t in (hidden, cos, sin, mask, position_ids))
-        return (storage, shapes, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    def key(layer, hidden, inputs: Dict[str, torch.Tensor], consts: dict, cache) -> Optional[tuple]:
+        """What a captured step depends on besides its inputs' values: the cache's storage, every input's shape and
+        the constant arguments; None where the cache's storage cannot be told (no graph then)."""
+        i = getattr(layer.self_attn, "layer_idx", None)
+        layers = getattr(cache, "layers", None)
+        lay = layers[i] if layers is not None and i is not None and i < len(layers) else None
+        if lay is None or not getattr(lay, "is_initialized", False) or getattr(lay, "keys", None) is None:
+            return None
+        storage = tuple(t.data_ptr() for t in (lay.keys, lay.values, getattr(lay, "cumulative_length", None))
+                        if isinstance(t, torch.Tensor))
+        shapes = tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in [("hidden", hidden), *inputs.items()])
+        return storage, shapes, tuple(sorted((k, repr(v)) for k, v in consts.items()))
 
 
-def _pre_moe(layer, hidden, cos, sin, mask, position_ids, cache, kwargs):
-    """The layer up to its experts: (residual after attention, the MoE input rows, routing weights, expert ids)."""
+def _pre_moe(layer, hidden, inputs: Dict[str, torch.Tensor], consts: dict, cache_name: str, cache):
+    """The layer up to its experts: (residual after attention, the MoE input rows, routing weights, expert ids).
+    ``inputs``: the layer's tensor arguments (``cos``/``sin`` of its rotary, the mask, positions...), ``consts`` the
+    others; the attention gets them all, as the layer's own forward passes them on."""
+    kw = {k: v for k, v in inputs.items() if k not in ("cos", "sin")}
     residual = hidden
     h = layer.input_layernorm(hidden)
-    h, _ = layer.self_attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=mask,
-                           position_ids=position_ids, cache=cache, **kwargs)
+    h, _ = layer.self_attn(hidden_states=h, position_embeddings=(inputs["cos"], inputs["sin"]),
+                           **{cache_name: cache}, **kw, **consts)
     h = residual + h
     residual = h
     h = layer.post_attention_layernorm(h)
@@ -173,70 +179,73 @@ def _pre_moe(layer, hidden, cos, sin, mask, position_ids, cache, kwargs):
 
 
 def _split_forward(graphs: DecodeGraphs):
-    def forward(layer, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
-                **kwargs):
-        if "past_key_values" in kwargs and cache is None:  # the deprecated name HF still maps
-            cache = kwargs.pop("past_key_values")
-        if position_embeddings is None or not graphs.eligible(hidden_states, cache, kwargs):
-            return layer._maximus_forward(hidden_states, position_embeddings=position_embeddings,
-                                          attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                                          **kwargs)
-        cos, sin = position_embeddings
-        args = (hidden_states, cos, sin, attention_mask, position_ids)
+    def forward(layer, hidden_states, *args, **kwargs):
+        # the arguments pass on as they came (HF versions name the cache "cache" or "past_key_values")
+        cache_name = "cache" if "cache" in kwargs else "past_key_values"
+        cache = kwargs.get(cache_name)
+        pe = kwargs.get("position_embeddings")
+        if args or not isinstance(pe, tuple) or len(pe) != 2 or not graphs.eligible(hidden_states, cache):
+            return layer._maximus_forward(hidden_states, *args, **kwargs)
+        inputs = {"cos": pe[0], "sin": pe[1]}
+        consts = {}
+        for k, v in kwargs.items():
+            if k in (cache_name, "position_embeddings"):
+                continue
+            if isinstance(v, torch.Tensor):
+                inputs[k] = v
+            else:
+                consts[k] = v
         if hidden_states.device.type != "cuda":  # the CPU twin: the same split, no graph
             graphs.eager_split += 1
-            residual, rows, weights, ids = _pre_moe(layer, *args, cache, kwargs)
+            residual, rows, weights, ids = _pre_moe(layer, hidden_states, inputs, consts, cache_name, cache)
         else:
-            residual, rows, weights, ids = _replay(graphs, layer, args, cache, kwargs)
+            residual, rows, weights, ids = _replay(graphs, layer, hidden_states, inputs, consts, cache_name, cache)
         out = layer.mlp.experts(rows, ids, weights)
         return residual + out.reshape(residual.shape)
     return forward
 
 
-def _replay(graphs: DecodeGraphs, layer, args, cache, kwargs):
-    key = graphs.key(layer, *args, cache, kwargs)
+def _replay(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, cache):
+    key = graphs.key(layer, hidden, inputs, consts, cache)
     lid = id(layer)
     step = graphs.steps.get(lid)
-    if step is None or step.key != key:
-        if graphs.seen.get(lid) != key:  # a new cache or shape: this step runs eagerly, the next is captured
+    if key is None or step is None or step.key != key:
+        if key is None or graphs.seen.get(lid) != key:  # a new cache or shape: eager now, captured at the next step
             graphs.seen[lid] = key
             graphs.steps.pop(lid, None)
             graphs.eager_split += 1
-            return _pre_moe(layer, *args, cache, kwargs)
-        step = _capture(graphs, layer, args, cache, kwargs, key)
+            return _pre_moe(layer, hidden, inputs, consts, cache_name, cache)
+        step = _capture(graphs, layer, hidden, inputs, consts, cache_name, cache, key)
         graphs.steps[lid] = step
-    step.inputs["hidden"].copy_(args[0])
-    for name, t in zip(SHARED, args[1:]):  # the step's rotary, mask and position: copied once for all layers
-        if t is not None:
-            graphs.refresh(name, t, step.inputs[name])
+    step.inputs["hidden"].copy_(hidden)
+    for name, t in inputs.items():  # the step's rotary, mask, positions: copied once for all layers
+        graphs.refresh(name, t, step.inputs[name])
     step.graph.replay()
     graphs.replays += 1
     return step.outputs
 
 
-def _capture(graphs: DecodeGraphs, layer, args, cache, kwargs, key) -> _Step:
+def _capture(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, cache, key) -> _Step:
     # one memory pool for every graph: they are captured and replayed in the same order (layer by layer) on one
     # stream, and each one's outputs stay referenced by its step, so no graph's memory is another's live tensor
     if graphs.pool is None:
         graphs.pool = torch.cuda.graph_pool_handle()
-    inputs = {"hidden": args[0].clone()}
-    for name, t in zip(SHARED, args[1:]):
-        inputs[name] = None if t is None else graphs.buffer(name, t)
+    static = {"hidden": hidden.clone()}
+    static.update({name: graphs.buffer(name, t) for name, t in inputs.items()})
     # captured on a side stream (the legacy default stream cannot be), without torch.cuda.graph's synchronize,
     # gc.collect and empty_cache at every layer; "thread_local": the expert cache's copy thread keeps issuing its
     # transfers while this thread captures
     if graphs.stream is None:
-        graphs.stream = torch.cuda.Stream(inputs["hidden"].device)
-    side, main = graphs.stream, torch.cuda.current_stream(inputs["hidden"].device)
+        graphs.stream = torch.cuda.Stream(hidden.device)
+    side, main = graphs.stream, torch.cuda.current_stream(hidden.device)
     side.wait_stream(main)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         graph.capture_begin(pool=graphs.pool, capture_error_mode="thread_local")
         try:
-            outputs = _pre_moe(layer, inputs["hidden"], inputs["cos"], inputs["sin"], inputs["mask"],
-                               inputs["position_ids"], cache, kwargs)
+            outputs = _pre_moe(layer, static["hidden"], {n: static[n] for n in inputs}, consts, cache_name, cache)
         finally:
             graph.capture_end()
     main.wait_stream(side)
     graphs.captures += 1
-    return _Step(key, graph, inputs, outputs)
+    return _Step(key, graph, static, outputs)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The MoE decode path on the GPU, in one call:
-#   1. the moe.decode_graphs GPU tests (captured layers replay bit for bit the same tokens and logits; TEST_S, 150);
+#   1. the moe.decode_graphs GPU tests (captured layers replay bit for bit the same tokens and logits; TEST_S, 240:
+#      the first compiles the quantized kernels);
 #   2. benchmarks/bench_moe_offload.py at the 32-layer Mixtral shape, int4 group 128, one total slot budget
 #      (--slots fill --reserve-gib 0.75), 64 timed tokens a row on one offload per prefetch top-k (TOPK, 1), each
 #      with the guesses past resident experts off or on (SKIP, on), and each of --decode-graphs GRAPHS (default
@@ -11,12 +12,13 @@
 #      (or with LAYERS <= 16). SCALE_S bounds it (330).
 # Env: TEST_S, SCALE_S (seconds), SKIP_TESTS=1, TOPK, SKIP, GRAPHS, PROF (the values above), LAYERS and CAP (a
 # shorter model under a smaller cap, e.g. LAYERS=8 CAP=5: about the same share resident).
+# Pass MAXIMUS_COMMIT=<the tree's commit> (the device's copy of .git is stale: the tables would name an old one).
 # Writes $OUT/tests.log, $OUT/scale.md, $OUT/scale.log and $OUT/scale.md.profile.txt.
 . "$(dirname "$0")/common.sh"
 M=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 echo "GPU memory ${M} MiB, $(nproc) host cores"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_S:-150}" python -m pytest -q -m gpu tests/experts/test_decode_graphs.py 2>&1 | tail -15 \
+  timeout "${TEST_S:-240}" python -m pytest -q -m gpu tests/experts/test_decode_graphs.py 2>&1 | tail -15 \
     | tee "$OUT/tests.log"
 fi
 SRC="--expert-source host-regen"

@@ -137,3 +137,35 @@ def test_example_runs_with_decode_graphs(capsys):
     out = capsys.readouterr().out
     assert "identical to the un-offloaded model: True" in out and '"decode_graph_replays": 0' in out
     assert '"decode_graph_eager_steps": 10' in out  # 2 layers x 5 decode steps through the split (no graphs on a CPU)
+
+
+@pytest.mark.parametrize("cache_name", ["cache", "past_key_values"])
+def test_split_takes_the_arguments_as_the_layer_got_them(cache_name):
+    """A decoder layer called with its cache under either name HF has used, and with a tensor argument beside the
+    usual ones, gets the same output and cache from the split as from its own forward."""
+    import copy
+    import warnings
+
+    from transformers import StaticCache
+    model = tiny_model("mixtral", "eager", layers=1)
+    h = offload_experts(model, {"gpu_experts_per_layer": 2, "decode_graphs": True})
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(torch.tensor([[5, 9, 17]]), cache=cache, use_cache=True)   # a prefill fills the static cache
+    layer = model.model.layers[0]
+    x = torch.randn(1, 1, model.config.hidden_size)
+    pos = torch.tensor([[3]])
+    pe = model.model.rotary_emb(x, position_ids=pos)
+    outs = []
+    for on in (True, False):
+        h.cfg.decode_graphs = on
+        c = copy.deepcopy(cache)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the deprecated name
+            y = layer(x, position_embeddings=pe, attention_mask=None, position_ids=pos, use_cache=True,
+                      **{cache_name: c})
+        outs.append((y, c.layers[0].keys.clone(), int(c.get_seq_length())))
+    assert h.decode_graphs.eager_split == 1
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2] == outs[1][2] == 4
+    h.close()
