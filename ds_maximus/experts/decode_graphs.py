@@ -16,8 +16,9 @@ the new key and value there, so the captured step is valid for every later token
 inputs (the hidden state and every tensor argument: the rotary ``cos`` and ``sin``, the mask, the positions) are
 copied into static buffers before each replay, those every layer shares once a step; a new cache, a new shape or a
 non-tensor argument that changed is a new graph. The arguments reach the layer's attention as the layer got them,
-under the cache's name in the caller's transformers version (``cache`` or ``past_key_values``). Each layer runs its first step of a cache eagerly (it warms
-cuBLAS and the attention kernels up, which capture must not do) and captures at the second.
+under the cache's name in the caller's transformers version (``cache`` or ``past_key_values``). Each layer runs its
+first step of a cache eagerly (it warms cuBLAS and the attention kernels up, which capture must not do) and captures
+at the second.
 
 Anything else (a prefill, a batch, a dynamic cache, grad mode, a CPU model) runs the layer's own forward. On a CPU
 the same split runs without a graph (what the CPU tests compare against the layer's own forward).
