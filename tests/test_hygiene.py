@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 try:
@@ -20,11 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_config_reference",
-                                                  os.path.join(ROOT, "scripts", "gen_config_reference.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/gen_config_reference.py")
 
 
 def _pyproject() -> dict:

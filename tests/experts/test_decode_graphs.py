@@ -8,6 +8,7 @@ import torch
 
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts import offload_experts
+from tests.helpers.scripts import load_script
 
 from .tiny_moe import clone, tiny_model
 
@@ -127,12 +128,7 @@ def test_graphs_replay_the_layers_cuda(kind, config):
 def test_example_runs_with_decode_graphs(capsys):
     """examples/generate_moe_offload.py --decode-graphs: the split forward on every decode step, the un-offloaded
     model's tokens (both with a static KV cache)."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "examples" / "generate_moe_offload.py"
-    spec = importlib.util.spec_from_file_location("generate_moe_offload", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("examples/generate_moe_offload.py")
     mod.main(["--decode-graphs", "--tokens", "6", "--layers", "2", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "identical to the un-offloaded model: True" in out and '"decode_graph_replays": 0' in out

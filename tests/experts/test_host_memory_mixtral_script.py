@@ -1,19 +1,13 @@
 """scripts/gpu/mixtral_32l_offload.py at tiny dims on the CPU: the meta-built model with CPU experts offloads
 into the pieced CPU tier and generates the same greedy tokens as before offload."""
-import importlib.util
 import json
-from pathlib import Path
 
 from ds_maximus.partition import host_memory as hm
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "mixtral_32l_offload.py"
+from tests.helpers import scripts
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("mixtral_32l_offload", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return scripts.load_script("scripts/gpu/mixtral_32l_offload.py")
 
 
 def test_tiny_run_offloads_in_pieces_and_generates_the_same_tokens(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from ds_maximus.config import MaximusConfig, MoEConfig
 from ds_maximus.errors import ConfigError
 from ds_maximus.experts import offload_experts
 from ds_maximus.experts.expert_cache import layer_slots
+from tests.helpers.scripts import load_script
 
 from .test_offload_generate import check_equal, greedy
 from .tiny_moe import clone, tiny_model
@@ -127,12 +128,7 @@ def test_training_with_uneven_slots_equals_deepspeed():
 
 def test_example_takes_a_total_budget(capsys):
     """examples/generate_moe_offload.py --expert-gib: 23 slots over 4 layers, the un-offloaded model's tokens."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "examples" / "generate_moe_offload.py"
-    spec = importlib.util.spec_from_file_location("generate_moe_offload", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("examples/generate_moe_offload.py")
     mod.main(["--expert-gib", "0.035", "--tokens", "8", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "identical to the un-offloaded model: True" in out

@@ -1,17 +1,11 @@
 """examples/train_llama.py's command-line variations of a config: the ones bench_headline passes."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.scripts import ROOT, load_script
 
 
 def _train_llama():
-    spec = importlib.util.spec_from_file_location("train_llama_example", ROOT / "examples" / "train_llama.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/train_llama.py", "train_llama_example")
 
 
 def test_maximus_overrides_set_nested_keys_as_json_or_string():
