@@ -668,6 +668,7 @@ def on_off_list(text: str) -> list:
 
 
 def graph_modes(text: str) -> list:
+    """``--decode-graphs``: ``off``, ``static`` or ``on``, or a comma list of them."""
     modes = [t.strip() for t in text.split(",") if t.strip()]
     bad = [m for m in modes if m not in ("off", "static", "on")]
     if bad or not modes:

@@ -70,7 +70,7 @@ def decoder_layers(model: nn.Module, blocks) -> List[nn.Module]:
 class _Step:
     """One layer's graph: its static inputs and outputs, and what it was captured for."""
 
-    def __init__(self, key, graph, inputs: Dict[str, Optional[torch.Tensor]], outputs):
+    def __init__(self, key, graph, inputs: Dict[str, torch.Tensor], outputs):
         self.key, self.graph, self.inputs, self.outputs = key, graph, inputs, outputs
 
 
