@@ -17,8 +17,8 @@ inputs (the hidden state and every tensor argument: the rotary ``cos`` and ``sin
 copied into static buffers before each replay, those every layer shares once a step; a new cache, a new shape or a
 non-tensor argument that changed is a new graph. The arguments reach the layer's attention as the layer got them,
 under the cache's name in the caller's transformers version (``cache`` or ``past_key_values``). Each layer runs its
-first step of a cache eagerly (it warms cuBLAS and the attention kernels up, which capture must not do) and captures
-at the second.
+first step of a cache eagerly, on the stream the capture uses (it warms cuBLAS and the attention kernels up there,
+which capture must not do), and captures at the second.
 
 Anything else (a prefill, a batch, a dynamic cache, grad mode, a CPU model) runs the layer's own forward. On a CPU
 the same split runs without a graph (what the CPU tests compare against the layer's own forward).
@@ -112,6 +112,12 @@ class DecodeGraphs:
         if last is None or last[0] is not t or last[1] != t._version:  # identity, never a tensor comparison
             buf.copy_(t)
             self.copied[k] = (t, t._version)
+
+    def side_stream(self, device) -> torch.cuda.Stream:
+        """The stream every capture and its warm-up step run on (the legacy default stream cannot capture)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream
 
     def stats(self) -> dict:
         return {"decode_graph_replays": self.replays, "decode_graph_captures": self.captures,
@@ -215,7 +221,16 @@ def _replay(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, cac
             graphs.seen[lid] = key
             graphs.steps.pop(lid, None)
             graphs.eager_split += 1
-            return _pre_moe(layer, hidden, inputs, consts, cache_name, cache)
+            if key is None:
+                return _pre_moe(layer, hidden, inputs, consts, cache_name, cache)
+            # the warm-up runs on the stream the capture will use, as torch.cuda.graph's recipe does: what the
+            # kernels set up lazily per stream (cuBLAS's workspace) is then made outside the capture
+            side, main = graphs.side_stream(hidden.device), torch.cuda.current_stream(hidden.device)
+            side.wait_stream(main)  # also orders side-stream reuse of blocks freed after main's reads
+            with torch.cuda.stream(side):
+                out = _pre_moe(layer, hidden, inputs, consts, cache_name, cache)
+            main.wait_stream(side)
+            return out
         step = _capture(graphs, layer, hidden, inputs, consts, cache_name, cache, key)
         graphs.steps[lid] = step
     step.inputs["hidden"].copy_(hidden)
@@ -236,9 +251,7 @@ def _capture(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, ca
     # captured on a side stream (the legacy default stream cannot be), without torch.cuda.graph's synchronize,
     # gc.collect and empty_cache at every layer; "thread_local": the expert cache's copy thread keeps issuing its
     # transfers while this thread captures
-    if graphs.stream is None:
-        graphs.stream = torch.cuda.Stream(hidden.device)
-    side, main = graphs.stream, torch.cuda.current_stream(hidden.device)
+    side, main = graphs.side_stream(hidden.device), torch.cuda.current_stream(hidden.device)
     side.wait_stream(main)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
