@@ -47,7 +47,7 @@ from torch import Tensor
 from ds_maximus.config import CachePolicy
 from ds_maximus.errors import CapacityError
 from ds_maximus.ops import index_array
-from ds_maximus.partition.policy import CacheCounters, SlotMap
+from ds_maximus.partition.policy import CacheCounters, HostSlotMap, SlotMap
 from ds_maximus.partition.speculation import StagedGuess
 from ds_maximus.partition.tier import Tier
 from ds_maximus.partition.transfer import CpuTransfer, CudaTransfer, host_staging, row_copy_op
@@ -84,6 +84,7 @@ class CacheCore:
     """
 
     counters: CacheCounters  # demand lookups, hits, misses (a variant says where they are kept)
+    map_class = SlotMap  # a group's slot map (SlotCache: HostSlotMap, on lists)
 
     def __init__(self, num_groups: int, num_slots: Union[int, Sequence[int]], num_ids: int, policy: CachePolicy,
                  write_back: bool):
@@ -96,7 +97,7 @@ class CacheCore:
         self.group_slots: List[int] = counts
         self.num_slots = min(counts)  # the fewest any group has
         self.write_back = bool(write_back)
-        self.maps: List[SlotMap] = [SlotMap(n, num_ids, policy, device="cpu") for n in counts]
+        self.maps = [self.map_class(n, num_ids, policy) for n in counts]
         self.traffic = TrafficCounters()
 
     def fits(self, ids: Tensor, group: int = 0) -> Tensor:
@@ -467,7 +468,7 @@ class PartitionCache(CacheCore):
 class _Group:
     """One group of a :class:`SlotCache`: its slot map, its ``[slots, numel]`` device table and per-slot events."""
 
-    def __init__(self, slot_map: SlotMap, slots: int, numel: int, dtype, device):
+    def __init__(self, slot_map: HostSlotMap, slots: int, numel: int, dtype, device):
         self.map = slot_map
         self.buffer = torch.empty((slots, numel), dtype=dtype, device=device)
         self.load_ev: List[object] = [None] * slots
@@ -516,6 +517,7 @@ class SlotCache(CacheCore):
     """
 
     entry_name, group_name, size_key = "entries", "group", "the slots per group"  # for error messages
+    map_class = HostSlotMap  # a few entries a group, asked about a dozen times a layer: lists, not tensors
 
     def __init__(self, store, num_groups: int, num_ids: int, slots_per_group: Union[int, Sequence[int]], numel: int,
                  dtype, device, policy: CachePolicy = CachePolicy.LRU, transfer=None,
@@ -550,10 +552,11 @@ class SlotCache(CacheCore):
         return sum(g.buffer.numel() * g.buffer.element_size() for g in self.groups) + self._stage_bytes()
 
     def resident(self, group: int) -> List[int]:
-        return sorted(int(i) for i in self.groups[group].map.resident_ids())
+        return sorted(self.groups[group].map.resident_ids())
 
     def pinned_slots(self, group: int) -> List[int]:
-        return [int(s) for s in (self.groups[group].map.pin_count > 0).nonzero().flatten()]
+        m = self.groups[group].map
+        return [s for s in range(m.num_slots) if m.is_pinned(s)]
 
     # -- in-flight bookkeeping ---------------------------------------------------------------
     def _reap(self, g: _Group) -> None:
@@ -562,7 +565,7 @@ class SlotCache(CacheCore):
         for s in done:
             del g.inflight[s]
         if done:
-            g.map.unpin(torch.tensor(done, dtype=torch.long))
+            g.map.unpin(done)
 
     def _drain(self, g: _Group) -> None:
         """Wait (host) for every prefetch of the group in flight, then unpin them."""
@@ -588,7 +591,7 @@ class SlotCache(CacheCore):
         for e in (int(x) for x in ids):
             if len(want) == self.stage_guesses:
                 break
-            if int(g.map.id_to_slot[e]) < 0 and e not in want:
+            if g.map.slot(e) < 0 and e not in want:
                 if self.store.host_view(group * self.num_ids + e) is None:
                     return None
                 want.append(e)
@@ -640,11 +643,11 @@ class SlotCache(CacheCore):
         contents are partial, so its entry is forgotten (a later load into it queues behind its chunk)."""
         want = set(int(e) for e in needed)
         for s, h in list(g.inflight.items()):
-            e = int(g.map.slot_to_id[s])
+            e = g.map.owner(s)
             if e in want or self.transfer.cancel(h):
                 continue
-            g.map.evict(torch.tensor([e]))
-            g.map.unpin(torch.tensor([s]))
+            g.map.evict([e])
+            g.map.unpin([s])
             del g.inflight[s]
             g.prefetched[s] = False
             self.traffic.prefetch_cancelled += 1
@@ -674,24 +677,25 @@ class SlotCache(CacheCore):
             self.traffic.overflow_rows += len(needed) - n_slots
             self.traffic.overflow_batches += 1
         self._reap(g)
+        ids = [int(e) for e in ids]
         try:
-            a = g.map.assign(torch.tensor(list(ids), dtype=torch.long))
+            a = g.map.assign(ids)
         except CapacityError:
             self._drain(g)   # every free slot was a prefetch in flight: let them land
-            a = g.map.assign(torch.tensor(list(ids), dtype=torch.long))
-        miss_slots = set(int(s) for s in a.miss_slots)
+            a = g.map.assign(ids)
+        miss_slots = set(a.miss_slots)
         c, t = self.counters, self.traffic
         c.lookups += len(ids)
         c.misses += len(miss_slots)
         c.hits += len(ids) - len(miss_slots)
-        c.evictions += int(a.evicted_ids.numel())
-        t.rows_evicted += int(a.evicted_ids.numel())
-        slots = [int(s) for s in a.slots]
+        c.evictions += len(a.evicted_ids)
+        t.rows_evicted += len(a.evicted_ids)
+        slots = a.slots
         for e, s in zip(ids, slots):
-            if s in miss_slots and int(e) in staged:  # the guess was right: only the rest crosses the link
-                st = staged.pop(int(e))
+            if s in miss_slots and e in staged:  # the guess was right: only the rest crosses the link
+                st = staged.pop(e)
                 g.prefetched[s] = False
-                st.event = self._load(group, g, s, int(e), head=st.buffer)
+                st.event = self._load(group, g, s, e, head=st.buffer)
                 t.rows_fetched += 1
                 t.bytes_h2d += self.entry_bytes - st.nbytes
                 c.misses -= 1
@@ -699,14 +703,14 @@ class SlotCache(CacheCore):
                 t.prefetch_used += 1
             elif s in miss_slots:
                 g.prefetched[s] = False
-                self._load(group, g, s, int(e))
+                self._load(group, g, s, e)
                 t.rows_fetched += 1
                 t.bytes_h2d += self.entry_bytes
             elif g.prefetched[s]:
                 g.prefetched[s] = False
                 t.prefetch_used += 1
         t.prefetch_cancelled += len(staged)  # staged, but resident after all
-        g.map.pin(torch.tensor(slots, dtype=torch.long))
+        g.map.pin(slots)
         for s in slots:
             g.in_use[s] += 1
             ev = g.load_ev[s]
@@ -727,7 +731,7 @@ class SlotCache(CacheCore):
             g.use_ev[s] = ev
             g.in_use[s] -= 1
             assert g.in_use[s] >= 0, "release without acquire"
-        g.map.unpin(torch.tensor(list(slots), dtype=torch.long))
+        g.map.unpin(slots)
 
     # -- speculation -----------------------------------------------------------------------
     def prefetch(self, group: int, ids: Sequence[int], keep: Optional[Sequence[int]] = None) -> int:
@@ -742,31 +746,30 @@ class SlotCache(CacheCore):
                 return started
         g = self.groups[group]
         self._reap(g)
-        held = [int(g.map.id_to_slot[int(e)]) for e in (keep or ())]
-        held = torch.tensor([s for s in held if s >= 0], dtype=torch.long)
+        held = [s for s in (g.map.slot(int(e)) for e in (keep or ())) if s >= 0]
         g.map.pin(held)  # for this call only: the victims come from the other slots
         try:
-            free = self.group_slots[group] - int((g.map.pin_count > 0).sum())
-            want = [int(e) for e in ids if int(g.map.id_to_slot[int(e)]) < 0]
+            free = self.group_slots[group] - g.map.pinned()
+            want = [int(e) for e in ids if g.map.slot(int(e)) < 0]
             want = want[:max(0, free)]
             if not want:
                 return 0
-            a = g.map.assign(torch.tensor(want, dtype=torch.long), count=False)
+            a = g.map.assign(want, count=False)
         except CapacityError:
             return 0
         finally:
             g.map.unpin(held)
-        self.counters.evictions += int(a.evicted_ids.numel())
-        self.traffic.rows_evicted += int(a.evicted_ids.numel())
+        self.counters.evictions += len(a.evicted_ids)
+        self.traffic.rows_evicted += len(a.evicted_ids)
         started = []
-        for e, s in zip(a.miss_ids.tolist(), a.miss_slots.tolist()):
+        for e, s in zip(a.miss_ids, a.miss_slots):
             h = self.transfer.prefetch(g.buffer[s], self.store, group * self.num_ids + e, g.use_ev[s],
                                        self.prefetch_chunk_bytes)
             g.inflight[s] = g.load_ev[s] = h
             g.prefetched[s] = True
             started.append(s)
         if started:
-            g.map.pin(torch.tensor(started, dtype=torch.long))
+            g.map.pin(started)
         t = self.traffic
         t.prefetch_issued += len(started)
         t.rows_fetched += len(started)
@@ -781,7 +784,7 @@ class SlotCache(CacheCore):
         slot waits for it). Returns whether it was resident."""
         g = self.groups[group]
         self._drain(g)
-        s = int(g.map.id_to_slot[int(entry)])
+        s = g.map.slot(int(entry))
         if s < 0:
             return False
         g.buffer[s][offset:offset + src.numel()].copy_(src, non_blocking=True)

@@ -6,6 +6,8 @@ in ``[0, num_ids)`` to slots in ``[0, num_slots)`` and decides which slots to gi
 from __future__ import annotations
 
 import dataclasses
+import heapq
+from typing import List
 
 import numpy as np
 import torch
@@ -47,6 +49,19 @@ class Assignment:
     miss_slots: torch.Tensor
     evicted_ids: torch.Tensor
     evicted_slots: torch.Tensor
+
+
+def capacity_error(num_slots: int, n_ids: int, n_miss: int, too_many: bool, pinned: int) -> CapacityError:
+    """What an assign that cannot place ``n_miss`` of its ``n_ids`` ids says: more ids than slots
+    (``too_many``), or too few slots neither pinned nor holding the batch."""
+    if too_many:
+        return CapacityError(
+            f"a batch needs {n_ids} distinct entries but the cache has {num_slots} slots; "
+            "raise gpu_cache_rows (or gpu_experts_per_layer), or use smaller batches")
+    return CapacityError(
+        f"cache of {num_slots} slots cannot take {n_miss} new entries: {pinned} slots are "
+        f"pinned (in use or in flight) and {n_ids - n_miss} hold this batch; raise the cache size "
+        "(gpu_cache_rows / gpu_experts_per_layer) or use smaller batches")
 
 
 class SlotMap:
@@ -136,15 +151,7 @@ class SlotMap:
         return op if op is not None and hasattr(op, "slot_assign") else None
 
     def _capacity_error(self, ids: torch.Tensor, n_miss: int, too_many: bool):
-        if too_many:
-            raise CapacityError(
-                f"a batch needs {ids.numel()} distinct entries but the cache has {self.num_slots} slots; "
-                "raise gpu_cache_rows (or gpu_experts_per_layer), or use smaller batches")
-        pinned = int((self.pin_count > 0).sum())
-        raise CapacityError(
-            f"cache of {self.num_slots} slots cannot take {n_miss} new entries: {pinned} slots are "
-            f"pinned (in use or in flight) and {ids.numel() - n_miss} hold this batch; raise the cache size "
-            "(gpu_cache_rows / gpu_experts_per_layer) or use smaller batches")
+        raise capacity_error(self.num_slots, ids.numel(), n_miss, too_many, int((self.pin_count > 0).sum()))
 
     def assign_reference(self, ids: torch.Tensor, count: bool = True) -> Assignment:
         """:meth:`assign` in torch ops (any device)."""
@@ -218,3 +225,164 @@ class SlotMap:
             return self.last_use.clone()
         # least frequent first, least recent among equals (free slots are masked by the caller)
         return self.slot_freq * 1e9 + self.last_use
+
+
+@dataclasses.dataclass
+class HostAssignment:
+    """:class:`Assignment` as host lists (:meth:`HostSlotMap.assign`)."""
+
+    slots: List[int]
+    miss_ids: List[int]
+    miss_slots: List[int]
+    evicted_ids: List[int]
+    evicted_slots: List[int]
+
+
+class HostSlotMap:
+    """:class:`SlotMap`'s policy on Python lists, for the small maps of an expert cache (a layer's experts).
+
+    A batch-1 decode step asks each MoE layer's map a dozen small questions (assign two experts, pin them, is
+    the guess resident, unpin). On tensors each is a few ATen calls of several microseconds, about 0.2 ms a
+    layer in all on the development VM, which a 32-layer model pays every token on the host that also queues the
+    GPU's work. On lists each is a few hundred nanoseconds. The decisions are :class:`SlotMap`'s, choice for
+    choice (free slots first, then the lowest LRU or LFU score, ties by slot number, the i-th miss into the i-th
+    lowest victim slot; ``tests/partition/test_slot_map.py`` runs both on the same sequences). A vocabulary
+    cache of 65K slots keeps :class:`SlotMap` (its op and its device maps).
+
+    >>> m = HostSlotMap(num_slots=2, num_ids=10)
+    >>> m.assign([3, 5]).miss_ids, m.assign([3]).miss_ids, m.assign([7]).evicted_ids
+    ([3, 5], [], [5])
+    """
+
+    def __init__(self, num_slots: int, num_ids: int, policy: CachePolicy = CachePolicy.LRU):
+        if num_slots < 1:
+            raise CapacityError(f"a partition cache needs at least one slot, got {num_slots}")
+        self.num_slots = int(num_slots)
+        self.num_ids = int(num_ids)
+        self.policy = CachePolicy(policy)
+        self.lfu = self.policy == CachePolicy.LFU
+        self._i2s = [-1] * self.num_ids
+        self._s2i = [-1] * self.num_slots
+        self._last = [0.0] * self.num_slots
+        self._id_freq = [0.0] * self.num_ids if self.lfu else []
+        self._slot_freq = [0.0] * self.num_slots if self.lfu else []  # id_freq of each slot's id
+        self._pins = [0] * self.num_slots
+        self.clock = 0
+        self.counters = CacheCounters()
+
+    # -- queries ---------------------------------------------------------------------------
+    def slot(self, entry: int) -> int:
+        """The slot of ``entry``, or -1."""
+        return self._i2s[entry]
+
+    def owner(self, slot: int) -> int:
+        """The id in ``slot``, or -1."""
+        return self._s2i[slot]
+
+    def resident_ids(self) -> List[int]:
+        """The ids held, in slot order."""
+        return [e for e in self._s2i if e >= 0]
+
+    def pinned(self) -> int:
+        """How many slots are pinned."""
+        return sum(1 for p in self._pins if p > 0)
+
+    def is_pinned(self, slot: int) -> bool:
+        return self._pins[slot] > 0
+
+    # read-only copies in SlotMap's dtypes, for reports and tests (writing them changes nothing)
+    @property
+    def id_to_slot(self) -> torch.Tensor:
+        return torch.tensor(self._i2s, dtype=torch.long)
+
+    @property
+    def slot_to_id(self) -> torch.Tensor:
+        return torch.tensor(self._s2i, dtype=torch.long)
+
+    @property
+    def pin_count(self) -> torch.Tensor:
+        return torch.tensor(self._pins, dtype=torch.int32)
+
+    def slots_of(self, ids) -> torch.Tensor:
+        """Slots of ``ids`` (-1 where not resident), as :meth:`SlotMap.slots_of`."""
+        return torch.tensor([self._i2s[int(e)] for e in _ints(ids)], dtype=torch.long)
+
+    # -- pinning ---------------------------------------------------------------------------
+    def pin(self, slots) -> None:
+        """Protect ``slots`` (in use or in flight) from eviction until :meth:`unpin`."""
+        for s in _ints(slots):
+            self._pins[s] += 1
+
+    def unpin(self, slots) -> None:
+        for s in _ints(slots):
+            self._pins[s] -= 1
+            assert self._pins[s] >= 0, "unpin without pin"
+
+    # -- the one operation ------------------------------------------------------------------
+    def assign(self, ids, count: bool = True) -> HostAssignment:
+        """Give every id of ``ids`` (unique ints) a slot, evicting unpinned entries not in ``ids``
+        (:meth:`SlotMap.assign` on lists)."""
+        ids = _ints(ids)
+        i2s, s2i = self._i2s, self._s2i
+        for e in ids:
+            if not 0 <= e < self.num_ids:
+                raise IndexError(f"id {e} out of range for a map of {self.num_ids} ids")
+        slots = [i2s[e] for e in ids]
+        miss_pos = [u for u, s in enumerate(slots) if s < 0]
+        n_miss = len(miss_pos)
+        victims, evicted_ids, evicted_slots = [], [], []
+        if n_miss:
+            if n_miss > self.num_slots:
+                raise capacity_error(self.num_slots, len(ids), n_miss, True, self.pinned())
+            hit = set(slots)
+            pins, last = self._pins, self._last
+            if self.lfu:
+                freq = self._slot_freq
+                cand = [(-1.0 if s2i[s] < 0 else freq[s] * 1e9 + last[s], s)
+                        for s in range(self.num_slots) if s not in hit and pins[s] <= 0]
+            else:
+                cand = [(-1.0 if s2i[s] < 0 else last[s], s)
+                        for s in range(self.num_slots) if s not in hit and pins[s] <= 0]
+            if len(cand) < n_miss:
+                raise capacity_error(self.num_slots, len(ids), n_miss, False, self.pinned())
+            victims = sorted(s for _, s in heapq.nsmallest(n_miss, cand))
+            for v in victims:
+                old = s2i[v]
+                if old >= 0:
+                    evicted_ids.append(old)
+                    evicted_slots.append(v)
+                    i2s[old] = -1
+            for u, v in zip(miss_pos, victims):
+                s2i[v] = ids[u]
+                i2s[ids[u]] = v
+                slots[u] = v
+        self.clock += 1
+        clock = float(self.clock)
+        for e, s in zip(ids, slots):  # touch: recency, and frequency for LFU
+            self._last[s] = clock
+            if self.lfu:
+                self._id_freq[e] += 1.0
+                self._slot_freq[s] = self._id_freq[e]
+        if count:
+            c = self.counters
+            c.lookups, c.misses, c.hits = c.lookups + len(ids), c.misses + n_miss, c.hits + len(ids) - n_miss
+            c.evictions += len(evicted_ids)
+        return HostAssignment(slots, [ids[u] for u in miss_pos], victims, evicted_ids, evicted_slots)
+
+    def evict(self, ids) -> List[int]:
+        """Drop ``ids`` from the map; returns their former slots."""
+        out = []
+        for e in _ints(ids):
+            s = self._i2s[e]
+            if s >= 0:
+                self._i2s[e] = -1
+                self._s2i[s] = -1
+                out.append(s)
+        return out
+
+
+def _ints(xs) -> List[int]:
+    """A list of ints from a list, tuple or tensor of them."""
+    if isinstance(xs, torch.Tensor):
+        return xs.reshape(-1).tolist()
+    return [int(x) for x in xs]

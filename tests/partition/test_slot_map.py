@@ -1,9 +1,12 @@
+import random
+
 import pytest
 import torch
 
 from ds_maximus.config import CachePolicy
 from ds_maximus.errors import CapacityError
 from ds_maximus.partition import SlotMap
+from ds_maximus.partition.policy import HostSlotMap
 
 
 def _check_consistent(m: SlotMap):
@@ -153,3 +156,67 @@ def test_a_used_map_deep_copies_and_the_copy_is_independent():
     c = copy.deepcopy(m)
     c.assign(torch.tensor([7]))
     assert int(m.id_to_slot[7]) == -1 and int(c.id_to_slot[7]) >= 0
+
+
+@pytest.mark.parametrize("policy", list(CachePolicy))
+@pytest.mark.parametrize("num_slots", [1, 3, 8])
+def test_host_slot_map_decides_as_the_slot_map(policy, num_slots):
+    """HostSlotMap (lists, the expert cache's) makes SlotMap's choices on the same sequence of assigns, pins,
+    unpins and evictions: the same slots, misses, victims and evicted ids, the same capacity errors and the same
+    final maps, with the slot_assign op and with the torch reference."""
+    rng = random.Random(num_slots)
+    num_ids = 12
+    host = HostSlotMap(num_slots, num_ids, policy)
+    maps = [SlotMap(num_slots, num_ids, policy), SlotMap(num_slots, num_ids, policy)]
+    maps[1].use_op = False
+    pinned = []
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.15 and pinned:
+            s = pinned.pop(rng.randrange(len(pinned)))
+            host.unpin([s])
+            for m in maps:
+                m.unpin(torch.tensor([s]))
+            continue
+        if r < 0.2:
+            ids = rng.sample(range(num_ids), 2)
+            got = host.evict(ids)
+            for m in maps:
+                assert sorted(m.evict(torch.tensor(ids)).tolist()) == sorted(got)
+            continue
+        ids = rng.sample(range(num_ids), rng.randint(1, num_slots + 1))
+        count = rng.random() < 0.8
+        try:
+            a = host.assign(ids, count=count)
+        except CapacityError as e:
+            for m in maps:
+                with pytest.raises(CapacityError) as theirs:
+                    m.assign(torch.tensor(ids), count=count)
+                assert str(theirs.value) == str(e)
+            continue
+        for m in maps:
+            b = m.assign(torch.tensor(ids), count=count)
+            assert (a.slots, a.miss_ids, a.miss_slots, a.evicted_ids, a.evicted_slots) == (
+                b.slots.tolist(), b.miss_ids.tolist(), b.miss_slots.tolist(), b.evicted_ids.tolist(),
+                b.evicted_slots.tolist())
+        if rng.random() < 0.3:  # keep some in use, as a cache's acquire does until release
+            s = rng.choice(a.slots)
+            pinned.append(s)
+            host.pin([s])
+            for m in maps:
+                m.pin(torch.tensor([s]))
+        for m in maps:
+            assert torch.equal(host.id_to_slot, m.id_to_slot) and torch.equal(host.slot_to_id, m.slot_to_id)
+            assert torch.equal(host.pin_count, m.pin_count)
+            assert host.counters == m.counters
+            assert host.resident_ids() == m.resident_ids().tolist()
+
+
+def test_host_slot_map_refuses_bad_use():
+    m = HostSlotMap(2, 4)
+    with pytest.raises(IndexError, match="out of range"):
+        m.assign([4])
+    with pytest.raises(AssertionError, match="unpin without pin"):
+        m.unpin([0])
+    with pytest.raises(CapacityError, match="at least one slot"):
+        HostSlotMap(0, 4)

@@ -11,11 +11,11 @@ def _guard_every_use(trainer):
     uses = {"n": 0}
     for g, spec in enumerate(trainer.layers):
         inner = spec.kind.compute
-        slot_to_expert = trainer.cache.groups[g].map.slot_to_id
+        slot_map = trainer.cache.groups[g].map
 
-        def checked(buf, slots, counts, x, g=g, inner=inner, slot_to_expert=slot_to_expert):
+        def checked(buf, slots, counts, x, g=g, inner=inner, slot_map=slot_map):
             for s in slots:
-                uid = g * trainer.num_experts + int(slot_to_expert[s])
+                uid = g * trainer.num_experts + slot_map.owner(int(s))
                 assert not bool(trainer.row_optimizer.lagging(torch.tensor([uid])).any()), f"expert {uid} lags"
                 assert torch.equal(buf[s].detach(), trainer.store.host_view(uid)), f"slot of expert {uid} is stale"
                 assert torch.equal(trainer.store.host_view(uid), trainer.store.master_row(uid).to(buf.dtype))
