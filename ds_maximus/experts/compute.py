@@ -73,7 +73,10 @@ class ExpertComputeContext:
         self.num_experts = num_experts
         self.form = form
 
-    on_first_acquire: Callable[[], None] | None = None
+    # the layer's prefetch of the next layer's guesses: run once, after the first round's expert work is queued
+    # (its demand loads went to the copy stream first, and the GPU starts on the round before the host spends time
+    # on guesses: staging a head, or reading a guess from NVMe)
+    after_first_round: Callable[[], None] | None = None
     needed: Sequence[int] | None = None  # every expert of the layer's rounds (guesses for others are dropped)
 
     def rounds(self, used: Sequence[int]) -> List[List[int]]:
@@ -91,12 +94,13 @@ class ExpertComputeContext:
         return rounds(order, size)
 
     def acquire(self, chunk: Sequence[int]) -> List[int]:
-        """``cache.acquire`` and, after the first one (demand loads queued first), the layer's prefetch."""
-        slots = self.cache.acquire(self.group, chunk, self.needed)
-        hook, self.on_first_acquire = self.on_first_acquire, None
+        return self.cache.acquire(self.group, chunk, self.needed)
+
+    def round_done(self) -> None:
+        """A round's work is queued and its slots released: the first time, run ``after_first_round``."""
+        hook, self.after_first_round = self.after_first_round, None
         if hook is not None:
             hook()
-        return slots
 
     def stacked(self, name: str) -> torch.Tensor:
         return self.layout.stacked_view(self.cache.slot_buffer(self.group), name)
@@ -156,6 +160,7 @@ def eager_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index: 
                     held[e] = (token_idx, h)
         finally:
             ctx.cache.release(ctx.group, slots)
+        ctx.round_done()
     for e in sorted(held):
         token_idx, h = held[e]
         final.index_add_(0, token_idx, h.to(final.dtype))
@@ -225,15 +230,16 @@ def packed_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index:
                 final = h[0:1]
                 for r in range(1, R):
                     final = final + h[r:r + 1]
-                continue
-            for i, e in enumerate(chunk):
-                rows = slice(starts[i], starts[i + 1])
-                if ascending:
-                    final.index_add_(0, tok[rows], h[rows])
-                else:
-                    held[e] = (tok[rows], h[rows])
+            else:
+                for i, e in enumerate(chunk):
+                    rows = slice(starts[i], starts[i + 1])
+                    if ascending:
+                        final.index_add_(0, tok[rows], h[rows])
+                    else:
+                        held[e] = (tok[rows], h[rows])
         finally:
             ctx.cache.release(ctx.group, slots)
+        ctx.round_done()
     for e in sorted(held):
         token_idx, h = held[e]
         final.index_add_(0, token_idx, h)
@@ -285,6 +291,7 @@ def grouped_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
             proj_out[rows] = h
         finally:
             ctx.cache.release(ctx.group, slots)
+        ctx.round_done()
     weighted_out = proj_out * w_g.unsqueeze(-1)
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.size(0), device=device)
@@ -318,6 +325,7 @@ def batched_forward(ctx: ExpertComputeContext, hidden: torch.Tensor, top_k_index
             proj_out[rows] = h
         finally:
             ctx.cache.release(ctx.group, slots)
+        ctx.round_done()
     weighted_out = proj_out * sample_weights.unsqueeze(-1)
     final = weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
     return final.to(hidden.dtype)

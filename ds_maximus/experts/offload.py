@@ -175,7 +175,7 @@ class MoEOffload:
         ctx = compute.ExpertComputeContext(self.cache, group, mod._original._apply_gate, E, mod.form)
         ctx.needed = used
         if votes:
-            ctx.on_first_acquire = lambda: self._issue_prefetch(group + 1, votes)
+            ctx.after_first_round = lambda: self._issue_prefetch(group + 1, votes)
         impl = getattr(getattr(mod._original, "config", None), "_experts_implementation", "eager")
         # packed slots: the eager loop's numbers, each projection of a round's experts in one dequant-GEMM launch
         loop = compute.packed_forward if self.quantized else compute.eager_forward
@@ -183,7 +183,7 @@ class MoEOffload:
             impl = "eager"
         if on_host:  # the resident experts by the eager loop (the grouped forms need every routed row)
             out = loop(ctx, hidden, top_k_index, top_k_weights, used, pairs)
-            prefetch, ctx.on_first_acquire = ctx.on_first_acquire, None
+            prefetch, ctx.after_first_round = ctx.after_first_round, None
             if prefetch is not None:  # no slot was acquired (every expert on the host): queue it now
                 prefetch()
             where = compute._pairs_of(pairs, top_k_index.size(-1), on_host)

@@ -64,6 +64,26 @@ def test_prefetch_off_and_on_same_tokens_and_stats():
     assert 0.0 < on["prefetch_precision"] <= 1.0 and 0.0 < on["prefetch_recall"] <= 1.0
 
 
+@pytest.mark.parametrize("impl,quant", [("eager", None), ("grouped_mm", None), ("batched_mm", None),
+                                        ("eager", {"bits": 4, "group_size": 16})])
+def test_prefetch_queued_after_the_first_round(monkeypatch, impl, quant):
+    """Each layer queues the next layer's guesses once, after its first round's expert work and release (the GPU
+    starts on the round before the host stages a guess or reads one from NVMe), in every expert loop."""
+    model = tiny_model("mixtral", impl, num_experts=8, top_k=2, layers=3)
+    handle = offload_experts(model, {"gpu_experts_per_layer": 2, **({"quant": quant} if quant else {})})
+    log = []
+    release, issue = handle.cache.release, handle._issue_prefetch
+    monkeypatch.setattr(handle.cache, "release", lambda g, slots: (log.append(("release", g)), release(g, slots)))
+    monkeypatch.setattr(handle, "_issue_prefetch", lambda g, votes: (log.append(("prefetch", g)), issue(g, votes)))
+    greedy(model, torch.tensor([[5, 9, 17]]), new_tokens=3)
+    handle.close()
+    prefetches = [i for i, (what, _) in enumerate(log) if what == "prefetch"]
+    assert prefetches  # layers 0 and 1 guess for 1 and 2, every forward
+    for i in prefetches:
+        assert log[i - 1] == ("release", log[i][1] - 1)  # right after its layer's first round released
+    assert len(prefetches) == 2 * 3  # once a call of layers 0 and 1 (not once a round), in the 3 forwards
+
+
 def test_two_guesses_a_layer_staged_same_tokens():
     """moe.prefetch_top_k=2 on the CPU tier: each layer's two best guesses stage in a buffer each (the whole tiny
     expert), the tokens stay the plain model's."""
