@@ -163,7 +163,6 @@ class MoEOffload:
         counts = [0] * E
         for e in pairs:
             counts[e] += 1
-        votes = self._votes(group + 1, host[n_pairs:]) if picks is not None else None
         used = [e for e in range(E) if counts[e] > 0]
         self._layer_calls += 1
         self._experts_hit += len(used)
@@ -174,8 +173,8 @@ class MoEOffload:
             host_in = (hidden.to("cpu"), top_k_weights.to("cpu"))
         ctx = compute.ExpertComputeContext(self.cache, group, mod._original._apply_gate, E, mod.form)
         ctx.needed = used
-        if votes:
-            ctx.after_first_round = lambda: self._issue_prefetch(group + 1, votes)
+        if picks is not None:  # counted then too: nothing of the guesses sits between the sync and the experts
+            ctx.after_first_round = lambda: self._issue_prefetch(group + 1, self._votes(group + 1, host[n_pairs:]))
         impl = getattr(getattr(mod._original, "config", None), "_experts_implementation", "eager")
         # packed slots: the eager loop's numbers, each projection of a round's experts in one dequant-GEMM launch
         loop = compute.packed_forward if self.quantized else compute.eager_forward
