@@ -557,11 +557,23 @@ def gpu_busy(model, ids, tokens, mask=None, out=None, name="", cache=None) -> di
     return {"GPU busy %": round(100 * busy / wall_us, 1)}
 
 
+# The decodes (prompt shape, tokens, cache kind) a process has run whole: on Hopper, PyTorch's SDPA takes the cuDNN
+# backend, which builds a graph for each new sequence length (~40 ms each, once a process), so the first row of a
+# process warms up over its whole length, whichever peer it is (the likely cause of the slow first rows on the
+# H100, whose 2 warm-up tokens left ~64 builds in the timed decode: 7.9-9.7 tokens/s where the same row after it
+# ran 13.1-13.5, ~2.4 s more over 64 tokens; docs/bench/moe_offload.md)
+_WARMED: set = set()
+
+
 def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, reference=None, mask=None,
              prefill_ids=None, host_gbps=None, gpu=True, profile_tokens=0, profile_out=None, cache=None, **extra):
     cuda = gpu and torch.cuda.is_available()
+    key = (tuple(ids.shape), tokens, cache)
+    if key not in _WARMED:
+        warmup_tokens = max(warmup_tokens, tokens)
     try:
-        decode(model, ids, warmup_tokens, mask, cache=cache)      # warm-up (kernels, allocator, cache)
+        decode(model, ids, warmup_tokens, mask, cache=cache)      # warm-up (kernels, allocator, cache, attention)
+        _WARMED.add(key)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         # the stats count the decode's forwards only: a prompt's prefill loads most of a layer's experts and
@@ -888,10 +900,8 @@ def main(argv=None):
 
     progress(f"model built on {device} ({expert_gib:.1f} GiB of experts); budget {args.budget_s:.0f} s; "
              f"peers {want}")
-    # the first peer warms up over the whole length: attention builds a cuDNN graph for each new sequence
-    # length (~40 ms each on the H200), cached for the later peers
-    if "full" in want:
-        peer(base, "full", model, ids, args.tokens, warmup_tokens=args.tokens)
+    if "full" in want:  # (the first row of a process warms up over the whole length: run_peer)
+        peer(base, "full", model, ids, args.tokens)
     if source == "host-regen":
         progress("expert source host-regen: no bf16 reference (it needs the whole model on the GPU); token agree "
                  "and rel err are not measured")

@@ -4,8 +4,8 @@ A decode step asks each MoE layer's expert cache to ``acquire`` its routed exper
 guesses (a staged head, or whole into a slot) and to ``release`` the slots. The GPU path pays that on the host that
 also queues the GPU's work, so at 32 layers its cost is paid 32 times a token. Here the cache runs on the CPU with a
 transfer engine that moves nothing (every copy lands at once), so the time is the cache's decisions and maps alone:
-``ExpertCache`` at the Mixtral-8x7B layout by default (32 layers of 8 experts, top-2, ``--slots`` a layer; Qwen3-30B-A3B:
-``--layers 48 --experts 128 --top-k 8 --slots 40``), a seeded random routing and one guess a layer
+``ExpertCache`` at the Mixtral-8x7B layout by default (32 layers of 8 experts, top-2, ``--slots`` a layer;
+Qwen3-30B-A3B: ``--layers 48 --experts 128 --top-k 8 --slots 40``), a seeded random routing and one guess a layer
 (``prefetch_top_k`` 1), in the modes the offload runs:
 
 - ``staged``: guesses staged (``stage_guesses``, the default on a GPU with a CPU tier);

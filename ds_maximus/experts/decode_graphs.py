@@ -91,6 +91,7 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self._warned = False
+        self.failed: Optional[str] = None  # why a capture failed: the handle's decode then runs without graphs
         for layer in self.layers:
             layer.__dict__["_maximus_forward"] = layer.forward
             layer.forward = types.MethodType(_split_forward(self), layer)
@@ -121,7 +122,7 @@ class DecodeGraphs:
 
     def stats(self) -> dict:
         return {"decode_graph_replays": self.replays, "decode_graph_captures": self.captures,
-                "decode_graph_eager_steps": self.eager_split}
+                "decode_graph_eager_steps": self.eager_split, "decode_graph_failed": self.failed}
 
     def reset_stats(self) -> None:
         self.replays = self.captures = self.eager_split = 0
@@ -143,7 +144,8 @@ class DecodeGraphs:
 
     # -- which calls a graph serves -------------------------------------------------------------
     def eligible(self, hidden: torch.Tensor, cache) -> bool:
-        if not self.enabled() or torch.is_grad_enabled() or hidden.dim() != 3 or hidden.shape[:2] != (1, 1):
+        if (not self.enabled() or self.failed or torch.is_grad_enabled() or hidden.dim() != 3
+                or hidden.shape[:2] != (1, 1)):
             return False
         if cache is None or not getattr(cache, "is_compileable", False):
             if not self._warned:
@@ -225,13 +227,18 @@ def _replay(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, cac
                 return _pre_moe(layer, hidden, inputs, consts, cache_name, cache)
             # the warm-up runs on the stream the capture will use, as torch.cuda.graph's recipe does: what the
             # kernels set up lazily per stream (cuBLAS's workspace) is then made outside the capture
-            side, main = graphs.side_stream(hidden.device), torch.cuda.current_stream(hidden.device)
-            side.wait_stream(main)  # also orders side-stream reuse of blocks freed after main's reads
-            with torch.cuda.stream(side):
-                out = _pre_moe(layer, hidden, inputs, consts, cache_name, cache)
-            main.wait_stream(side)
-            return out
-        step = _capture(graphs, layer, hidden, inputs, consts, cache_name, cache, key)
+            return _on_side(graphs, hidden.device,
+                            lambda: _pre_moe(layer, hidden, inputs, consts, cache_name, cache))
+        try:
+            step = _capture(graphs, layer, hidden, inputs, consts, cache_name, cache, key)
+        except RuntimeError as e:  # an op of this layer that cannot be captured: nothing of it ran, run it eagerly
+            graphs.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            graphs.steps.clear()
+            log.warning("moe.decode_graphs: capturing the decode step of %s (layer %s) failed (%s); this model's "
+                        "decode runs without graphs from now on (the same numbers, the eager speed)",
+                        type(layer).__name__, getattr(layer.self_attn, "layer_idx", "?"), graphs.failed)
+            graphs.eager_split += 1
+            return _pre_moe(layer, hidden, inputs, consts, cache_name, cache)
         graphs.steps[lid] = step
     step.inputs["hidden"].copy_(hidden)
     for name, t in inputs.items():  # the step's rotary, mask, positions: copied once for all layers
@@ -239,6 +246,20 @@ def _replay(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, cac
     step.graph.replay()
     graphs.replays += 1
     return step.outputs
+
+
+def _on_side(graphs: DecodeGraphs, device: torch.device, fn):
+    """``fn()`` on the capture's side stream, after the current stream's work so far and before its next (on a CPU:
+    ``fn()``). Waiting for the current stream first also orders the side stream's reuse of blocks freed after the
+    current stream read them."""
+    if device.type != "cuda":
+        return fn()
+    side, main = graphs.side_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn()
+    main.wait_stream(side)
+    return out
 
 
 def _capture(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, cache, key) -> _Step:

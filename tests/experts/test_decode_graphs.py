@@ -171,3 +171,43 @@ def test_split_takes_the_arguments_as_the_layer_got_them(cache_name):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert outs[0][2] == outs[1][2] == 4
     h.close()
+
+
+def test_a_failed_capture_runs_the_step_eagerly_and_stops_the_graphs(monkeypatch, caplog):
+    """A layer whose capture raises (an op CUDA cannot capture) runs that step eagerly, with the same numbers, and
+    the handle's later decode steps run without graphs, with one warning saying why (driven on the CPU through the
+    GPU path's own replay function, the capture made to fail)."""
+    import copy
+
+    from transformers import StaticCache
+
+    from ds_maximus.experts import decode_graphs as dg
+    model = tiny_model("mixtral", "eager", layers=1)
+    own = "cache" if "cache" in inspect.signature(type(model.model).forward).parameters else "past_key_values"
+    h = offload_experts(model, {"gpu_experts_per_layer": 2, "decode_graphs": True})
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(torch.tensor([[5, 9, 17]]), use_cache=True, **{own: cache})
+    layer, graphs = model.model.layers[0], h.decode_graphs
+    ref_cache = copy.deepcopy(cache)
+
+    def capture_fails(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore lines")
+    monkeypatch.setattr(dg, "_capture", capture_fails)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ds_maximus.experts.decode_graphs"):
+        for pos in (3, 4):  # a cache's first step (eager), then the one that captures (and fails)
+            x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(pos))
+            p = torch.tensor([[pos]])
+            cos, sin = model.model.rotary_emb(x, position_ids=p)
+            inputs = {"cos": cos, "sin": sin, "position_ids": p}
+            consts = {"attention_mask": None, "use_cache": True}
+            got = dg._replay(graphs, layer, x, inputs, consts, own, cache)
+            want = dg._pre_moe(layer, x, inputs, consts, own, ref_cache)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert graphs.failed == "RuntimeError: operation not permitted when stream is capturing"
+    assert graphs.eager_split == 2 and graphs.captures == 0 and not graphs.steps
+    assert not graphs.eligible(x, cache)  # later steps: the layer's own forward
+    assert h.stats()["decode_graph_failed"] == graphs.failed
+    assert sum("without graphs from now on" in r.message for r in caplog.records) == 1
+    assert torch.equal(cache.layers[0].keys, ref_cache.layers[0].keys)
+    h.close()
