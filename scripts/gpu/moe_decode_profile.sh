@@ -5,8 +5,9 @@
 #   2. benchmarks/bench_moe_offload.py at the 32-layer Mixtral shape, int4 group 128, one total slot budget
 #      (--slots fill --reserve-gib 0.75), 64 timed tokens a row on one offload per prefetch top-k (TOPK, 1), each
 #      with the guesses past resident experts off or on (SKIP, on), and each of --decode-graphs GRAPHS (default
-#      off,off,static,on,off,on: a process's first row is slow, so the first "off" only warms up; static = a static
-#      KV cache without graphs; on = static cache + each layer's CUDA graph); after each timed decode a profiled
+#      off,static,on,off,static,on: static = a static KV cache without graphs; on = static cache + each layer's CUDA
+#      graph; the first row of each cache kind warms up over its whole length, the bench's rule since a process's
+#      first row was found to pay cuDNN attention's per-length graph builds); after each timed decode a profiled
 #      decode of PROF tokens (--profile-tokens: 'GPU busy %' and the top device ops in $OUT/scale.md.profile.txt,
 #      each timeline beside it). The experts are built in host memory on an 80 GB card, on the GPU on a larger one
 #      (or with LAYERS <= 16). SCALE_S bounds it (330).
@@ -26,7 +27,7 @@ if [ "${M:-0}" -ge 120000 ] || [ "${LAYERS:-32}" -le 16 ]; then SRC="--expert-so
 ARGS="--family mixtral --layers ${LAYERS:-32} --cap-gib ${CAP:-16} --agree-tokens 16 --ours-variants default
   --budget-s 1000 --slots fill
   --reserve-gib 0.75 --group-size 128 --prefetch-top-k ${TOPK:-1} --tokens 64 --peers int4
-  --profile-tokens ${PROF:-4} --skip-resident ${SKIP:-on} --decode-graphs ${GRAPHS:-off,off,static,on,off,on} $SRC"
+  --profile-tokens ${PROF:-4} --skip-resident ${SKIP:-on} --decode-graphs ${GRAPHS:-off,static,on,off,static,on} $SRC"
 timeout "${SCALE_S:-330}" python -u -m benchmarks.bench_moe_offload $ARGS --out "$OUT/scale.md" > "$OUT/scale.log" 2>&1
 echo "scale rc=$?"; cat "$OUT/scale.md" 2>/dev/null || tail -20 "$OUT/scale.log"
 grep -h "^## " "$OUT/scale.md.profile.txt" 2>/dev/null
