@@ -558,10 +558,9 @@ def gpu_busy(model, ids, tokens, mask=None, out=None, name="", cache=None) -> di
 
 
 # The decodes (prompt shape, tokens, cache kind) a process has run whole: on Hopper, PyTorch's SDPA takes the cuDNN
-# backend, which builds a graph for each new sequence length (~40 ms each, once a process), so the first row of a
-# process warms up over its whole length, whichever peer it is (the likely cause of the slow first rows on the
-# H100, whose 2 warm-up tokens left ~64 builds in the timed decode: 7.9-9.7 tokens/s where the same row after it
-# ran 13.1-13.5, ~2.4 s more over 64 tokens; docs/bench/moe_offload.md)
+# backend, which builds a graph for each new sequence length once a process, so the first row of a process warms up
+# over its whole length, whichever peer it is; with a short warm-up its timed decode would pay a build a token
+# (docs/moe_inference.md, "A process's first generate")
 _WARMED: set = set()
 
 

@@ -242,9 +242,9 @@ class HostSlotMap:
     """:class:`SlotMap`'s policy on Python lists, for the small maps of an expert cache (a layer's experts).
 
     A batch-1 decode step asks each MoE layer's map a dozen small questions (assign two experts, pin them, is
-    the guess resident, unpin). On tensors each is a few ATen calls of several microseconds, about 0.2 ms a
-    layer in all on the development VM, which a 32-layer model pays every token on the host that also queues the
-    GPU's work. On lists each is a few hundred nanoseconds. The decisions are :class:`SlotMap`'s, choice for
+    the guess resident, unpin), between the layer's routing sync and its first expert kernel, on the host that
+    also queues the GPU's work. On tensors each is a few ATen calls; on lists a few list operations
+    (``scripts/probe_cache_bookkeeping.py`` times both). The decisions are :class:`SlotMap`'s, choice for
     choice (free slots first, then the lowest LRU or LFU score, ties by slot number, the i-th miss into the i-th
     lowest victim slot; ``tests/partition/test_slot_map.py`` runs both on the same sequences). A vocabulary
     cache of 65K slots keeps :class:`SlotMap` (its op and its device maps).
