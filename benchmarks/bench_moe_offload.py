@@ -623,6 +623,11 @@ def run_peer(bench, name, model, ids, tokens, handle=None, warmup_tokens=2, refe
                         "host ms/expert": round(st["cpu_ms_per_expert"], 2),
                         "link ms/expert": round(st["link_ms_per_expert"], 2) if st.get("link_ms_per_expert") else "-"})
         row["experts/layer"] = round(st["experts_per_layer"], 2)
+        if handle.decode_graphs is not None:  # moe.decode_graphs installed: whether the row's steps replayed graphs
+            row["graph replays/token"] = round(st["decode_graph_replays"] / max(st["tokens"], 1), 2)
+            row["split eager/token"] = round(st["decode_graph_eager_steps"] / max(st["tokens"], 1), 2)
+            if st["decode_graph_failed"]:
+                row["graphs failed"] = st["decode_graph_failed"][:80]
     row.update(pre)
     row.update(quality)
     row.update(extra)

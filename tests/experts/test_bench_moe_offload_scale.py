@@ -277,3 +277,7 @@ def test_bench_small_decode_graphs_rows(capsys):
     got = [rows[f"ours int4 (group 64), decode graphs {m}"] for m in ("off", "static", "on")]
     assert all(float(r["tokens/s"]) > 0 for r in got)
     assert len({r["token agree"] for r in got}) == 1
+    # the split forward's counters: no graph on a CPU; every decode step of each of --small's 4 layers took the
+    # split in the "on" row, none in the others
+    assert [float(r["graph replays/token"]) for r in got] == [0, 0, 0]
+    assert [float(r["split eager/token"]) for r in got] == [0, 0, 4] and "graphs failed" not in got[2]
