@@ -166,3 +166,28 @@ def test_round_index_cached_by_value():
     long = list(range(compute.ROUND_INDEX_CACHED + 1))
     b = compute.round_index(long, torch.device("cpu"))
     assert b.tolist() == long and compute.round_index(long, torch.device("cpu")) is not b
+
+
+def test_a_decode_step_reads_one_host_list_a_layer(monkeypatch):
+    """The offload path turns tensors into Python values once a layer call (the routing's ``tolist``, its one sync
+    on a GPU): no ``int()``/``item()``/``bool()`` of a tensor in ``ds_maximus`` on the way (on a GPU each would be a
+    sync; on the host, an ATen call the decode pays 32 times a token at the Mixtral shape). int4 and bf16 slots."""
+    import traceback
+    for quant in (None, {"bits": 4, "group_size": 16}):
+        model = tiny_model("mixtral", "eager", num_experts=8, top_k=2, layers=3)
+        handle = offload_experts(model, {"gpu_experts_per_layer": 2, **({"quant": quant} if quant else {})})
+        greedy(model, torch.tensor([[5, 9, 17]]), new_tokens=2)
+        calls = []
+        for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
+            orig = getattr(torch.Tensor, name)
+
+            def counted(self, *a, _orig=orig, _name=name, **k):
+                where = traceback.extract_stack(limit=2)[0]
+                if "ds_maximus" in where.filename:
+                    calls.append((_name, where.filename.rsplit("ds_maximus", 1)[1], where.lineno))
+                return _orig(self, *a, **k)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        greedy(model, torch.tensor([[5, 9, 17]]), new_tokens=4)  # a prefill and 3 decode steps
+        monkeypatch.undo()
+        assert {c[0] for c in calls} == {"tolist"} and len(calls) == 3 * 4, calls
+        handle.close()
