@@ -232,7 +232,7 @@ def _replay(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, cac
         try:
             step = _capture(graphs, layer, hidden, inputs, consts, cache_name, cache, key)
         except RuntimeError as e:  # an op of this layer that cannot be captured: nothing of it ran, run it eagerly
-            graphs.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            graphs.failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
             graphs.steps.clear()
             log.warning("moe.decode_graphs: capturing the decode step of %s (layer %s) failed (%s); this model's "
                         "decode runs without graphs from now on (the same numbers, the eager speed)",
@@ -269,18 +269,17 @@ def _capture(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, ca
         graphs.pool = torch.cuda.graph_pool_handle()
     static = {"hidden": hidden.clone()}
     static.update({name: graphs.buffer(name, t) for name, t in inputs.items()})
-    # captured on a side stream (the legacy default stream cannot be), without torch.cuda.graph's synchronize,
-    # gc.collect and empty_cache at every layer; "thread_local": the expert cache's copy thread keeps issuing its
-    # transfers while this thread captures
-    side, main = graphs.side_stream(hidden.device), torch.cuda.current_stream(hidden.device)
-    side.wait_stream(main)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
+
+    def capture():
+        # on the side stream (the legacy default stream cannot capture), without torch.cuda.graph's synchronize,
+        # gc.collect and empty_cache at every layer; "thread_local": the expert cache's copy thread keeps issuing
+        # its transfers while this thread captures
         graph.capture_begin(pool=graphs.pool, capture_error_mode="thread_local")
         try:
-            outputs = _pre_moe(layer, static["hidden"], {n: static[n] for n in inputs}, consts, cache_name, cache)
+            return _pre_moe(layer, static["hidden"], {n: static[n] for n in inputs}, consts, cache_name, cache)
         finally:
             graph.capture_end()
-    main.wait_stream(side)
+    outputs = _on_side(graphs, hidden.device, capture)
     graphs.captures += 1
     return _Step(key, graph, static, outputs)

@@ -182,9 +182,7 @@ class MoEOffload:
             impl = "eager"
         if on_host:  # the resident experts by the eager loop (the grouped forms need every routed row)
             out = loop(ctx, hidden, top_k_index, top_k_weights, used, pairs)
-            prefetch, ctx.after_first_round = ctx.after_first_round, None
-            if prefetch is not None:  # no slot was acquired (every expert on the host): queue it now
-                prefetch()
+            ctx.round_done()  # the prefetch, where no round ran (every expert on the host)
             where = compute._pairs_of(pairs, top_k_index.size(-1), on_host)
             out = out + self.host_compute.forward(group, *host_in, on_host, where).to(out.device, out.dtype)
         elif impl == "grouped_mm":

@@ -6,8 +6,8 @@
 #      (--slots fill --reserve-gib 0.75), 64 timed tokens a row on one offload per prefetch top-k (TOPK, 1), each
 #      with the guesses past resident experts off or on (SKIP, on), and each of --decode-graphs GRAPHS (default
 #      off,static,on,off,static,on: static = a static KV cache without graphs; on = static cache + each layer's CUDA
-#      graph; the first row of each cache kind warms up over its whole length, the bench's rule since a process's
-#      first row was found to pay cuDNN attention's per-length graph builds); after each timed decode a profiled
+#      graph; the bench warms the first row of each cache kind up over its whole length, past cuDNN attention's
+#      per-length graph builds); after each timed decode a profiled
 #      decode of PROF tokens (--profile-tokens: 'GPU busy %' and the top device ops in $OUT/scale.md.profile.txt,
 #      each timeline beside it). The experts are built in host memory on an 80 GB card, on the GPU on a larger one
 #      (or with LAYERS <= 16). SCALE_S bounds it (330).
