@@ -211,3 +211,47 @@ def test_a_failed_capture_runs_the_step_eagerly_and_stops_the_graphs(monkeypatch
     assert sum("without graphs from now on" in r.message for r in caplog.records) == 1
     assert torch.equal(cache.layers[0].keys, ref_cache.layers[0].keys)
     h.close()
+
+
+def test_a_layers_old_graph_lives_until_its_new_one_is_captured(monkeypatch):
+    """A new cache's first step runs eagerly without dropping the layer's graph of the old cache; the capture at its
+    second step replaces it. CUDA's caching allocator refuses a capture into a shared pool whose graphs were all
+    destroyed (an internal assert, use_count > 0), so the pool must always hold a live graph. Driven on the CPU
+    through the GPU path's replay function, the capture standing in by the eager step (the GPU test runs the real
+    one, two generates in a row)."""
+    from transformers import StaticCache
+
+    from ds_maximus.experts import decode_graphs as dg
+    model = tiny_model("mixtral", "eager", layers=1)
+    own = "cache" if "cache" in inspect.signature(type(model.model).forward).parameters else "past_key_values"
+    h = offload_experts(model, {"gpu_experts_per_layer": 2, "decode_graphs": True})
+    layer, graphs = model.model.layers[0], h.decode_graphs
+    alive_at_capture = []
+
+    class Replayed:  # the CPU has no graphs: replay does nothing, the step's outputs are the capture's eager ones
+        def replay(self):
+            pass
+
+    def capture(graphs_, layer_, hidden, inputs, consts, cache_name, cache, key):
+        alive_at_capture.append(graphs_.steps.get(id(layer_)))
+        out = dg._pre_moe(layer_, hidden, inputs, consts, cache_name, cache)
+        graphs_.captures += 1
+        return dg._Step(key, Replayed(), {"hidden": hidden.clone(), **{n: t.clone() for n, t in inputs.items()}}, out)
+    monkeypatch.setattr(dg, "_capture", capture)
+    steps = []
+    with torch.no_grad():
+        for _ in range(2):  # two caches, as two generate calls make
+            cache = StaticCache(config=model.config, max_cache_len=16)
+            model(torch.tensor([[5, 9, 17]]), use_cache=True, **{own: cache})
+            for pos in (3, 4):  # the cache's first step (eager), then the one that captures
+                x = torch.randn(1, 1, model.config.hidden_size)
+                p = torch.tensor([[pos]])
+                cos, sin = model.model.rotary_emb(x, position_ids=p)
+                dg._replay(graphs, layer, x, {"cos": cos, "sin": sin, "position_ids": p},
+                           {"attention_mask": None, "use_cache": True}, own, cache)
+                steps.append(graphs.steps.get(id(layer)))
+    assert graphs.captures == 2 and graphs.eager_split == 2 and graphs.failed is None
+    first, second = steps[1], steps[3]
+    assert steps[0] is None and first is not None and steps[2] is first  # kept through the new cache's eager step
+    assert second is not first and alive_at_capture == [None, first]     # replaced only after the capture
+    h.close()
