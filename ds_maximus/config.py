@@ -334,7 +334,7 @@ class MoEConfig(_Section):
     and router, and runs only the offloaded experts eagerly; the same kernels, so the same tokens and logits. For
     Mixtral- and Qwen3-MoE-style decoder layers (others are refused). Each layer captures at a cache's second
     decode step; with a dynamic cache, a prefill or a batch it runs its own forward
-    (:mod:`ds_maximus.experts.decode_graphs`). Experimental: not yet verified on a GPU (docs/moe_inference.md)."""
+    (:mod:`ds_maximus.experts.decode_graphs`; speed: docs/moe_inference.md)."""
     train: bool = False
     """Train experts as swappable partitions (under ``ds_maximus.initialize``)."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
