@@ -220,7 +220,7 @@ def _replay(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, cac
     step = graphs.steps.get(lid)
     if key is None or step is None or step.key != key:
         if key is None or graphs.seen.get(lid) != key:  # a new cache or shape: eager now, captured at the next step
-            # the layer's old graph stays until its new one is captured (see _capture: the pool needs a live graph)
+            # the layer's old step stays (see _capture: the pool needs a live graph)
             graphs.seen[lid] = key
             graphs.eager_split += 1
             if key is None:
@@ -267,8 +267,8 @@ def _capture(graphs: DecodeGraphs, layer, hidden, inputs, consts, cache_name, ca
     # stream, and each one's outputs stay referenced by its step, so no graph's memory is another's live tensor.
     # The pool must hold a live graph whenever one is captured into it: once all of a pool's graphs are destroyed,
     # CUDA's caching allocator keeps the pool (freeable, not freed) and refuses a new capture into it with an
-    # internal assert (use_count > 0) until an empty_cache. So a layer's old graph is replaced here, after its new
-    # one is captured, never dropped at a new cache's first step.
+    # internal assert (use_count > 0) until an empty_cache. So _replay replaces a layer's old graph only once its
+    # new one is captured, never drops it at a new cache's first step.
     if graphs.pool is None:
         graphs.pool = torch.cuda.graph_pool_handle()
     static = {"hidden": hidden.clone()}
